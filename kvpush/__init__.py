@@ -1,0 +1,37 @@
+"""kvpush: push paged KV-cache blocks between LLM serving processes (LLM-DataDist's model, async)."""
+
+from .cache_manager import CacheManager
+from .datadist import LLMDataDist
+from .options import LLMConfig
+from .status import LLMException, LLMStatusCode
+from .types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    KvCacheExtParam,
+    LLMClusterInfo,
+    LLMRole,
+    Placement,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlocksCacheKey",
+    "Cache",
+    "CacheDesc",
+    "CacheKeyByIdAndIndex",
+    "CacheManager",
+    "DataType",
+    "KvCacheExtParam",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "LLMDataDist",
+    "LLMException",
+    "LLMRole",
+    "LLMStatusCode",
+    "Placement",
+    "__version__",
+]

@@ -1,0 +1,319 @@
+"""LLMDataDist: the engine instance — lifecycle, listening, link/unlink, switch_role.
+
+Several instances may live in one process and one event loop; each has its own registry, links
+and listener. All methods must be called from the event loop the instance was initialised on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from transports import tcp
+
+from .cache_manager import CacheManager
+from .link import Link
+from .memory import CacheRegistry
+from .options import EngineOptions, parse_options
+from .status import LLMException, LLMStatusCode, param_invalid
+from .types import LLMClusterInfo, LLMRole, check_int
+
+log = logging.getLogger(__name__)
+
+MAX_CLUSTERS_PER_CALL = 16
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def _check_timeout(api: str, timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{api}: timeout must be an int (ms), got {type(timeout).__name__}")
+    if timeout <= 0:
+        raise param_invalid(f"{api}: timeout={timeout} must be > 0 ms")
+    return float(timeout) / 1000
+
+
+def _check_clusters(api: str, clusters: object) -> list[LLMClusterInfo]:
+    if not isinstance(clusters, (list, tuple)):
+        raise TypeError(f"{api}: clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
+    for index, info in enumerate(clusters):
+        if not isinstance(info, LLMClusterInfo):
+            raise TypeError(f"{api}: clusters[{index}] must be an LLMClusterInfo, got {type(info).__name__}")
+        if info.remote_cluster_id is None:
+            raise param_invalid(f"{api}: clusters[{index}].remote_cluster_id is not set")
+    if len(clusters) > MAX_CLUSTERS_PER_CALL:
+        raise LLMException(LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                           f"{api}: {len(clusters)} clusters in one call (at most {MAX_CLUSTERS_PER_CALL})")
+    return list(clusters)
+
+
+def _overall(codes: Sequence[LLMStatusCode]) -> LLMStatusCode:
+    return next((code for code in codes if code != LLMStatusCode.LLM_SUCCESS), LLMStatusCode.LLM_SUCCESS)
+
+
+class LLMDataDist:
+    """One kvpush engine. ``async with LLMDataDist(role, cluster_id, options) as dd:`` initialises
+    it with ``options`` and finalizes it on exit."""
+
+    def __init__(self, role: LLMRole, cluster_id: int, options: Any = None) -> None:
+        if not isinstance(role, LLMRole):
+            raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
+        self.role = role
+        self.cluster_id = check_int("cluster_id", cluster_id)
+        self.options = EngineOptions()
+        self.registry = CacheRegistry()
+        self._pending_options = options
+        self._initialized = False
+        self._finalized = False
+        self._links: dict[int, Link] = {}
+        self._linking: set[int] = set()
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[Any]] = set()
+        self._cache_manager = CacheManager(self)
+
+    def __repr__(self) -> str:
+        return (f"<LLMDataDist cluster={self.cluster_id} role={self.role.name} "
+                f"listen={self.listen_address} links={sorted(self._links)}>")
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def init(self, options: Any = None) -> None:
+        """Validate options and, if ``llm.listenIpInfo`` is set, start listening there. A second
+        call is a no-op. Raises LLMException(LLM_PARAM_INVALID) naming a bad key."""
+        if self._initialized:
+            return
+        if self._finalized:
+            raise LLMException(LLMStatusCode.LLM_ENGINE_FINALIZED, "init: this instance was finalized")
+        parsed = parse_options(options if options is not None else self._pending_options)
+        self.options = parsed
+        if parsed.listen is not None:
+            self._start_listening(*parsed.listen)
+        self._initialized = True
+        log.info("engine cluster=%d role=%s initialised (listen=%s)", self.cluster_id, self.role.name,
+                 self.listen_address)
+
+    async def finalize(self) -> None:
+        """Stop listening, force-unlink every peer (in-flight transfers fail promptly with
+        LLMException), release memory kvpush allocated. Idempotent."""
+        if self._finalized or not self._initialized:
+            self._finalized = True
+            return
+        self._finalized = True
+        self._initialized = False
+        self._stop_listening()
+        for task in list(self._handshakes):
+            task.cancel()
+        for link in list(self._links.values()):
+            link.close("engine finalized")
+        self._links.clear()
+        self.registry.clear()
+        await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LLMDataDist:
+        await self.init()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.finalize()
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        return tcp.bound_address(self._listener) if self._listener is not None else None
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        self._require_init("cache_manager")
+        return self._cache_manager
+
+    @property
+    def links(self) -> dict[int, Link]:
+        """Ready links by peer cluster id (a copy)."""
+        return dict(self._links)
+
+    def link_stats(self) -> dict[int, dict[str, Any]]:
+        """Per-link counters as plain dicts, keyed by peer cluster id."""
+        return {cluster: link.stats() for cluster, link in self._links.items()}
+
+    def _require_init(self, api: str) -> None:
+        if not self._initialized:
+            if self._finalized:
+                raise LLMException(LLMStatusCode.LLM_ENGINE_FINALIZED, f"{api}: the engine was finalized")
+            raise RuntimeError(f"{api}: call init() first")
+
+    # -- listening ----------------------------------------------------------------------------------
+    def _start_listening(self, host: str, port: int) -> None:
+        try:
+            self._listener = tcp.listen(host, port)
+        except OSError as error:
+            raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
+                               f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+        self._accept_task = asyncio.create_task(self._accept_loop(self._listener),
+                                                name=f"kvpush-accept-{self.cluster_id}")
+
+    def _stop_listening(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            self._accept_task = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(listener)
+            except OSError as error:
+                log.warning("accept failed on %s: %s", self.listen_address, error)
+                await asyncio.sleep(0.05)
+                continue
+            task = asyncio.create_task(self._accept_one(sock, address))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _accept_one(self, sock: socket.socket, address: Any) -> None:
+        try:
+            link = await asyncio.wait_for(Link.establish(self, sock, dialer=False), HANDSHAKE_TIMEOUT_S)
+        except (LLMException, asyncio.TimeoutError, OSError) as error:
+            log.warning("refused a link from %s: %s", address, error or "handshake timed out")
+            return
+        self._adopt(link)
+
+    def _adopt(self, link: Link) -> None:
+        assert link.peer_cluster_id is not None
+        old = self._links.get(link.peer_cluster_id)
+        self._links[link.peer_cluster_id] = link
+        if old is not None and old is not link:
+            log.info("cluster %d linked again; closing its previous link", link.peer_cluster_id)
+            old.close("replaced by a new link from the same cluster")
+
+    # -- LinkOwner ------------------------------------------------------------------------------------
+    def link_closed(self, link: Link, reason: str) -> None:
+        if link.peer_cluster_id is not None and self._links.get(link.peer_cluster_id) is link:
+            del self._links[link.peer_cluster_id]
+
+    def _registry_changed(self) -> None:
+        for link in self._links.values():
+            link.send_table()
+
+    def _link_for(self, api: str, cluster_id: int) -> Link:
+        link = self._links.get(cluster_id)
+        if link is None or not link.ready:
+            raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK, f"{api}: no link to cluster {cluster_id}")
+        return link
+
+    # -- links ---------------------------------------------------------------------------------------
+    async def link_clusters(self, clusters: Sequence[LLMClusterInfo],
+                            timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to every cluster concurrently; returns (overall, per-cluster codes) and never raises
+        for a link that failed (LLM_LINK_FAILED, LLM_ALREADY_LINK, LLM_PARAM_INVALID). Each link is
+        bounded by ``timeout`` ms; cancelling the call closes half-made connections."""
+        api = "link_clusters"
+        self._require_init(api)
+        infos = _check_clusters(api, clusters)
+        seconds = _check_timeout(api, timeout)
+        seen: set[int] = set()
+        jobs = []
+        for info in infos:
+            cluster_id = info.remote_cluster_id
+            assert cluster_id is not None
+            if cluster_id in seen or not info.remote_ip_info:
+                reason = "listed twice" if cluster_id in seen else "has no remote ip info"
+                log.warning("%s: cluster %d %s", api, cluster_id, reason)
+                jobs.append(self._const(LLMStatusCode.LLM_PARAM_INVALID))
+            else:
+                jobs.append(self._link_one(info, seconds))
+            seen.add(cluster_id)
+        codes = list(await asyncio.gather(*jobs))
+        return _overall(codes), codes
+
+    @staticmethod
+    async def _const(code: LLMStatusCode) -> LLMStatusCode:
+        return code
+
+    async def _link_one(self, info: LLMClusterInfo, seconds: float) -> LLMStatusCode:
+        cluster_id = info.remote_cluster_id
+        assert cluster_id is not None
+        if cluster_id == self.cluster_id:
+            log.warning("link_clusters: cluster %d is this engine itself", cluster_id)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        if cluster_id in self._links:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if cluster_id in self._linking:
+            return LLMStatusCode.LLM_PROCESSING_LINK
+        self._linking.add(cluster_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        reasons = []
+        try:
+            for host, port in info.remote_ip_info:
+                for _attempt in range(self.options.link_retry_count):
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    try:
+                        link = await asyncio.wait_for(self._dial(host, port, cluster_id), remaining)
+                    except asyncio.TimeoutError:
+                        reasons.append(f"{host}:{port}: timed out")
+                        continue
+                    except (OSError, LLMException) as error:
+                        reasons.append(f"{host}:{port}: {error}")
+                        continue
+                    if cluster_id in self._links:  # the peer linked to us meanwhile
+                        link.close("duplicate link")
+                        return LLMStatusCode.LLM_ALREADY_LINK
+                    self._adopt(link)
+                    return LLMStatusCode.LLM_SUCCESS
+        finally:
+            self._linking.discard(cluster_id)
+        log.warning("link_clusters: cluster %d failed: %s", cluster_id, "; ".join(reasons) or "timed out")
+        return LLMStatusCode.LLM_LINK_FAILED
+
+    async def _dial(self, host: str, port: int, cluster_id: int) -> Link:
+        sock = await tcp.connect(host, port)
+        return await Link.establish(self, sock, dialer=True, expect_cluster_id=cluster_id)
+
+    async def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
+                              force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Non-force: tell each peer and wait for its acknowledgement (LLM_UNLINK_FAILED when it does
+        not answer within ``timeout`` ms; the local end is closed either way). Force: close only the
+        local end. Unlinking a cluster that has no link succeeds."""
+        api = "unlink_clusters"
+        self._require_init(api)
+        infos = _check_clusters(api, clusters)
+        seconds = _check_timeout(api, timeout)
+        if not isinstance(force, bool):
+            raise TypeError(f"{api}: force must be a bool")
+
+        async def unlink(info: LLMClusterInfo) -> LLMStatusCode:
+            assert info.remote_cluster_id is not None
+            link = self._links.get(info.remote_cluster_id)
+            if link is None:
+                return LLMStatusCode.LLM_SUCCESS
+            if force:
+                link.close("force unlinked")
+                return LLMStatusCode.LLM_SUCCESS
+            ok = await link.unlink(seconds)
+            return LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_UNLINK_FAILED
+
+        codes = list(await asyncio.gather(*(unlink(info) for info in infos)))
+        return _overall(codes), codes
+
+    async def switch_role(self, role: LLMRole, options: dict[str, str] | None = None) -> None:
+        """Change the role label. With ``llm.listenIpInfo`` in ``options`` the listener starts (or
+        moves) there; without it the listener stops. LLM_EXIST_LINK while any link exists."""
+        self._require_init("switch_role")
+        if not isinstance(role, LLMRole):
+            raise TypeError(f"switch_role: role must be an LLMRole, got {type(role).__name__}")
+        if options is not None and not isinstance(options, dict):
+            raise TypeError("switch_role: options must be a dict of str")
+        if self._links:
+            raise LLMException(LLMStatusCode.LLM_EXIST_LINK,
+                               f"switch_role: unlink clusters {sorted(self._links)} first")
+        listen = parse_options(options).listen if options else None
+        self._stop_listening()
+        if listen is not None:
+            self._start_listening(*listen)
+        self.role = role

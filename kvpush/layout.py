@@ -1,0 +1,126 @@
+"""Pure layout math: block lists -> merged byte runs -> scatter/gather vectors.
+
+A run is ``(src_offset, dst_offset, length)`` in bytes, relative to the start of one tensor; the
+same runs apply to every tensor of a layer, so a layer's wire request carries them once. Runs are
+computed once per call with numpy (no Python loop per block) and merged where both the source
+and the destination block ids are consecutive.
+
+An ``IoVec`` is an ``(n, 2)`` uint64 array laid out exactly like Linux's ``struct iovec`` array
+(base address, length), so a transport can hand it to ``readv``/``writev``/``process_vm_writev``
+in one native call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+IoVec = np.ndarray[Any, np.dtype[np.uint64]]
+
+RUN_DTYPE = np.dtype("<u8")
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Byte runs within one tensor, in transfer order."""
+
+    src_offset: np.ndarray[Any, np.dtype[np.uint64]]
+    dst_offset: np.ndarray[Any, np.dtype[np.uint64]]
+    length: np.ndarray[Any, np.dtype[np.uint64]]
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def bytes_per_tensor(self) -> int:
+        return int(self.length.sum())
+
+    def dst_wire(self) -> bytes:
+        """The destination side as the wire carries it: ``n`` little-endian (offset, length) pairs."""
+        return pack_runs(self.dst_offset, self.length)
+
+    def src_wire(self) -> bytes:
+        return pack_runs(self.src_offset, self.length)
+
+
+def pack_runs(offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any]) -> bytes:
+    pairs = np.empty((offset.shape[0], 2), RUN_DTYPE)
+    pairs[:, 0] = offset
+    pairs[:, 1] = length
+    return pairs.tobytes()
+
+
+def unpack_runs(data: bytes | memoryview) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Inverse of ``pack_runs``; ``len(data)`` must be a multiple of 16."""
+    pairs = np.frombuffer(data, RUN_DTYPE).reshape(-1, 2)
+    return pairs[:, 0].astype(np.uint64), pairs[:, 1].astype(np.uint64)
+
+
+def merge_block_runs(
+    src_blocks: np.ndarray[Any, Any], dst_blocks: np.ndarray[Any, Any]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Pairs ``(src_blocks[i], dst_blocks[i])`` -> runs ``(src_start, dst_start, count)``.
+
+    Pairs are first ordered by source block (the pairs are independent, the order of writes to
+    distinct destination blocks does not matter), then neighbours whose source and destination
+    ids both step by one are merged.
+    """
+    src = np.asarray(src_blocks, dtype=np.int64)
+    dst = np.asarray(dst_blocks, dtype=np.int64)
+    if src.shape[0] == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    order = np.argsort(src, kind="stable")
+    src, dst = src[order], dst[order]
+    breaks = np.ones(src.shape[0], dtype=bool)
+    breaks[1:] = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(breaks)
+    counts = np.diff(np.append(starts, src.shape[0]))
+    return src[starts], dst[starts], counts
+
+
+def block_runs(src_blocks: np.ndarray[Any, Any], dst_blocks: np.ndarray[Any, Any], block_bytes: int) -> Runs:
+    src_start, dst_start, counts = merge_block_runs(src_blocks, dst_blocks)
+    unit = np.uint64(block_bytes)
+    return Runs(
+        src_start.astype(np.uint64) * unit,
+        dst_start.astype(np.uint64) * unit,
+        counts.astype(np.uint64) * unit,
+    )
+
+
+def contiguous_runs(src_offset: int, dst_offset: int, length: int) -> Runs:
+    """One run (the contiguous-cache transfers: one batch slot per tensor)."""
+    return Runs(
+        np.array([src_offset], np.uint64), np.array([dst_offset], np.uint64), np.array([length], np.uint64)
+    )
+
+
+def scatter_vector(
+    tensor_addrs: np.ndarray[Any, Any] | list[int],
+    offsets: np.ndarray[Any, Any],
+    lengths: np.ndarray[Any, Any],
+) -> IoVec:
+    """The iovec array for ``len(tensor_addrs)`` tensors x runs, tensor-major (the wire order)."""
+    bases = np.asarray(tensor_addrs, dtype=np.uint64)
+    iov = np.empty((bases.shape[0] * offsets.shape[0], 2), np.uint64)
+    iov[:, 0] = (bases[:, None] + offsets[None, :].astype(np.uint64)).reshape(-1)
+    iov[:, 1] = np.tile(lengths.astype(np.uint64), bases.shape[0])
+    return iov
+
+
+def layer_tensor_indices(layer: int, tensor_num_per_layer: int) -> range:
+    return range(layer * tensor_num_per_layer, (layer + 1) * tensor_num_per_layer)
+
+
+def runs_in_bounds(offsets: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any], limit: int) -> bool:
+    """True when every run lies inside ``[0, limit)`` and none overflows (receiver-side fence)."""
+    if offsets.shape[0] == 0:
+        return True
+    off = offsets.astype(np.uint64)
+    ln = lengths.astype(np.uint64)
+    end = off + ln
+    overflow = end < off
+    return bool(not overflow.any() and (end <= np.uint64(limit)).all() and (ln > 0).all())

@@ -1,0 +1,559 @@
+"""One peer: handshake, keepalive, the peer's cache table, request/response matching, and the
+receiver side of transfers (re-validating every request against the local registry).
+
+A link owns one frame stream. Request ids are per link, start at 1 and are never reused, so a
+late reply to an abandoned request can never complete a later one: it finds no pending entry
+and is dropped. When the stream closes, every pending request fails at once and the owner drops
+the link; ``link_clusters`` to that peer then builds a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from transports import tcp
+from transports.base import PayloadSink
+
+from .layout import IoVec, runs_in_bounds, scatter_vector
+from .memory import CacheEntry, CacheRegistry
+from .options import EngineOptions
+from .protocol import (
+    PROTOCOL_VERSION,
+    FrameHeader,
+    Kind,
+    ProtocolError,
+    decode_json,
+    decode_status,
+    decode_transfer,
+    encode_json,
+    encode_status,
+    encode_transfer,
+)
+from .status import LLMException, LLMStatusCode
+from .types import DataType
+
+log = logging.getLogger(__name__)
+
+_NONCE_BYTES = 32
+HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.BYE})
+
+
+class LinkState(Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class LinkOwner(Protocol):
+    cluster_id: int
+    role: int
+    options: EngineOptions
+    registry: CacheRegistry
+
+    def link_closed(self, link: Link, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class RemoteCache:
+    """A peer's cache as its table describes it (no addresses ever cross the wire)."""
+
+    cache_id: int
+    model_id: int | None
+    is_blocks_cache: bool
+    num_tensors: int
+    shape: tuple[int, ...]
+    data_type: DataType
+
+    @property
+    def tensor_bytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.data_type.itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tensor_bytes // self.shape[0]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> RemoteCache:
+        try:
+            shape = tuple(int(d) for d in item["shape"])
+            cache = cls(int(item["id"]), None if item["model"] is None else int(item["model"]),
+                        bool(item["blocks"]), int(item["n"]), shape, DataType(int(item["dtype"])))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProtocolError(f"bad cache table entry {item!r}: {error}") from None
+        if cache.num_tensors < 1 or not shape or min(shape) < 1:
+            raise ProtocolError(f"cache table entry {item!r} describes no memory")
+        return cache
+
+
+class PendingOp:
+    """A request waiting for its reply. ``future`` resolves with None or an LLMException."""
+
+    __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected")
+
+    def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.future = future
+        self.frame: tcp.TcpFrame | None = None
+        self.sink: PayloadSink | None = None
+        self.expected = 0
+
+    @property
+    def bytes_may_land(self) -> bool:
+        """True when part of this request may already be at (or on its way to) the peer."""
+        return self.kind == Kind.WRITE and self.frame is not None and self.frame.started
+
+
+def _proof(token: str, label: bytes, first: bytes, second: bytes) -> str:
+    return hmac.new(token.encode(), label + first + second, hashlib.sha256).hexdigest()
+
+
+class Link:
+    """A linked peer. Create with ``await Link.establish(...)``."""
+
+    def __init__(self, owner: LinkOwner, sock: socket.socket, *, dialer: bool) -> None:
+        self.owner = owner
+        self.loop = asyncio.get_running_loop()
+        self.dialer = dialer
+        self.state = LinkState.HANDSHAKE
+        self.peer_cluster_id: int | None = None
+        self.peer_role: int | None = None
+        self.close_reason = ""
+        self.remote_caches: dict[int, RemoteCache] = {}
+        self.remote_by_model: dict[int, int] = {}
+        self._request_ids = itertools.count(1)
+        self._pending: dict[int, PendingOp] = {}
+        self._handshake_inbox: asyncio.Queue[tuple[Kind, dict[str, Any]]] = asyncio.Queue()
+        self._inbound_pins: dict[int, CacheEntry] = {}
+        self._keepalive: asyncio.Task[None] | None = None
+        self._bye: asyncio.Future[None] = self.loop.create_future()
+        self._auth_sent = False
+        self.rtt_ms: float | None = None
+        self.counters: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.last_error = ""
+        self.stream = tcp.TcpFrameStream(sock, self, self.loop)
+
+    def __repr__(self) -> str:
+        return (f"<Link peer_cluster={self.peer_cluster_id} transport={self.transport} "
+                f"{self.state.value}{' dialer' if self.dialer else ''}>")
+
+    @property
+    def transport(self) -> str:
+        return self.stream.capabilities.name
+
+    @property
+    def ready(self) -> bool:
+        return self.state == LinkState.READY
+
+    # -- establishment -----------------------------------------------------------------------------
+    @classmethod
+    async def establish(cls, owner: LinkOwner, sock: socket.socket, *, dialer: bool,
+                        expect_cluster_id: int | None = None) -> Link:
+        """Run the handshake on a connected socket. Raises LLMException(LLM_LINK_FAILED) with the
+        reason; cancelling (e.g. by the caller's timeout) closes the socket."""
+        link = cls(owner, sock, dialer=dialer)
+        try:
+            if dialer:
+                await link._handshake_dialer(expect_cluster_id)
+            else:
+                await link._handshake_acceptor()
+        except LLMException as error:
+            link.close(str(error))
+            raise
+        except BaseException:
+            link.close("handshake interrupted")
+            raise
+        link.state = LinkState.READY
+        link.send_table()
+        link._keepalive = asyncio.create_task(link._keepalive_loop(), name=f"kvpush-keepalive-{link.peer_cluster_id}")
+        log.info("link to cluster %s ready over %s (%s)", link.peer_cluster_id, link.transport,
+                 "dialed" if dialer else "accepted")
+        return link
+
+    def _hello(self, nonce: bytes, proof: str | None) -> bytes:
+        owner = self.owner
+        body = {"version": PROTOCOL_VERSION, "cluster_id": owner.cluster_id, "role": int(owner.role),
+                "nonce": nonce.hex(), "auth": owner.options.auth_token is not None,
+                "transports": [self.transport]}
+        if proof is not None:
+            body["proof"] = proof
+        return encode_json(Kind.HELLO, 0, body)
+
+    async def _expect(self, kind: Kind) -> dict[str, Any]:
+        got, body = await self._handshake_inbox.get()
+        if got == Kind.BYE:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer refused the link: {body.get('reason', '?')}")
+        if got != kind:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"handshake: expected {kind.name}, got {got.name}")
+        return body
+
+    def _check_hello(self, body: dict[str, Any]) -> bytes:
+        try:
+            version = int(body["version"])
+            cluster_id = int(body["cluster_id"])
+            nonce = bytes.fromhex(str(body["nonce"]))
+            role = int(body.get("role", 0))
+        except (KeyError, TypeError, ValueError):
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "handshake: malformed HELLO") from None
+        if version != PROTOCOL_VERSION:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer speaks protocol {version}, "
+                                                               f"this engine {PROTOCOL_VERSION}")
+        if cluster_id == self.owner.cluster_id:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer has this engine's own cluster id {cluster_id}")
+        if len(nonce) != _NONCE_BYTES:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "handshake: bad nonce")
+        token = self.owner.options.auth_token
+        if bool(body.get("auth")) != (token is not None):
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED,
+                               "authentication mismatch: only one side has an auth_token")
+        self.peer_cluster_id, self.peer_role = cluster_id, role
+        return nonce
+
+    async def _handshake_dialer(self, expect_cluster_id: int | None) -> None:
+        token = self.owner.options.auth_token
+        my_nonce = os.urandom(_NONCE_BYTES)
+        self.stream.send(self._hello(my_nonce, None))
+        body = await self._expect(Kind.HELLO)
+        peer_nonce = self._check_hello(body)
+        if expect_cluster_id is not None and self.peer_cluster_id != expect_cluster_id:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED,
+                               f"peer is cluster {self.peer_cluster_id}, not {expect_cluster_id}")
+        proof = None
+        if token is not None:
+            expected = _proof(token, b"kvpush-acceptor", my_nonce, peer_nonce)
+            if not hmac.compare_digest(str(body.get("proof", "")), expected):
+                raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "authentication failed: peer's proof is wrong")
+            proof = _proof(token, b"kvpush-dialer", peer_nonce, my_nonce)
+        self._auth_sent = True
+        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or ""}))
+        await self._expect(Kind.READY)
+
+    async def _handshake_acceptor(self) -> None:
+        token = self.owner.options.auth_token
+        body = await self._expect(Kind.HELLO)
+        try:
+            peer_nonce = self._check_hello(body)
+        except LLMException as error:
+            self.stream.send(encode_json(Kind.BYE, 0, {"reason": str(error)}))
+            log.warning("refused a link: %s", error)
+            raise
+        my_nonce = os.urandom(_NONCE_BYTES)
+        proof = _proof(token, b"kvpush-acceptor", peer_nonce, my_nonce) if token is not None else None
+        self.stream.send(self._hello(my_nonce, proof))
+        auth = await self._expect(Kind.AUTH)
+        if token is not None:
+            expected = _proof(token, b"kvpush-dialer", my_nonce, peer_nonce)
+            if not hmac.compare_digest(str(auth.get("proof", "")), expected):
+                reason = f"authentication failed for cluster {self.peer_cluster_id}"
+                log.warning("refused a link: %s", reason)
+                self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed"}))
+                raise LLMException(LLMStatusCode.LLM_LINK_FAILED, reason)
+        self.stream.send(encode_json(Kind.READY, 0, {}))
+        self.state = LinkState.READY
+
+    # -- keepalive ------------------------------------------------------------------------------
+    async def _keepalive_loop(self) -> None:
+        interval = self.owner.options.keepalive_interval_ms / 1000
+        limit = self.owner.options.keepalive_timeout_ms / 1000
+        while self.state != LinkState.CLOSED:
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self.stream.last_receive
+            if silent > limit:
+                self.close(f"keepalive: nothing heard from the peer for {silent * 1000:.0f} ms")
+                return
+            self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
+
+    # -- cache table ----------------------------------------------------------------------------
+    def send_table(self, request_id: int = 0) -> None:
+        if self.state == LinkState.READY:
+            registry = self.owner.registry
+            self.stream.send(encode_json(Kind.TABLE, request_id, {"version": registry.version,
+                                                                  "caches": registry.table()}))
+
+    def _apply_table(self, body: dict[str, Any]) -> None:
+        caches = body.get("caches")
+        if not isinstance(caches, list):
+            raise ProtocolError("TABLE without a cache list")
+        entries = [RemoteCache.from_wire(item) for item in caches]
+        self.remote_caches = {c.cache_id: c for c in entries}
+        self.remote_by_model = {c.model_id: c.cache_id for c in entries if c.model_id is not None}
+
+    async def refresh_table(self) -> None:
+        """One round trip for the peer's current cache table (callers bound it with their deadline)."""
+        op = self._new_op(Kind.TABLE_REQUEST)
+        self.stream.send(encode_json(Kind.TABLE_REQUEST, op.request_id, {}))
+        try:
+            await asyncio.shield(op.future)
+        finally:
+            self._pending.pop(op.request_id, None)
+
+    # -- requests (local side) ------------------------------------------------------------------
+    def _new_op(self, kind: Kind) -> PendingOp:
+        if self.state != LinkState.READY:
+            raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK,
+                               f"link to cluster {self.peer_cluster_id} is {self.state.value}: {self.close_reason}")
+        request_id = next(self._request_ids)
+        op = PendingOp(request_id, kind, self.loop.create_future())
+        self._pending[request_id] = op
+        return op
+
+    def start_write(self, cache_id: int, first_tensor: int, num_tensors: int, runs_wire: bytes,
+                    source: IoVec, source_entry: CacheEntry, budget_ms: int) -> PendingOp:
+        """Queue one layer's WRITE. The source cache stays pinned until its bytes left."""
+        op = self._new_op(Kind.WRITE)
+        payload_len = int(source[:, 1].sum())
+        head = encode_transfer(Kind.WRITE, op.request_id, cache_id, first_tensor, num_tensors, runs_wire,
+                               payload_len, budget_ms)
+        source_entry.pin()
+        op.frame = self.stream.send(head, source)
+        op.frame.sent.add_done_callback(lambda _: source_entry.unpin())
+        self.counters["write_requests"] += 1
+        self.counters["bytes_pushed"] += payload_len
+        return op
+
+    def start_read(self, cache_id: int, first_tensor: int, num_tensors: int, runs_wire: bytes,
+                   destination: IoVec, destination_entry: CacheEntry, budget_ms: int) -> PendingOp:
+        """Queue one layer's READ; the reply's payload lands straight in ``destination``."""
+        op = self._new_op(Kind.READ)
+        op.expected = int(destination[:, 1].sum())
+        destination_entry.pin()
+        op.future.add_done_callback(lambda _: destination_entry.unpin())
+        op.sink = PayloadSink(destination, lambda: self._complete(op, None))
+        head = encode_transfer(Kind.READ, op.request_id, cache_id, first_tensor, num_tensors, runs_wire,
+                               0, budget_ms)
+        op.frame = self.stream.send(head)
+        self.counters["read_requests"] += 1
+        self.counters["bytes_pulled"] += op.expected
+        return op
+
+    def abandon(self, op: PendingOp) -> None:
+        """Stop waiting for ``op``: an unsent frame is dropped, an incoming payload is discarded
+        from now on, and a late reply is ignored. Bytes of a WRITE already on the wire still land."""
+        self._pending.pop(op.request_id, None)
+        if op.frame is not None:
+            op.frame.abandon()
+        if op.sink is not None:
+            op.sink.cancel()
+        if not op.future.done():
+            op.future.cancel()
+
+    def _complete(self, op: PendingOp, error: LLMException | None) -> None:
+        self._pending.pop(op.request_id, None)
+        if op.future.done():
+            return
+        if error is None:
+            op.future.set_result(None)
+        else:
+            self.failures[error.status_code.name] += 1
+            self.last_error = str(error)
+            op.future.set_exception(error)
+            op.future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
+
+    # -- frames from the peer (StreamHandler) ---------------------------------------------------
+    def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+        kind = header.kind
+        if self.state == LinkState.HANDSHAKE:
+            if kind not in HANDSHAKE_KINDS:
+                raise ProtocolError(f"{kind.name} before the handshake completed")
+            body = decode_json(kind, meta)
+            if kind == Kind.READY:
+                if not (self.dialer and self._auth_sent):
+                    raise ProtocolError("READY before authentication")
+                # The acceptor's next frames (its cache table) may arrive in this same read.
+                self.state = LinkState.READY
+            self._handshake_inbox.put_nowait((kind, body))
+            return None
+        if self.state == LinkState.CLOSED:
+            return None
+        if kind == Kind.WRITE:
+            return self._serve_write(header, meta)
+        if kind == Kind.DONE:
+            self._on_done(header, meta)
+        elif kind == Kind.READ_DATA:
+            return self._on_read_data(header, meta)
+        elif kind == Kind.READ:
+            self._serve_read(header, meta)
+        elif kind == Kind.PING:
+            self.stream.send(encode_json(Kind.PONG, 0, decode_json(kind, meta)))
+        elif kind == Kind.PONG:
+            sent = decode_json(kind, meta).get("t")
+            if isinstance(sent, (int, float)):
+                self.rtt_ms = (time.monotonic() - sent) * 1000
+        elif kind == Kind.TABLE:
+            self._apply_table(decode_json(kind, meta))
+            op = self._pending.get(header.request_id)
+            if op is not None and op.kind == Kind.TABLE_REQUEST:
+                self._complete(op, None)
+        elif kind == Kind.TABLE_REQUEST:
+            self.send_table(header.request_id)
+        elif kind == Kind.BYE:
+            self._on_bye(decode_json(kind, meta))
+        else:
+            raise ProtocolError(f"unexpected {kind.name} on a ready link")
+        return None
+
+    def _on_done(self, header: FrameHeader, meta: bytes) -> None:
+        status, message = decode_status(header, meta)
+        op = self._pending.get(header.request_id)
+        if op is None or op.kind != Kind.WRITE:
+            log.debug("ignoring DONE for request %d (abandoned or unknown)", header.request_id)
+            return
+        if status == 0:
+            self._complete(op, None)
+        else:
+            self._complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the write: {message}"))
+
+    def _on_read_data(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+        status, message = decode_status(header, meta)
+        op = self._pending.get(header.request_id)
+        if op is None or op.kind != Kind.READ or op.sink is None:
+            return None  # abandoned: the payload is discarded
+        if status != 0:
+            if header.payload_len:
+                raise ProtocolError("READ_DATA carries both an error and a payload")
+            self._complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the read: {message}"))
+            return None
+        if header.payload_len != op.expected:
+            raise ProtocolError(f"READ_DATA of {header.payload_len} bytes for a request of {op.expected}")
+        return op.sink
+
+    def _resolve_remote_request(self, header: FrameHeader, meta: bytes) -> tuple[CacheEntry, IoVec] | str:
+        """Check a peer's WRITE/READ against the local registry: the iovec, or why it is refused."""
+        transfer = decode_transfer(header, meta)
+        if not self.owner.options.enable_remote_cache_accessible:
+            return f"{LLMStatusCode.LLM_FEATURE_NOT_ENABLED.value}:remote cache access is disabled"
+        entry = self.owner.registry.get(transfer.cache_id)
+        if entry is None:
+            return f"{LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value}:cache {transfer.cache_id} is not registered"
+        desc = entry.desc
+        if transfer.first_tensor + transfer.num_tensors > desc.num_tensors:
+            return (f"{LLMStatusCode.LLM_PARAM_INVALID.value}:tensors {transfer.first_tensor}.."
+                    f"{transfer.first_tensor + transfer.num_tensors - 1} exceed the cache's {desc.num_tensors}")
+        if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
+            return f"{LLMStatusCode.LLM_PARAM_INVALID.value}:a run lies outside cache {transfer.cache_id}'s tensors"
+        addrs = entry.addrs[transfer.first_tensor:transfer.first_tensor + transfer.num_tensors]
+        return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
+
+    def _serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+        resolved = self._resolve_remote_request(header, meta)
+        if isinstance(resolved, str):
+            code, _, reason = resolved.partition(":")
+            log.warning("refused a write from cluster %s: %s", self.peer_cluster_id, reason)
+            self.stream.send(encode_status(Kind.DONE, header.request_id, int(code), reason))
+            return None
+        entry, iov = resolved
+        entry.pin()
+        request_id = header.request_id
+        self._inbound_pins[request_id] = entry
+
+        def landed() -> None:
+            self._inbound_pins.pop(request_id, None)
+            entry.unpin()
+            self.counters["bytes_received"] += header.payload_len
+            self.stream.send(encode_status(Kind.DONE, request_id, 0))
+
+        return PayloadSink(iov, landed)
+
+    def _serve_read(self, header: FrameHeader, meta: bytes) -> None:
+        resolved = self._resolve_remote_request(header, meta)
+        if isinstance(resolved, str):
+            code, _, reason = resolved.partition(":")
+            log.warning("refused a read from cluster %s: %s", self.peer_cluster_id, reason)
+            self.stream.send(encode_status(Kind.READ_DATA, header.request_id, int(code), reason))
+            return
+        entry, iov = resolved
+        entry.pin()
+        payload_len = int(iov[:, 1].sum())
+        frame = self.stream.send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
+        frame.sent.add_done_callback(lambda _: entry.unpin())
+        self.counters["bytes_served"] += payload_len
+
+    # -- closing --------------------------------------------------------------------------------
+    def _on_bye(self, body: dict[str, Any]) -> None:
+        if body.get("ack"):
+            if not self._bye.done():
+                self._bye.set_result(None)
+            return
+        ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True}))
+        ack.sent.add_done_callback(lambda _: self.close("peer unlinked"))
+
+    async def unlink(self, timeout: float) -> bool:
+        """Tell the peer and wait for its acknowledgement (bounded); always closes locally."""
+        try:
+            if self.state == LinkState.READY:
+                self.stream.send(encode_json(Kind.BYE, 0, {}))
+                await asyncio.wait_for(asyncio.shield(self._bye), timeout)
+                return True
+            return False
+        except (asyncio.TimeoutError, ConnectionError):
+            return False
+        finally:
+            self.close("unlinked")
+
+    def close(self, reason: str) -> None:
+        """Close now. Every pending request fails with LLM_TIMEOUT (it was in flight when the
+        link broke); later calls see LLM_NOT_YET_LINK. Idempotent."""
+        if self.state == LinkState.CLOSED:
+            return
+        was_ready = self.state == LinkState.READY
+        self.state = LinkState.CLOSED
+        self.close_reason = reason
+        self.stream.close(reason)
+        if self._keepalive is not None and self._keepalive is not asyncio.current_task():
+            self._keepalive.cancel()
+        error_text = f"link to cluster {self.peer_cluster_id} broke during the transfer: {reason}"
+        for op in list(self._pending.values()):
+            if op.sink is not None:
+                op.sink.cancel()
+            self._complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, error_text))
+        for entry in self._inbound_pins.values():
+            entry.unpin()
+        self._inbound_pins.clear()
+        if not self._bye.done():
+            self._bye.set_exception(ConnectionError(reason))
+            self._bye.exception()
+        if was_ready:
+            log.info("link to cluster %s closed: %s", self.peer_cluster_id, reason)
+        self.owner.link_closed(self, reason)
+
+    def on_close(self, reason: str) -> None:
+        """The stream went away under us."""
+        if self.state != LinkState.CLOSED:
+            if self.state == LinkState.HANDSHAKE:
+                self._handshake_inbox.put_nowait((Kind.BYE, {"reason": reason}))
+            self.close(reason)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "peer_cluster_id": self.peer_cluster_id,
+            "transport": self.transport,
+            "state": self.state.value,
+            "dialer": self.dialer,
+            "bytes_in": self.stream.bytes_in,
+            "bytes_out": self.stream.bytes_out,
+            "rtt_ms": self.rtt_ms,
+            "pending": len(self._pending),
+            **dict(self.counters),
+            "failures": dict(self.failures),
+            "last_error": self.last_error,
+            "close_reason": self.close_reason,
+        }

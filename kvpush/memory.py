@@ -1,0 +1,274 @@
+"""Registered memory: turn user objects into checked regions, allocate page-aligned caches,
+and keep the per-instance registry of caches.
+
+No network I/O here. A region is one tensor's bytes: its address, its size and the object that
+keeps it alive. Registration accepts raw int addresses (the caller keeps that memory alive and big
+enough), numpy arrays, objects exposing ``__dlpack__`` (CPU torch tensors) or the buffer protocol /
+``__array_interface__``; their size, dtype, contiguity and writability are checked against the
+descriptor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .status import LLMException, LLMStatusCode, param_invalid
+from .types import U64_MAX, Cache, CacheDesc, DataType, Placement
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_DLPACK_CPU = 1
+
+
+@dataclass
+class Region:
+    address: int
+    nbytes: int
+    keepalive: object = field(repr=False)
+
+
+def _view_of_address(address: int, nbytes: int) -> np.ndarray[Any, Any]:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def _dtype_matches(actual: np.dtype[Any], data_type: DataType) -> bool:
+    expected = data_type.numpy_dtype
+    if actual == expected:
+        return True
+    if data_type == DataType.DT_BF16:
+        return actual.itemsize == 2 and (actual.name == "bfloat16" or actual.kind in "iu")
+    return False
+
+
+def _torch_like_region(obj: Any, name: str, desc: CacheDesc) -> Region:
+    """Objects DLPack cannot hand to numpy (e.g. torch bfloat16): use their own accessors."""
+    try:
+        contiguous = bool(obj.is_contiguous())
+        address = int(obj.data_ptr())
+        nbytes = int(obj.numel()) * int(obj.element_size())
+        itemsize = int(obj.element_size())
+    except (AttributeError, TypeError) as error:
+        raise TypeError(f"{name}: cannot read memory of {type(obj).__name__}: {error}") from None
+    if not contiguous:
+        raise param_invalid(f"{name} is not contiguous")
+    if itemsize != desc.data_type.itemsize:
+        raise param_invalid(
+            f"{name} has {itemsize}-byte elements, descriptor says {desc.data_type.name}"
+        )
+    return _checked(Region(address, nbytes, obj), name, desc)
+
+
+def _checked(region: Region, name: str, desc: CacheDesc) -> Region:
+    if region.address == 0:
+        raise param_invalid(f"{name} has a zero address")
+    if region.nbytes != desc.size:
+        raise param_invalid(f"{name} holds {region.nbytes} bytes, descriptor needs {desc.size}")
+    return region
+
+
+def region_of(obj: object, name: str, desc: CacheDesc) -> Region:
+    """One tensor's memory, checked against ``desc``. Raises TypeError / ValueError /
+    LLMException(LLM_PARAM_INVALID or LLM_FEATURE_NOT_ENABLED)."""
+    if isinstance(obj, bool):
+        raise TypeError(f"{name} must be an int address or a tensor/array, got bool")
+    if isinstance(obj, (int, np.integer)):
+        address = int(obj)
+        if address < 0 or address > U64_MAX:
+            raise ValueError(f"{name}={address} is not a valid address")
+        return _checked(Region(address, desc.size, None), name, desc)
+    array: np.ndarray[Any, Any]
+    if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
+        device = getattr(obj, "__dlpack_device__", lambda: (_DLPACK_CPU, 0))()
+        if int(device[0]) != _DLPACK_CPU:
+            raise LLMException(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"{name} lives on device type {device[0]}; this host's transports reach host memory only",
+            )
+        try:
+            array = np.from_dlpack(obj)
+        except (TypeError, RuntimeError, BufferError, ValueError):
+            return _torch_like_region(obj, name, desc)
+        keepalive: object = (obj, array)
+    elif isinstance(obj, np.ndarray):
+        array, keepalive = obj, obj
+    elif hasattr(obj, "__array_interface__"):
+        array = np.asarray(obj)
+        keepalive = (obj, array)
+    else:
+        try:
+            buffer = memoryview(obj)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an int address or expose __dlpack__, __array_interface__ or "
+                f"the buffer protocol; got {type(obj).__name__}"
+            ) from None
+        if not buffer.c_contiguous:
+            raise param_invalid(f"{name} is not contiguous")
+        array = np.frombuffer(buffer, np.uint8) if buffer.nbytes else np.zeros(0, np.uint8)
+        if buffer.readonly:
+            raise param_invalid(f"{name} is read-only; registered memory must be writable")
+        keepalive = (obj, buffer)
+    if not array.flags.c_contiguous:
+        raise param_invalid(f"{name} is not C-contiguous")
+    if not array.flags.writeable:
+        raise param_invalid(f"{name} is read-only; registered memory must be writable")
+    raw_bytes = array.dtype == np.uint8 and desc.data_type != DataType.DT_UINT8
+    if not raw_bytes and not _dtype_matches(array.dtype, desc.data_type):
+        raise param_invalid(f"{name} has dtype {array.dtype}, descriptor says {desc.data_type.name}")
+    address = int(array.__array_interface__["data"][0]) if array.nbytes else 0
+    return _checked(Region(address, int(array.nbytes), keepalive), name, desc)
+
+
+def allocate_regions(desc: CacheDesc) -> tuple[mmap.mmap, list[Region]]:
+    """One page-aligned, prefaulted anonymous mapping holding every tensor at a page boundary."""
+    stride = -(-desc.size // PAGE) * PAGE
+    total = max(stride * desc.num_tensors, PAGE)
+    try:
+        mapping = mmap.mmap(-1, total, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError) as error:
+        raise LLMException(LLMStatusCode.LLM_OUT_OF_MEMORY, f"cannot allocate {total} bytes: {error}") from None
+    whole = np.frombuffer(mapping, np.uint8)
+    whole[::PAGE] = 0  # prefault: the first transfer must not pay page faults
+    base = int(whole.__array_interface__["data"][0])
+    regions = [Region(base + i * stride, desc.size, mapping) for i in range(desc.num_tensors)]
+    del whole
+    return mapping, regions
+
+
+@dataclass
+class CacheEntry:
+    """A registered cache plus what the engine needs to move its bytes safely."""
+
+    cache: Cache
+    model_id: int | None
+    regions: list[Region]
+    addrs: np.ndarray[Any, np.dtype[np.uint64]]
+    mapping: mmap.mmap | None = None
+    pins: int = 0
+    removed: bool = False
+
+    @property
+    def desc(self) -> CacheDesc:
+        return self.cache.cache_desc
+
+    def pin(self) -> None:
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+        if self.pins == 0 and self.removed:
+            self._release()
+
+    def _release(self) -> None:
+        self.cache.tensors = []
+        self.regions = []
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:
+                log.debug("cache %d: views still exported; memory is freed when they are", self.cache.cache_id)
+            self.mapping = None
+
+    def describe(self) -> dict[str, Any]:
+        """The public description peers receive (no addresses)."""
+        desc = self.desc
+        return {
+            "id": self.cache.cache_id,
+            "model": self.model_id,
+            "blocks": self.cache.is_blocks_cache,
+            "n": desc.num_tensors,
+            "shape": list(desc.shape),
+            "dtype": int(desc.data_type),
+        }
+
+
+class CacheRegistry:
+    """The caches of one engine instance. Ids count from 1 and are never reused."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, CacheEntry] = {}
+        self._by_model: dict[int, int] = {}
+        self._next_id = 1
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, cache_id: int) -> CacheEntry | None:
+        return self._entries.get(cache_id)
+
+    def by_model(self, model_id: int) -> CacheEntry | None:
+        cache_id = self._by_model.get(model_id)
+        return None if cache_id is None else self._entries.get(cache_id)
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self._entries.values())
+
+    def table(self) -> list[dict[str, Any]]:
+        return [entry.describe() for entry in self._entries.values()]
+
+    def add(
+        self,
+        desc: CacheDesc,
+        regions: list[Region],
+        is_blocks_cache: bool,
+        model_id: int | None,
+        mapping: mmap.mmap | None = None,
+    ) -> Cache:
+        if desc.placement != Placement.HOST:
+            raise LLMException(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "placement DEVICE: no transport here reaches device memory"
+            )
+        if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
+            raise param_invalid(f"{desc!r} describes no memory (num_tensors and every dim must be >= 1)")
+        if model_id is not None and model_id in self._by_model:
+            raise param_invalid(f"a blocks cache with model_id={model_id} is already registered")
+        self._check_overlap(regions)
+        cache = Cache(
+            cache_id=self._next_id,
+            cache_desc=desc,
+            tensor_addrs=[r.address for r in regions],
+            is_blocks_cache=is_blocks_cache,
+            tensors=[_view_of_address(r.address, r.nbytes).view(desc.data_type.numpy_dtype).reshape(desc.shape)
+                     for r in regions],
+        )
+        self._next_id += 1
+        entry = CacheEntry(cache, model_id, regions, np.array(cache.tensor_addrs, np.uint64), mapping)
+        self._entries[cache.cache_id] = entry
+        if model_id is not None:
+            self._by_model[model_id] = cache.cache_id
+        self.version += 1
+        return cache
+
+    def remove(self, cache_id: int) -> CacheEntry | None:
+        """Forget a cache now; its memory is released once no transfer holds it."""
+        entry = self._entries.pop(cache_id, None)
+        if entry is None:
+            return None
+        if entry.model_id is not None:
+            self._by_model.pop(entry.model_id, None)
+        entry.removed = True
+        if entry.pins == 0:
+            entry._release()
+        self.version += 1
+        return entry
+
+    def _check_overlap(self, regions: list[Region]) -> None:
+        spans = sorted(
+            [(r.address, r.address + r.nbytes) for r in regions]
+            + [(r.address, r.address + r.nbytes) for entry in self._entries.values() for r in entry.regions]
+        )
+        for (_, end), (next_start, _) in zip(spans, spans[1:]):
+            if end > next_start:
+                raise param_invalid("the memory overlaps a tensor already registered (or another of this call)")
+
+    def clear(self) -> None:
+        for cache_id in list(self._entries):
+            self.remove(cache_id)

@@ -1,0 +1,184 @@
+"""Sans-I/O wire format: frame headers, message kinds and their metadata codecs.
+
+Every message is one frame::
+
+    header  24 bytes  <H B B I Q Q : magic, kind, flags, meta_len, request_id, payload_len
+    meta    meta_len bytes (JSON for control messages, a packed struct for transfers)
+    payload payload_len bytes (block bytes of a WRITE or READ_DATA; empty otherwise)
+
+A transfer request (WRITE / READ) names the peer's cache by id, the first tensor and the number
+of tensors of one layer, and the merged runs ``(offset, length)`` within each tensor, so its size
+grows with runs, never with tensors x blocks. The payload is tensor-major: every run of the first
+tensor, then every run of the next.
+
+Nothing here touches a socket: the functions build and check bytes, and raise ``ProtocolError``
+for anything a well-behaved peer never sends. A ``ProtocolError`` closes the link that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from .layout import RUN_DTYPE
+
+PROTOCOL_VERSION = 1
+MAGIC = 0x4B50  # "KP"
+HEADER = struct.Struct("<HBBIQQ")
+HEADER_SIZE = HEADER.size
+TRANSFER_META = struct.Struct("<QIIIi")
+STATUS_META = struct.Struct("<I")
+
+MAX_JSON_META = 1 << 20
+MAX_RUNS = 1 << 20
+MAX_TRANSFER_META = TRANSFER_META.size + MAX_RUNS * 16
+MAX_STATUS_META = STATUS_META.size + 4096
+
+
+class ProtocolError(Exception):
+    """The peer sent something no conforming peer sends; the link must be closed."""
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    AUTH = 2
+    READY = 3
+    TABLE = 4
+    TABLE_REQUEST = 5
+    PING = 6
+    PONG = 7
+    WRITE = 8
+    DONE = 9
+    READ = 10
+    READ_DATA = 11
+    BYE = 12
+
+
+JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
+                        Kind.PING, Kind.PONG, Kind.BYE})
+PAYLOAD_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: Kind
+    flags: int
+    meta_len: int
+    request_id: int
+    payload_len: int
+
+
+def encode_header(kind: Kind, request_id: int, meta_len: int, payload_len: int, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, int(kind), flags, meta_len, request_id, payload_len)
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+    """Parse and bound-check a header. Raises ProtocolError for anything malformed."""
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"header is {len(data)} bytes, expected {HEADER_SIZE}")
+    magic, kind_value, flags, meta_len, request_id, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:04x}")
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind_value}") from None
+    if kind in JSON_KINDS:
+        limit = MAX_JSON_META
+    elif kind in (Kind.WRITE, Kind.READ):
+        limit = MAX_TRANSFER_META
+    else:
+        limit = MAX_STATUS_META
+    if meta_len > limit:
+        raise ProtocolError(f"{kind.name} meta of {meta_len} bytes exceeds {limit}")
+    if payload_len and kind not in PAYLOAD_KINDS:
+        raise ProtocolError(f"{kind.name} frame carries a payload of {payload_len} bytes")
+    return FrameHeader(kind, flags, meta_len, request_id, payload_len)
+
+
+# -- control messages (JSON) -------------------------------------------------------------------
+
+def encode_json(kind: Kind, request_id: int, body: dict[str, Any]) -> bytes:
+    meta = json.dumps(body, separators=(",", ":")).encode()
+    return encode_header(kind, request_id, len(meta), 0) + meta
+
+
+def decode_json(kind: Kind, meta: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        body = json.loads(bytes(meta))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"{kind.name} meta is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind.name} meta is not a JSON object")
+    return body
+
+
+# -- transfers ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransferMeta:
+    """What a WRITE or READ addresses in the receiver's registry."""
+
+    cache_id: int
+    first_tensor: int
+    num_tensors: int
+    offsets: np.ndarray[Any, Any]
+    lengths: np.ndarray[Any, Any]
+    budget_ms: int = 0
+
+    @property
+    def payload_len(self) -> int:
+        return self.num_tensors * int(self.lengths.sum(dtype=np.uint64))
+
+
+def encode_transfer(
+    kind: Kind,
+    request_id: int,
+    cache_id: int,
+    first_tensor: int,
+    num_tensors: int,
+    runs_wire: bytes,
+    payload_len: int,
+    budget_ms: int = 0,
+) -> bytes:
+    """Header + meta of a WRITE (payload follows) or READ (no payload)."""
+    n_runs = len(runs_wire) // 16
+    meta = TRANSFER_META.pack(cache_id, first_tensor, num_tensors, n_runs, budget_ms) + runs_wire
+    return encode_header(kind, request_id, len(meta), payload_len) + meta
+
+
+def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> TransferMeta:
+    if len(meta) < TRANSFER_META.size:
+        raise ProtocolError(f"{header.kind.name} meta of {len(meta)} bytes is truncated")
+    cache_id, first_tensor, num_tensors, n_runs, budget_ms = TRANSFER_META.unpack_from(meta)
+    if len(meta) != TRANSFER_META.size + 16 * n_runs:
+        raise ProtocolError(f"{header.kind.name} meta length {len(meta)} does not match {n_runs} runs")
+    if n_runs == 0 or num_tensors == 0:
+        raise ProtocolError(f"{header.kind.name} addresses no bytes")
+    pairs = np.frombuffer(meta, RUN_DTYPE, count=2 * n_runs, offset=TRANSFER_META.size).reshape(-1, 2)
+    offsets = pairs[:, 0].astype(np.uint64)
+    lengths = pairs[:, 1].astype(np.uint64)
+    total = int(lengths.sum(dtype=np.float64))  # float: an overflow shows as a huge number
+    expected = num_tensors * total
+    if header.kind == Kind.WRITE and expected != header.payload_len:
+        raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
+    return TransferMeta(cache_id, first_tensor, num_tensors, offsets, lengths, budget_ms)
+
+
+def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:
+    """DONE (reply to WRITE) or READ_DATA (reply to READ; payload follows when status is 0)."""
+    text = message.encode()[:4096]
+    meta = STATUS_META.pack(status & 0xFFFFFFFF) + text
+    return encode_header(kind, request_id, len(meta), payload_len) + meta
+
+
+def decode_status(header: FrameHeader, meta: bytes | bytearray | memoryview) -> tuple[int, str]:
+    if len(meta) < STATUS_META.size:
+        raise ProtocolError(f"{header.kind.name} meta of {len(meta)} bytes is truncated")
+    (status,) = STATUS_META.unpack_from(meta)
+    return status, bytes(meta[STATUS_META.size:]).decode(errors="replace")

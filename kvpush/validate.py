@@ -1,0 +1,174 @@
+"""Pure argument checks, each raising the documented class and status code (SPEC §1 and §6).
+
+The transfer coroutines call these in the SPEC's order, all before any byte moves:
+types -> the local cache kind -> block list lengths -> tensor_num_per_layer -> layer ranges ->
+(link) -> (caches exist) -> block bounds -> local/remote compatibility -> duplicate destinations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .status import param_invalid
+from .types import U64_MAX, Cache, DataType
+
+
+def check_type(api: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
+    if not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise TypeError(f"{api}: {name} must be {expected}, got {type(value).__name__}")
+
+
+def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
+    """A list/tuple (or 1-D integer array) of block ids -> uint64 array. TypeError for non-int
+    items, ValueError for ids outside [0, 2^64). Converted by numpy in one call; only lists with
+    ids beyond int64 take the item-by-item path."""
+    if not isinstance(blocks, (list, tuple, np.ndarray)):
+        raise TypeError(f"{api}: {name} must be a list or tuple of int, got {type(blocks).__name__}")
+    if len(blocks) == 0:
+        return np.zeros(0, np.uint64)
+    try:
+        array = np.asarray(blocks)
+    except (TypeError, ValueError, OverflowError):
+        array = np.asarray(blocks, dtype=object)
+    if array.ndim != 1:
+        raise TypeError(f"{api}: {name} must be a flat list of int")
+    if array.dtype.kind == "i":
+        if int(array.min()) < 0:
+            index = int(np.argmin(array))
+            raise ValueError(f"{api}: {name}[{index}]={int(array[index])} is negative")
+        return array.astype(np.uint64)
+    if array.dtype.kind == "u":
+        return array.astype(np.uint64)
+    if array.dtype.kind != "O":
+        raise TypeError(f"{api}: {name} must contain int, got {array.dtype}")
+    for index, value in enumerate(array):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{api}: {name}[{index}] must be an int, got {type(value).__name__}")
+        if not 0 <= int(value) <= U64_MAX:
+            raise ValueError(f"{api}: {name}[{index}]={int(value)} is out of range [0, 2^64)")
+    return array.astype(np.uint64)
+
+
+def check_layer_range(api: str, name: str, value: object) -> range | None:
+    if value is None:
+        return None
+    if not isinstance(value, range):
+        raise TypeError(f"{api}: {name} must be a range or None, got {type(value).__name__}")
+    if value.step != 1:
+        raise param_invalid(f"{api}: {name}={value} must have step 1")
+    if value.start < 0:
+        raise ValueError(f"{api}: {name}={value} starts below 0")
+    if value.stop <= value.start:
+        raise param_invalid(f"{api}: {name}={value} is empty")
+    return value
+
+
+def check_tensor_num_type(api: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{api}: tensor_num_per_layer must be an int, got {type(value).__name__}")
+    if int(value) < 0:
+        raise ValueError(f"{api}: tensor_num_per_layer={int(value)} is negative")
+    return int(value)
+
+
+def check_blocks_cache(api: str, name: str, cache: Cache) -> None:
+    if not cache.is_blocks_cache:
+        raise param_invalid(f"{api}: {name} (cache {cache.cache_id}) is not a blocks cache")
+
+
+def check_block_counts(api: str, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
+    if dst.shape[0] == 0:
+        raise param_invalid(f"{api}: dst_blocks is empty")
+    if src.shape[0] != dst.shape[0]:
+        raise param_invalid(f"{api}: src_blocks has {src.shape[0]} ids but dst_blocks has {dst.shape[0]}")
+
+
+def check_tensor_num(api: str, n: int, num_tensors: int, ranges_given: bool) -> None:
+    if not 1 <= n <= num_tensors:
+        raise param_invalid(f"{api}: tensor_num_per_layer={n} must be in [1, {num_tensors}]")
+    if ranges_given and num_tensors % n:
+        raise param_invalid(
+            f"{api}: tensor_num_per_layer={n} must divide the cache's {num_tensors} tensors when a layer "
+            f"range is given"
+        )
+
+
+def check_range_bounds(api: str, name: str, layer_range: range | None, num_tensors: int, n: int) -> None:
+    if layer_range is not None and layer_range.stop > num_tensors // n:
+        raise param_invalid(
+            f"{api}: {name}={layer_range} exceeds the cache's {num_tensors // n} layers "
+            f"({num_tensors} tensors / {n} per layer)"
+        )
+
+
+def check_range_lengths(api: str, src: range | None, dst: range | None) -> None:
+    if src is not None and dst is not None and len(src) != len(dst):
+        raise param_invalid(f"{api}: src_layer_range={src} and dst_layer_range={dst} differ in length")
+
+
+def check_block_bounds(api: str, name: str, blocks: np.ndarray[Any, Any], num_blocks: int, whose: str) -> None:
+    if blocks.shape[0] == 0:
+        return
+    bad = np.flatnonzero(blocks >= num_blocks)
+    if bad.shape[0]:
+        index = int(bad[0])
+        raise param_invalid(
+            f"{api}: {name}[{index}]={int(blocks[index])} is out of range: {whose} cache has {num_blocks} blocks"
+        )
+
+
+def check_no_duplicates(api: str, name: str, blocks: np.ndarray[Any, Any]) -> None:
+    unique, counts = np.unique(blocks, return_counts=True)
+    repeated = unique[counts > 1]
+    if repeated.shape[0]:
+        raise param_invalid(f"{api}: {name} repeats block {int(repeated[0])}")
+
+
+def check_compatible(api: str, local_unit: int, local_dtype: DataType, remote_unit: int,
+                     remote_dtype: DataType, unit_name: str) -> None:
+    if local_unit != remote_unit:
+        raise param_invalid(f"{api}: local {unit_name} is {local_unit} bytes but remote is {remote_unit}")
+    if local_dtype != remote_dtype:
+        raise param_invalid(f"{api}: local dtype {local_dtype.name} differs from remote {remote_dtype.name}")
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One layer of a transfer: ``count`` tensors from ``src_first`` to ``dst_first``; reported as
+    destination layer ``dst_layer`` in ``completed_layers``."""
+
+    dst_layer: int
+    src_first: int
+    dst_first: int
+    count: int
+
+
+def layer_steps(api: str, src_tensors: int, dst_tensors: int, n: int,
+                src_range: range | None, dst_range: range | None) -> list[LayerStep]:
+    """The layers to move. ``None`` means all layers from 0; with both ``None`` every tensor moves,
+    grouped N at a time (the last group may be shorter when N does not divide the count)."""
+    if src_range is None and dst_range is None:
+        if src_tensors != dst_tensors:
+            raise param_invalid(f"{api}: local cache has {src_tensors} tensors, remote {dst_tensors}; "
+                                f"give layer ranges to move a subset")
+        return [LayerStep(i, first, first, min(n, src_tensors - first))
+                for i, first in enumerate(range(0, src_tensors, n))]
+    src = src_range if src_range is not None else range(0, src_tensors // n)
+    dst = dst_range if dst_range is not None else range(0, dst_tensors // n)
+    check_range_lengths(api, src, dst)
+    return [LayerStep(d, s * n, d * n, n) for s, d in zip(src, dst)]
+
+
+def ext_param_range(api: str, name: str, pair: tuple[int, int], num_tensors: int, n: int) -> range | None:
+    """KvCacheExtParam's inclusive (first, second) -> a range (None for (-1, -1))."""
+    first, second = pair
+    if (first, second) == (-1, -1):
+        return None
+    last_layer = num_tensors // n - 1
+    if first < 0 or second < 0 or first > second or second > last_layer:
+        raise param_invalid(f"{api}: {name}={pair} must satisfy 0 <= first <= second <= {last_layer}")
+    return range(first, second + 1)

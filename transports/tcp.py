@@ -1,0 +1,364 @@
+"""TCP: the built-in transport and every link's control channel.
+
+Receive path: the socket is non-blocking and watched with ``loop.add_reader``; a small state
+machine reads the 24-byte header and the meta into small buffers, asks the engine where the
+payload goes, and then reads the payload straight into registered memory with ``readv`` over the
+engine's iovec (one native call per up to IOV_MAX runs, through ctypes, so no Python object is
+made per block and no block-sized intermediate buffer exists). Measured here, asyncio streams
+(``readexactly``) ran 8x slower than receiving in place, hence this design.
+
+Send path: frames queue in order; the pump ``writev``s header, meta and payload iovec together
+straight from the source memory, resuming after partial writes, and waits with ``add_writer``
+when the socket is full. A frame that has started is always finished (or the stream closed), so
+the byte stream never holds half a frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import errno
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from kvpush.layout import IoVec
+from kvpush.protocol import HEADER_SIZE, FrameHeader, ProtocolError, decode_header
+
+from .base import Capabilities, PayloadSink, StreamHandler
+
+log = logging.getLogger(__name__)
+
+CAPABILITIES = Capabilities(name="tcp", one_sided=False, same_host_only=False)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_READS_PER_WAKEUP = 64
+_DISCARD = bytearray(1 << 18)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = _libc.readv
+_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_readv.restype = ctypes.c_ssize_t
+_writev = _libc.writev
+_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_writev.restype = ctypes.c_ssize_t
+
+
+class _Cursor:
+    """Progress through an iovec, resumable after partial reads or writes (all numpy, no loop)."""
+
+    __slots__ = ("vec", "base", "length", "cum", "total", "done", "index")
+
+    def __init__(self, iov: IoVec) -> None:
+        self.vec = np.ascontiguousarray(iov, dtype=np.uint64).copy()
+        self.base = self.vec[:, 0].copy()
+        self.length = self.vec[:, 1].copy()
+        self.cum = np.cumsum(self.length)
+        self.total = int(self.cum[-1]) if self.cum.shape[0] else 0
+        self.done = 0
+        self.index = 0
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        if self.done >= self.total:
+            self.index = self.vec.shape[0]
+            return
+        index = int(np.searchsorted(self.cum, self.done, side="right"))
+        consumed = self.done - (int(self.cum[index - 1]) if index else 0)
+        self.vec[index, 0] = self.base[index] + np.uint64(consumed)
+        self.vec[index, 1] = self.length[index] - np.uint64(consumed)
+        self.index = index
+
+    def pointer(self) -> tuple[int, int]:
+        """(address of the current iovec entry, entries to pass) for readv/writev."""
+        return self.vec.ctypes.data + 16 * self.index, min(IOV_MAX, self.vec.shape[0] - self.index)
+
+
+def _check(result: int) -> int:
+    if result >= 0:
+        return result
+    code = ctypes.get_errno()
+    if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+        raise BlockingIOError(code, os.strerror(code))
+    if code == errno.EINTR:
+        raise InterruptedError(code, os.strerror(code))
+    raise OSError(code, os.strerror(code))
+
+
+class TcpFrame:
+    """One queued outgoing frame (see ``transports.base.OutgoingFrame``)."""
+
+    __slots__ = ("head", "cursor", "sent", "_started", "abandoned")
+
+    def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.head = np.frombuffer(head, np.uint8)
+        rows = 1 + (0 if payload is None else payload.shape[0])
+        vec = np.empty((rows, 2), np.uint64)
+        vec[0, 0] = self.head.__array_interface__["data"][0]
+        vec[0, 1] = len(head)
+        if payload is not None:
+            vec[1:] = payload
+        self.cursor = _Cursor(vec)
+        self.sent: asyncio.Future[None] = loop.create_future()
+        self._started = False
+        self.abandoned = False
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def abandon(self) -> bool:
+        if self._started:
+            return False
+        self.abandoned = True
+        return True
+
+
+class TcpFrameStream:
+    """A framed, ordered byte stream over one connected TCP socket (see module docstring)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, sock: socket.socket, handler: StreamHandler, loop: asyncio.AbstractEventLoop) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.handler = handler
+        self.loop = loop
+        self.closed = False
+        self.close_reason = ""
+        self.last_receive = time.monotonic()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._queue: collections.deque[TcpFrame] = collections.deque()
+        self._writer_armed = False
+        # receive state
+        self._header = bytearray(HEADER_SIZE)
+        self._got = 0
+        self._frame: FrameHeader | None = None
+        self._meta = bytearray()
+        self._payload_left = 0
+        self._sink: PayloadSink | None = None
+        self._cursor: _Cursor | None = None
+        loop.add_reader(self.fd, self._on_readable)
+
+    def __repr__(self) -> str:
+        try:
+            peer = self.sock.getpeername()
+        except OSError:
+            peer = "?"
+        return f"<TcpFrameStream peer={peer} {'closed' if self.closed else 'open'}>"
+
+    # -- sending --------------------------------------------------------------------------------
+    def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
+        frame = TcpFrame(head, payload, self.loop)
+        if self.closed:
+            frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
+            frame.sent.exception()  # mark retrieved; callers check the link state first
+            return frame
+        self._queue.append(frame)
+        if not self._writer_armed:
+            self._pump()
+        return frame
+
+    def _pump(self) -> None:
+        while self._queue and not self.closed:
+            frame = self._queue[0]
+            if frame.abandoned:
+                self._queue.popleft()
+                if not frame.sent.done():
+                    frame.sent.cancel()
+                continue
+            frame._started = True
+            cursor = frame.cursor
+            address, count = cursor.pointer()
+            try:
+                written = _check(_writev(self.fd, address, count))
+            except (BlockingIOError, InterruptedError):
+                self._arm_writer()
+                return
+            except OSError as error:
+                self.close(f"send failed: {error.strerror or error}")
+                return
+            self.bytes_out += written
+            cursor.advance(written)
+            if cursor.done >= cursor.total:
+                self._queue.popleft()
+                if not frame.sent.done():
+                    frame.sent.set_result(None)
+        self._disarm_writer()
+
+    def _arm_writer(self) -> None:
+        if not self._writer_armed:
+            self.loop.add_writer(self.fd, self._pump)
+            self._writer_armed = True
+
+    def _disarm_writer(self) -> None:
+        if self._writer_armed:
+            self.loop.remove_writer(self.fd)
+            self._writer_armed = False
+
+    # -- receiving ------------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        for _ in range(_READS_PER_WAKEUP):
+            if self.closed:
+                return
+            try:
+                count = self._read_once()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ProtocolError as error:
+                log.warning("closing link stream %r: protocol violation: %s", self, error)
+                self.close(f"protocol violation: {error}")
+                return
+            except OSError as error:
+                self.close(f"receive failed: {error.strerror or error}")
+                return
+            except Exception as error:  # a bug in a handler must not take the engine down
+                log.exception("closing link stream %r: unexpected error while receiving", self)
+                self.close(f"internal error: {error!r}")
+                return
+            if count == 0:
+                self.close("peer closed the connection")
+                return
+            self.bytes_in += count
+            self.last_receive = time.monotonic()
+
+    def _read_once(self) -> int:
+        if self._frame is None:
+            count = self.sock.recv_into(memoryview(self._header)[self._got:])
+            self._got += count
+            if self._got == HEADER_SIZE:
+                self._got = 0
+                self._frame = decode_header(self._header)
+                self._meta = bytearray(self._frame.meta_len)
+                if self._frame.meta_len == 0:
+                    self._frame_ready()
+            return count
+        if self._got < len(self._meta):
+            count = self.sock.recv_into(memoryview(self._meta)[self._got:])
+            self._got += count
+            if self._got == len(self._meta) and count:
+                self._frame_ready()
+            return count
+        return self._read_payload()
+
+    def _frame_ready(self) -> None:
+        frame = self._frame
+        assert frame is not None
+        sink = self.handler.on_frame(frame, bytes(self._meta))
+        if frame.payload_len == 0:
+            self._reset()
+            return
+        self._payload_left = frame.payload_len
+        self._sink = sink
+        self._cursor = None
+        if sink is not None:
+            cursor = _Cursor(sink.iov)
+            if cursor.total != frame.payload_len:
+                raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {cursor.total}")
+            self._cursor = cursor
+
+    def _read_payload(self) -> int:
+        sink, cursor = self._sink, self._cursor
+        if sink is not None and cursor is not None and not sink.cancelled:
+            address, entries = cursor.pointer()
+            count = _check(_readv(self.fd, address, entries))
+            if count:
+                cursor.advance(count)
+        else:
+            want = min(self._payload_left, len(_DISCARD))
+            count = self.sock.recv_into(memoryview(_DISCARD)[:want])
+        self._payload_left -= count
+        if count and self._payload_left == 0:
+            self._reset()
+            if sink is not None and not sink.cancelled:
+                sink.on_done()
+        return count
+
+    def _reset(self) -> None:
+        self._frame = None
+        self._got = 0
+        self._meta = bytearray()
+        self._sink = None
+        self._cursor = None
+        self._payload_left = 0
+
+    # -- closing --------------------------------------------------------------------------------
+    def close(self, reason: str) -> None:
+        """Close now: queued frames fail, a payload being received stops landing. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        try:
+            self.loop.remove_reader(self.fd)
+        except (ValueError, RuntimeError):
+            pass
+        self._disarm_writer()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        error = ConnectionError(f"stream closed: {reason}")
+        while self._queue:
+            frame = self._queue.popleft()
+            if not frame.sent.done():
+                frame.sent.set_exception(error)
+                frame.sent.exception()
+        self._sink = None
+        self.handler.on_close(reason)
+
+
+# -- connection set-up -----------------------------------------------------------------------------
+
+def family_of(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A non-blocking listening socket (port 0 picks a free port)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def connect(host: str, port: int) -> socket.socket:
+    """Connect (no timeout here: the caller bounds it and cancelling closes the socket)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: Exception | None = None
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+            return sock
+        except BaseException as error:
+            sock.close()
+            if not isinstance(error, OSError):
+                raise
+            last = error
+    raise last if last else OSError(f"no address for {host}:{port}")
+
+
+def bound_address(sock: socket.socket) -> tuple[str, int]:
+    address: Any = sock.getsockname()
+    return str(address[0]), int(address[1])
