@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Side-by-side push benchmark: kvpush against the limits of this machine, in one run.
+
+    python bench/push_bench.py                      # W-KV: memcpy, socket, kvpush-tcp
+    python bench/push_bench.py --workload W-KV-RUNS --reps 7
+
+Cases (each prints one JSON line: GB/s median, per-layer ms, verified):
+  memcpy      one process, numpy copy of each merged run (the one-copy limit)
+  socket      two processes, blocking TCP over loopback, sendmsg/recvmsg_into straight into the
+              destination blocks, one acknowledgement per layer (what plain Python sockets reach)
+  kvpush-tcp  two processes, `await push_blocks(...)` of all layers over kvpush's TCP transport
+A last line gives the ratios of kvpush to the baselines measured in this same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.workload import (  # noqa: E402
+    Target,
+    Workload,
+    add_workload_args,
+    emit,
+    emit_ctl,
+    fill_source,
+    summarize,
+    verify,
+    workload_from_args,
+)
+from kvpush import (  # noqa: E402
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMDataDist,
+    LLMRole,
+)
+from kvpush.layout import block_runs  # noqa: E402
+
+IOV_MAX = 1024
+HERE = os.path.abspath(__file__)
+
+
+def _alloc(count: int, blocks: int, block_bytes: int) -> list[np.ndarray[Any, Any]]:
+    arrays = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(count)]
+    return arrays
+
+
+def _layer_plan(work: Workload) -> tuple[list[int], list[int], list[int]]:
+    src, dst = work.block_lists()
+    runs = block_runs(src, dst, work.block_bytes)
+    return runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()
+
+
+# -- memcpy --------------------------------------------------------------------------------------
+def case_memcpy(work: Workload, reps: int) -> dict[str, Any]:
+    src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
+    dst = _alloc(work.tensors, work.dst_blocks, work.block_bytes)
+    fill_source(src, work.seed)
+    s_off, d_off, length = _layer_plan(work)
+    src_views = [memoryview(a.reshape(-1)) for a in src]
+    dst_views = [memoryview(a.reshape(-1)) for a in dst]
+    times = []
+    for rep in range(reps + 1):
+        start = time.perf_counter()
+        for s_view, d_view in zip(src_views, dst_views):
+            for s, d, n in zip(s_off, d_off, length):
+                d_view[d:d + n] = s_view[s:s + n]
+        if rep:
+            times.append(time.perf_counter() - start)
+    return summarize(work, "memcpy", times, verify(work, dst))
+
+
+# -- raw socket ------------------------------------------------------------------------------------
+def _recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
+    index = 0
+    while index < len(views):
+        count = sock.recvmsg_into(views[index:index + IOV_MAX])[0]
+        if count == 0:
+            raise EOFError
+        while count and index < len(views):
+            if count >= len(views[index]):
+                count -= len(views[index])
+                index += 1
+            else:
+                views[index] = views[index][count:]
+                count = 0
+
+
+def _send_views(sock: socket.socket, views: list[Any]) -> None:
+    index = 0
+    while index < len(views):
+        count = sock.sendmsg(views[index:index + IOV_MAX])
+        while count and index < len(views):
+            if count >= len(views[index]):
+                count -= len(views[index])
+                index += 1
+            else:
+                views[index] = memoryview(views[index])[count:]
+                count = 0
+
+
+def socket_target(work: Workload) -> None:
+    dst = _alloc(work.tensors, work.dst_blocks, work.block_bytes)
+    views = [memoryview(a.reshape(-1)) for a in dst]
+    listener = socket.create_server(("127.0.0.1", 0))
+    errors: list[str] = []
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header = bytearray(8)
+            while True:
+                _recv_into_views(conn, [memoryview(header)])
+                runs, first_tensor = struct.unpack("<II", header)
+                if runs == 0:
+                    break
+                desc = bytearray(16 * runs)
+                _recv_into_views(conn, [memoryview(desc)])
+                pairs = np.frombuffer(desc, "<u8").reshape(-1, 2).tolist()
+                targets = [views[first_tensor + t][o:o + n] for t in range(work.kv) for o, n in pairs]
+                _recv_into_views(conn, targets)
+                conn.sendall(b"\x01")
+            conn.close()
+        except Exception as error:  # reported through verify
+            errors.append(repr(error))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    emit_ctl({"port": listener.getsockname()[1]})
+    for line in sys.stdin:
+        command = line.strip()
+        if '"exit"' in command:
+            emit_ctl({"ok": True})
+            return
+        if '"zero"' in command:
+            for array in dst:
+                array.fill(0)
+            emit_ctl({"ok": True})
+        elif '"verify"' in command:
+            thread.join(30)
+            emit_ctl({**verify(work, dst), "server_error": errors[0] if errors else None})
+
+
+def case_socket(work: Workload, reps: int) -> dict[str, Any]:
+    target = Target([HERE, "--role", "socket-target", *work.as_args()])
+    try:
+        src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
+        fill_source(src, work.seed)
+        views = [memoryview(a.reshape(-1)) for a in src]
+        s_off, d_off, length = _layer_plan(work)
+        pairs = np.stack([np.array(d_off, np.uint64), np.array(length, np.uint64)], 1).astype("<u8").tobytes()
+        sock = socket.create_connection(("127.0.0.1", target.ready["port"]))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ack = bytearray(1)
+        times = []
+        for rep in range(reps + 1):
+            if rep == 1:
+                target.ask({"op": "zero"})
+            start = time.perf_counter()
+            for layer in range(work.layers):
+                first = layer * work.kv
+                out: list[Any] = [struct.pack("<II", len(s_off), first), pairs]
+                out += [views[first + t][s:s + n] for t in range(work.kv) for s, n in zip(s_off, length)]
+                _send_views(sock, out)
+                _recv_into_views(sock, [memoryview(ack)])
+            if rep:
+                times.append(time.perf_counter() - start)
+        sock.sendall(struct.pack("<II", 0, 0))
+        sock.close()
+        return summarize(work, "socket", times, target.ask({"op": "verify"}))
+    finally:
+        target.close()
+
+
+# -- kvpush ------------------------------------------------------------------------------------------
+def _desc(work: Workload, blocks: int) -> CacheDesc:
+    return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
+
+
+def kvpush_target(work: Workload, transport: str) -> None:
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def start() -> None:
+        engine = LLMDataDist(LLMRole.DECODER, 2)
+        await engine.init({"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": transport,
+                           "llm.SyncKvCacheWaitTime": "30000"})
+        state["engine"] = engine
+        state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
+                                                                    BlocksCacheKey(2, 0))
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    ready.wait(60)
+    engine = state["engine"]
+    emit_ctl({"port": engine.listen_address[1]})
+    tensors = state["cache"].tensors
+    for line in sys.stdin:
+        if '"exit"' in line:
+            asyncio.run_coroutine_threadsafe(engine.finalize(), loop).result(30)
+            emit_ctl({"ok": True})
+            break
+        if '"zero"' in line:
+            for tensor in tensors:
+                tensor.fill(0)
+            emit_ctl({"ok": True})
+        elif '"verify"' in line:
+            emit_ctl(verify(work, [t.view(np.uint8) for t in tensors]))
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Target) -> dict[str, Any]:
+    options = {"kvpush.transport": transport, "llm.SyncKvCacheWaitTime": "30000"}
+    async with LLMDataDist(LLMRole.PROMPT, 1, options) as engine:
+        cache = engine.cache_manager.allocate_blocks_cache(_desc(work, work.src_blocks), BlocksCacheKey(1, 0))
+        fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 2
+        info.append_remote_ip_info("127.0.0.1", target.ready["port"])
+        status, _ = await engine.link_clusters([info], timeout=10000)
+        if status != 0:
+            raise RuntimeError(f"link failed: {status!r}")
+        src, dst = (b.tolist() for b in work.block_lists())
+        key = BlocksCacheKey(2, 0)
+        times = []
+        for rep in range(reps + 1):
+            if rep == 1:
+                await asyncio.to_thread(target.ask, {"op": "zero"})
+            start = time.perf_counter()
+            await engine.cache_manager.push_blocks(key, cache, src, dst)
+            if rep:
+                times.append(time.perf_counter() - start)
+        transport_used = engine.links[2].transport
+    result = await asyncio.to_thread(target.ask, {"op": "verify"})
+    return summarize(work, f"kvpush-{transport_used}", times, result)
+
+
+def case_kvpush(work: Workload, reps: int, transport: str) -> dict[str, Any]:
+    target = Target([HERE, "--role", "kvpush-target", "--transport", transport, *work.as_args()])
+    try:
+        return asyncio.run(_kvpush_driver(work, reps, transport, target))
+    finally:
+        target.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    parser.add_argument("--reps", type=int, default=5, help="measured repetitions per case (after one warm-up)")
+    parser.add_argument("--cases", default="memcpy,socket,kvpush-tcp")
+    parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work = workload_from_args(args)
+    if args.role == "socket-target":
+        socket_target(work)
+        return 0
+    if args.role == "kvpush-target":
+        kvpush_target(work, args.transport)
+        return 0
+    results: dict[str, dict[str, Any]] = {}
+    for case in args.cases.split(","):
+        if case == "memcpy":
+            record = case_memcpy(work, args.reps)
+        elif case == "socket":
+            record = case_socket(work, args.reps)
+        elif case.startswith("kvpush-"):
+            record = case_kvpush(work, args.reps, case.removeprefix("kvpush-"))
+        else:
+            parser.error(f"unknown case {case}")
+        results[case] = record
+        emit(record)
+    ratios = {}
+    for name, record in results.items():
+        if name.startswith("kvpush"):
+            for base in ("memcpy", "socket"):
+                if base in results:
+                    ratios[f"{name}/{base}"] = round(record["gbps"] / results[base]["gbps"], 3)
+    emit({"case": "ratios", "workload": work.name, **ratios,
+          "all_verified": all(r.get("verified") for r in results.values())})
+    return 0 if all(r.get("verified") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
