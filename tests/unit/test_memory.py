@@ -1,0 +1,111 @@
+"""kvpush/memory.py: what registration accepts (numpy, DLPack, buffer protocol, int addresses)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import EngineFactory
+
+from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
+
+DESC = CacheDesc(2, (4, 16), DataType.DT_FLOAT16)
+
+
+class DLPackTensor:
+    """What a CPU torch tensor offers: __dlpack__ and __dlpack_device__."""
+
+    def __init__(self, array: np.ndarray[Any, Any], device: tuple[int, int] = (1, 0)) -> None:
+        self.array, self.device = array, device
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+
+class TorchLikeBF16:
+    """A bfloat16 tensor numpy cannot import through DLPack: kvpush uses its own accessors."""
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        raise BufferError("bfloat16 is not supported by numpy")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return int(self.array.__array_interface__["data"][0])
+
+    def numel(self) -> int:
+        return int(self.array.size)
+
+    def element_size(self) -> int:
+        return 2
+
+
+async def test_accepts_numpy_dlpack_buffer_and_int(make_engine: EngineFactory) -> None:
+    engine = await make_engine(1)
+    cm = engine.cache_manager
+    arrays = [np.full((4, 16), i, np.float16) for i in range(8)]
+    from_numpy = cm.register_blocks_cache(DESC, arrays[0:2], BlocksCacheKey(1, 0))
+    from_dlpack = cm.register_blocks_cache(DESC, [DLPackTensor(arrays[2]), DLPackTensor(arrays[3])])
+    raw = [bytearray(DESC.size), bytearray(DESC.size)]
+    from_buffer = cm.register_blocks_cache(DESC, raw)
+    from_int = cm.register_blocks_cache(DESC, [int(a.__array_interface__["data"][0]) for a in arrays[4:6]])
+    for cache, expect in ((from_numpy, 0), (from_dlpack, 2), (from_int, 4)):
+        assert cache.is_blocks_cache and (cache.tensors[0] == expect).all()
+        assert cache.tensors[0].shape == (4, 16) and cache.tensors[0].dtype == np.float16
+    from_buffer.tensors[1][:] = 3
+    assert raw[1] == np.full((4, 16), 3, np.float16).tobytes()
+    assert [c.cache_id for c in (from_numpy, from_dlpack, from_buffer, from_int)] == [1, 2, 3, 4]
+
+
+async def test_bf16_tensor_without_numpy_support(make_engine: EngineFactory) -> None:
+    engine = await make_engine(1)
+    desc = CacheDesc(1, (4, 16), DataType.DT_BF16)
+    backing = np.zeros((4, 16), np.uint16)
+    cache = engine.cache_manager.register_blocks_cache(desc, [TorchLikeBF16(backing)])
+    cache.tensors[0][1] = 7
+    assert (backing[1] == 7).all()
+
+
+async def test_device_memory_is_refused(make_engine: EngineFactory) -> None:
+    engine = await make_engine(1)
+    device_tensor = DLPackTensor(np.zeros((4, 16), np.float16), device=(2, 0))
+    with pytest.raises(LLMException) as caught:
+        engine.cache_manager.register_blocks_cache(DESC, [device_tensor, device_tensor])
+    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+
+
+async def test_allocate_is_page_aligned_and_zeroed(make_engine: EngineFactory) -> None:
+    engine = await make_engine(1)
+    cache = engine.cache_manager.allocate_blocks_cache(CacheDesc(3, (5, 100), DataType.DT_INT32))
+    assert all(addr % 4096 == 0 for addr in cache.tensor_addrs)
+    assert all((t == 0).all() and t.shape == (5, 100) and t.dtype == np.int32 for t in cache.tensors)
+    cache.tensors[2][4] = 9
+    assert ctypes.c_int32.from_address(cache.tensor_addrs[2] + 4 * 400).value == 9
+    engine.cache_manager.deallocate_cache(cache)
+    assert cache.tensors == []
+
+
+async def test_calls_before_init_raise_runtime_error() -> None:
+    from kvpush import LLMDataDist, LLMRole
+
+    engine = LLMDataDist(LLMRole.PROMPT, 1)
+    with pytest.raises(RuntimeError):
+        engine.cache_manager  # noqa: B018
+    with pytest.raises(RuntimeError):
+        await engine.link_clusters([])
+    with pytest.raises(TypeError):
+        LLMDataDist("prompt", 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        LLMDataDist(LLMRole.PROMPT, 1 << 64)

@@ -1,0 +1,76 @@
+"""kvpush/protocol.py: frame encoding and the checks on what a peer sends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpush.layout import pack_runs
+from kvpush.protocol import (
+    HEADER_SIZE,
+    Kind,
+    ProtocolError,
+    decode_header,
+    decode_json,
+    decode_status,
+    decode_transfer,
+    encode_header,
+    encode_json,
+    encode_status,
+    encode_transfer,
+)
+
+
+def test_header_round_trip() -> None:
+    header = decode_header(encode_header(Kind.WRITE, 77, 40, 1 << 33))
+    assert (header.kind, header.request_id, header.meta_len, header.payload_len) == (Kind.WRITE, 77, 40, 1 << 33)
+
+
+def test_json_round_trip() -> None:
+    frame = encode_json(Kind.HELLO, 0, {"cluster_id": 5})
+    header = decode_header(frame[:HEADER_SIZE])
+    assert decode_json(header.kind, frame[HEADER_SIZE:]) == {"cluster_id": 5}
+
+
+def test_transfer_round_trip() -> None:
+    runs = pack_runs(np.array([0, 8192], np.uint64), np.array([4096, 4096], np.uint64))
+    frame = encode_transfer(Kind.WRITE, 3, 9, 4, 2, runs, 2 * 8192, budget_ms=1000)
+    header = decode_header(frame[:HEADER_SIZE])
+    meta = decode_transfer(header, frame[HEADER_SIZE:])
+    assert (meta.cache_id, meta.first_tensor, meta.num_tensors, meta.budget_ms) == (9, 4, 2, 1000)
+    assert meta.offsets.tolist() == [0, 8192] and meta.lengths.tolist() == [4096, 4096]
+    assert meta.payload_len == header.payload_len
+
+
+def test_status_round_trip() -> None:
+    frame = encode_status(Kind.DONE, 8, 0x5010B002, "no such cache")
+    header = decode_header(frame[:HEADER_SIZE])
+    assert decode_status(header, frame[HEADER_SIZE:]) == (0x5010B002, "no such cache")
+
+
+@pytest.mark.parametrize("data", [
+    b"\x00" * HEADER_SIZE,                                    # bad magic
+    encode_header(Kind.WRITE, 1, 0, 0)[:-1],                  # truncated
+    bytes([0x50, 0x4B, 99]) + b"\x00" * (HEADER_SIZE - 3),   # unknown kind
+    encode_header(Kind.HELLO, 0, 1 << 30, 0),                 # oversized meta
+    encode_header(Kind.PING, 0, 2, 100),                      # payload on a control frame
+])
+def test_malformed_headers_are_protocol_errors(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_header(data)
+
+
+def test_transfer_meta_inconsistencies_are_protocol_errors() -> None:
+    runs = pack_runs(np.array([0], np.uint64), np.array([4096], np.uint64))
+    frame = encode_transfer(Kind.WRITE, 1, 1, 0, 2, runs, 999)  # payload_len does not match the runs
+    header = decode_header(frame[:HEADER_SIZE])
+    with pytest.raises(ProtocolError):
+        decode_transfer(header, frame[HEADER_SIZE:])
+    frame = encode_transfer(Kind.READ, 1, 1, 0, 2, runs, 0)
+    header = decode_header(frame[:HEADER_SIZE])
+    with pytest.raises(ProtocolError):
+        decode_transfer(header, frame[HEADER_SIZE:-1])  # truncated runs
+    with pytest.raises(ProtocolError):
+        decode_json(Kind.HELLO, b"[1, 2]")
+    with pytest.raises(ProtocolError):
+        decode_json(Kind.HELLO, b"\xff\xfe")
