@@ -245,7 +245,7 @@ class CacheManager:
         if found is None:
             try:
                 await asyncio.wait_for(link.refresh_table(), self._engine.options.sync_kv_timeout_ms / 1000)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise LLMException(LLMStatusCode.LLM_TIMEOUT,
                                    f"{api}: the peer's cache table did not arrive in time") from None
             found = lookup()

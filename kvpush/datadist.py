@@ -176,7 +176,7 @@ class LLMDataDist:
     async def _accept_one(self, sock: socket.socket, address: Any) -> None:
         try:
             link = await asyncio.wait_for(Link.establish(self, sock, dialer=False), HANDSHAKE_TIMEOUT_S)
-        except (LLMException, asyncio.TimeoutError, OSError) as error:
+        except (TimeoutError, LLMException, OSError) as error:
             log.warning("refused a link from %s: %s", address, error or "handshake timed out")
             return
         self._adopt(link)
@@ -255,7 +255,7 @@ class LLMDataDist:
                         break
                     try:
                         link = await asyncio.wait_for(self._dial(host, port, cluster_id), remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         reasons.append(f"{host}:{port}: timed out")
                         continue
                     except (OSError, LLMException) as error:

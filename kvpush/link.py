@@ -41,7 +41,7 @@ from .protocol import (
     encode_transfer,
 )
 from .status import LLMException, LLMStatusCode
-from .types import DataType
+from .types import DataType, LLMRole
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class LinkState(Enum):
 
 class LinkOwner(Protocol):
     cluster_id: int
-    role: int
+    role: LLMRole
     options: EngineOptions
     registry: CacheRegistry
 
@@ -504,7 +504,7 @@ class Link:
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True
             return False
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             return False
         finally:
             self.close("unlinked")

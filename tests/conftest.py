@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
