@@ -19,9 +19,10 @@ import numpy as np
 
 from . import validate as v
 from .layout import Runs, block_runs, contiguous_runs, pack_runs, scatter_vector
-from .link import Link, PendingOp, RemoteCache
+from .link import Link
 from .memory import CacheEntry, CacheRegistry, allocate_regions, region_of
 from .protocol import Kind
+from .remote import PendingOp, RemoteCache
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, KvCacheExtParam, check_int
 
@@ -43,6 +44,7 @@ class _Plan:
     local: CacheEntry
     remote: RemoteCache
     local_offset: np.ndarray[Any, Any]
+    remote_offset: np.ndarray[Any, Any]
     remote_wire: bytes
     length: np.ndarray[Any, Any]
     steps: list[v.LayerStep]
@@ -231,8 +233,8 @@ class CacheManager:
             local_offset, remote_offset = runs.src_offset, runs.dst_offset
         else:
             local_offset, remote_offset = runs.dst_offset, runs.src_offset
-        return _Plan(api, kind, link, local, remote, local_offset, pack_runs(remote_offset, runs.length),
-                     runs.length, steps)
+        return _Plan(api, kind, link, local, remote, local_offset, remote_offset,
+                     pack_runs(remote_offset, runs.length), runs.length, steps)
 
     async def _remote_cache(self, api: str, link: Link, *, model_id: int | None = None,
                             cache_id: int | None = None) -> RemoteCache:
@@ -259,11 +261,9 @@ class CacheManager:
         local_first = step.src_first if plan.kind == Kind.WRITE else step.dst_first
         remote_first = step.dst_first if plan.kind == Kind.WRITE else step.src_first
         iov = scatter_vector(plan.local.addrs[local_first:local_first + step.count], plan.local_offset, plan.length)
-        if plan.kind == Kind.WRITE:
-            return plan.link.start_write(plan.remote.cache_id, remote_first, step.count, plan.remote_wire, iov,
-                                         plan.local, budget_ms)
-        return plan.link.start_read(plan.remote.cache_id, remote_first, step.count, plan.remote_wire, iov,
-                                    plan.local, budget_ms)
+        start = plan.link.start_write if plan.kind == Kind.WRITE else plan.link.start_read
+        return start(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset, plan.length, iov,
+                     plan.local, budget_ms)
 
     async def _execute(self, plan: _Plan) -> None:
         timeout_ms = self._engine.options.sync_kv_timeout_ms
@@ -294,8 +294,10 @@ class CacheManager:
             await self._drain(plan.link, [op for _, op in inflight], timeout)
             raise
         except BaseException:
-            for _, op in inflight:
+            ops = [op for _, op in inflight]
+            for op in ops:
                 plan.link.abandon(op)
+            await plan.link.settle(ops)  # a one-sided copy already running ends before we report
             raise
 
     @staticmethod
@@ -316,6 +318,7 @@ class CacheManager:
             link.close("a cancelled transfer could not be drained in time")
         for op in landing:
             link.abandon(op)
+        await link.settle(landing)
 
     # -- contiguous caches --------------------------------------------------------------------------
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,

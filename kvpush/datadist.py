@@ -258,7 +258,13 @@ class LLMDataDist:
                     except TimeoutError:
                         reasons.append(f"{host}:{port}: timed out")
                         continue
-                    except (OSError, LLMException) as error:
+                    except LLMException as error:
+                        if error.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
+                            log.warning("link_clusters: cluster %d: %s", cluster_id, error)
+                            return error.status_code
+                        reasons.append(f"{host}:{port}: {error}")
+                        continue
+                    except OSError as error:
                         reasons.append(f"{host}:{port}: {error}")
                         continue
                     if cluster_id in self._links:  # the peer linked to us meanwhile

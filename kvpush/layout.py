@@ -12,6 +12,7 @@ in one native call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,7 @@ def contiguous_runs(src_offset: int, dst_offset: int, length: int) -> Runs:
 
 
 def scatter_vector(
-    tensor_addrs: np.ndarray[Any, Any] | list[int],
+    tensor_addrs: np.ndarray[Any, Any] | Sequence[int],
     offsets: np.ndarray[Any, Any],
     lengths: np.ndarray[Any, Any],
 ) -> IoVec:

@@ -18,15 +18,17 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from transports import tcp
+import numpy as np
+
+from transports import cma, tcp
 from transports.base import PayloadSink
 
 from .layout import IoVec, runs_in_bounds, scatter_vector
 from .memory import CacheEntry, CacheRegistry
+from .onesided import OneSidedReceiver, OneSidedSender
 from .options import EngineOptions
 from .protocol import (
     PROTOCOL_VERSION,
@@ -40,8 +42,9 @@ from .protocol import (
     encode_status,
     encode_transfer,
 )
+from .remote import PendingOp, RemoteCache
 from .status import LLMException, LLMStatusCode
-from .types import DataType, LLMRole
+from .types import LLMRole
 
 log = logging.getLogger(__name__)
 
@@ -62,64 +65,6 @@ class LinkOwner(Protocol):
     registry: CacheRegistry
 
     def link_closed(self, link: Link, reason: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class RemoteCache:
-    """A peer's cache as its table describes it (no addresses ever cross the wire)."""
-
-    cache_id: int
-    model_id: int | None
-    is_blocks_cache: bool
-    num_tensors: int
-    shape: tuple[int, ...]
-    data_type: DataType
-
-    @property
-    def tensor_bytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.data_type.itemsize
-
-    @property
-    def num_blocks(self) -> int:
-        return self.shape[0]
-
-    @property
-    def block_bytes(self) -> int:
-        return self.tensor_bytes // self.shape[0]
-
-    @classmethod
-    def from_wire(cls, item: Any) -> RemoteCache:
-        try:
-            shape = tuple(int(d) for d in item["shape"])
-            cache = cls(int(item["id"]), None if item["model"] is None else int(item["model"]),
-                        bool(item["blocks"]), int(item["n"]), shape, DataType(int(item["dtype"])))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ProtocolError(f"bad cache table entry {item!r}: {error}") from None
-        if cache.num_tensors < 1 or not shape or min(shape) < 1:
-            raise ProtocolError(f"cache table entry {item!r} describes no memory")
-        return cache
-
-
-class PendingOp:
-    """A request waiting for its reply. ``future`` resolves with None or an LLMException."""
-
-    __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected")
-
-    def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
-        self.request_id = request_id
-        self.kind = kind
-        self.future = future
-        self.frame: tcp.TcpFrame | None = None
-        self.sink: PayloadSink | None = None
-        self.expected = 0
-
-    @property
-    def bytes_may_land(self) -> bool:
-        """True when part of this request may already be at (or on its way to) the peer."""
-        return self.kind == Kind.WRITE and self.frame is not None and self.frame.started
 
 
 def _proof(token: str, label: bytes, first: bytes, second: bytes) -> str:
@@ -146,6 +91,13 @@ class Link:
         self._keepalive: asyncio.Task[None] | None = None
         self._bye: asyncio.Future[None] = self.loop.create_future()
         self._auth_sent = False
+        self._probe: cma.Probe | None = None
+        self._peer_offer: dict[str, Any] | None = None
+        self._first_table: asyncio.Future[None] = self.loop.create_future()
+        self._share_addresses = False
+        self.onesided: OneSidedSender | None = None
+        self.receiver = OneSidedReceiver(self)
+        self.fallback_reason = ""
         self.rtt_ms: float | None = None
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -158,7 +110,8 @@ class Link:
 
     @property
     def transport(self) -> str:
-        return self.stream.capabilities.name
+        """How this side's transfers move bytes on this link."""
+        return cma.CAPABILITIES.name if self.onesided else self.stream.capabilities.name
 
     @property
     def ready(self) -> bool:
@@ -176,18 +129,63 @@ class Link:
                 await link._handshake_dialer(expect_cluster_id)
             else:
                 await link._handshake_acceptor()
+            link._choose_data_path()
+            link.state = LinkState.READY
+            link.send_table()
+            if dialer:  # linked means the peer's caches are known: no round trip on the first push
+                await link._first_table
         except LLMException as error:
             link.close(str(error))
             raise
         except BaseException:
             link.close("handshake interrupted")
             raise
-        link.state = LinkState.READY
-        link.send_table()
         link._keepalive = asyncio.create_task(link._keepalive_loop(), name=f"kvpush-keepalive-{link.peer_cluster_id}")
-        log.info("link to cluster %s ready over %s (%s)", link.peer_cluster_id, link.transport,
-                 "dialed" if dialer else "accepted")
+        log.info("link to cluster %s ready over %s (%s)%s", link.peer_cluster_id, link.transport,
+                 "dialed" if dialer else "accepted",
+                 f"; same-host path not used: {link.fallback_reason}" if link.fallback_reason else "")
         return link
+
+    def _same_host_offer(self) -> dict[str, Any] | None:
+        """What lets the peer copy one-sided into this process (sent only after authentication)."""
+        if self.owner.options.transport not in ("auto", "cma") or not cma.AVAILABLE:
+            return None
+        self._probe = cma.Probe()
+        return {"host": cma.host_identity(), **self._probe.describe()}
+
+    def _take_offer(self, body: dict[str, Any]) -> None:
+        offer = body.get("same_host")
+        self._peer_offer = offer if isinstance(offer, dict) else None
+        self._share_addresses = (self._peer_offer is not None and self._probe is not None
+                                 and self._peer_offer.get("host") == cma.host_identity())
+
+    def _choose_data_path(self) -> None:
+        """Pick how this side moves bytes: the same-host one-sided path when the peer is on this
+        host and a probe read of its memory proves we can reach it, else the link's stream (TCP).
+        An explicit ``transport`` that cannot work raises LLM_FEATURE_NOT_ENABLED."""
+        wanted = self.owner.options.transport
+        if wanted == "ucx":
+            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                               "transport 'ucx' is not available in this build of kvpush")
+        if wanted == "tcp":
+            return
+        offer = self._peer_offer
+        if not cma.AVAILABLE:
+            reason = "cross-memory attach is not available on this platform"
+        elif offer is None:
+            reason = "the peer offered no same-host path"
+        elif offer.get("host") != cma.host_identity():
+            reason = "the peer is on another host (or network/pid namespace)"
+        else:
+            try:
+                self.onesided = OneSidedSender(self, cma.CmaPeer(offer))
+                return
+            except cma.CmaError as error:
+                reason = f"the kernel refused cross-memory attach: {error}"
+        if wanted == "cma":
+            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                               f"transport 'cma' cannot reach cluster {self.peer_cluster_id}: {reason}")
+        self.fallback_reason = reason
 
     def _hello(self, nonce: bytes, proof: str | None) -> bytes:
         owner = self.owner
@@ -244,8 +242,8 @@ class Link:
                 raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "authentication failed: peer's proof is wrong")
             proof = _proof(token, b"kvpush-dialer", peer_nonce, my_nonce)
         self._auth_sent = True
-        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or ""}))
-        await self._expect(Kind.READY)
+        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or "", "same_host": self._same_host_offer()}))
+        self._take_offer(await self._expect(Kind.READY))
 
     async def _handshake_acceptor(self) -> None:
         token = self.owner.options.auth_token
@@ -267,7 +265,9 @@ class Link:
                 log.warning("refused a link: %s", reason)
                 self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed"}))
                 raise LLMException(LLMStatusCode.LLM_LINK_FAILED, reason)
-        self.stream.send(encode_json(Kind.READY, 0, {}))
+        offer = self._same_host_offer()
+        self._take_offer(auth)
+        self.stream.send(encode_json(Kind.READY, 0, {"same_host": offer}))
         self.state = LinkState.READY
 
     # -- keepalive ------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class Link:
         if self.state == LinkState.READY:
             registry = self.owner.registry
             self.stream.send(encode_json(Kind.TABLE, request_id, {"version": registry.version,
-                                                                  "caches": registry.table()}))
+                                                                  "caches": registry.table(self._share_addresses)}))
 
     def _apply_table(self, body: dict[str, Any]) -> None:
         caches = body.get("caches")
@@ -296,6 +296,8 @@ class Link:
         entries = [RemoteCache.from_wire(item) for item in caches]
         self.remote_caches = {c.cache_id: c for c in entries}
         self.remote_by_model = {c.model_id: c.cache_id for c in entries if c.model_id is not None}
+        if not self._first_table.done():
+            self._first_table.set_result(None)
 
     async def refresh_table(self) -> None:
         """One round trip for the peer's current cache table (callers bound it with their deadline)."""
@@ -316,47 +318,82 @@ class Link:
         self._pending[request_id] = op
         return op
 
-    def start_write(self, cache_id: int, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                    source: IoVec, source_entry: CacheEntry, budget_ms: int) -> PendingOp:
-        """Queue one layer's WRITE. The source cache stays pinned until its bytes left."""
-        op = self._new_op(Kind.WRITE)
+    def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
+                    remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], source: IoVec,
+                    source_entry: CacheEntry, budget_ms: int) -> PendingOp:
+        """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the
+        bytes. The source cache stays pinned until its bytes left."""
         payload_len = int(source[:, 1].sum())
-        head = encode_transfer(Kind.WRITE, op.request_id, cache_id, first_tensor, num_tensors, runs_wire,
+        self.counters["write_requests"] += 1
+        self.counters["bytes_pushed"] += payload_len
+        if self.onesided is not None and remote.addrs is not None:
+            return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
+                                        remote_offset, length, source, source_entry, budget_ms)
+        op = self._new_op(Kind.WRITE)
+        head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
         source_entry.pin()
         op.frame = self.stream.send(head, source)
         op.frame.sent.add_done_callback(lambda _: source_entry.unpin())
-        self.counters["write_requests"] += 1
-        self.counters["bytes_pushed"] += payload_len
         return op
 
-    def start_read(self, cache_id: int, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                   destination: IoVec, destination_entry: CacheEntry, budget_ms: int) -> PendingOp:
-        """Queue one layer's READ; the reply's payload lands straight in ``destination``."""
+    def start_read(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
+                   remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], destination: IoVec,
+                   destination_entry: CacheEntry, budget_ms: int) -> PendingOp:
+        """Start one layer's read: one-sided when this link can, else a READ whose reply's payload
+        lands straight in ``destination``."""
+        expected = int(destination[:, 1].sum())
+        self.counters["read_requests"] += 1
+        self.counters["bytes_pulled"] += expected
+        if self.onesided is not None and remote.addrs is not None:
+            return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire,
+                                        remote_offset, length, destination, destination_entry, budget_ms)
         op = self._new_op(Kind.READ)
-        op.expected = int(destination[:, 1].sum())
+        op.expected = expected
         destination_entry.pin()
         op.future.add_done_callback(lambda _: destination_entry.unpin())
-        op.sink = PayloadSink(destination, lambda: self._complete(op, None))
-        head = encode_transfer(Kind.READ, op.request_id, cache_id, first_tensor, num_tensors, runs_wire,
+        op.sink = PayloadSink(destination, lambda: self.complete(op, None))
+        head = encode_transfer(Kind.READ, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                0, budget_ms)
         op.frame = self.stream.send(head)
-        self.counters["read_requests"] += 1
-        self.counters["bytes_pulled"] += op.expected
         return op
+
+    def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
+                        runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
+                        local: IoVec, entry: CacheEntry, budget_ms: int) -> PendingOp:
+        assert remote.addrs is not None
+        op = self._new_op(kind)
+        op.local_iov = local
+        op.remote_iov = scatter_vector(remote.addrs[first_tensor:first_tensor + num_tensors], remote_offset, length)
+        entry.pin()
+        op.hold(entry.unpin)
+        op.frame = self.stream.send(encode_transfer(kind, op.request_id, remote.cache_id, first_tensor, num_tensors,
+                                                    runs_wire, 0, budget_ms))
+        return op
+
+    def pending(self, request_id: int) -> PendingOp | None:
+        return self._pending.get(request_id)
 
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: an unsent frame is dropped, an incoming payload is discarded
-        from now on, and a late reply is ignored. Bytes of a WRITE already on the wire still land."""
+        from now on, and a late reply is ignored. Bytes of a WRITE already on the wire, or of a
+        one-sided copy already running, still land (see ``settle``)."""
         self._pending.pop(op.request_id, None)
         if op.frame is not None:
             op.frame.abandon()
         if op.sink is not None:
             op.sink.cancel()
+        if op.copy is None:
+            op.release()
         if not op.future.done():
             op.future.cancel()
 
-    def _complete(self, op: PendingOp, error: LLMException | None) -> None:
+    async def settle(self, ops: list[PendingOp]) -> None:
+        """Wait until no one-sided copy of ``ops`` is still running (bounded: they are memory copies)."""
+        if self.onesided is not None:
+            await self.onesided.settle(ops)
+
+    def complete(self, op: PendingOp, error: LLMException | None) -> None:
         self._pending.pop(op.request_id, None)
         if op.future.done():
             return
@@ -402,9 +439,17 @@ class Link:
             self._apply_table(decode_json(kind, meta))
             op = self._pending.get(header.request_id)
             if op is not None and op.kind == Kind.TABLE_REQUEST:
-                self._complete(op, None)
+                self.complete(op, None)
         elif kind == Kind.TABLE_REQUEST:
             self.send_table(header.request_id)
+        elif kind in (Kind.WRITE_INTENT, Kind.READ_INTENT):
+            self.receiver.on_intent(header, meta)
+        elif kind == Kind.GRANT:
+            if self.onesided is None:
+                raise ProtocolError("GRANT on a link that sent no one-sided request")
+            self.onesided.on_grant(header, meta)
+        elif kind == Kind.LANDED:
+            self.receiver.on_landed(header, meta)
         elif kind == Kind.BYE:
             self._on_bye(decode_json(kind, meta))
         else:
@@ -418,9 +463,9 @@ class Link:
             log.debug("ignoring DONE for request %d (abandoned or unknown)", header.request_id)
             return
         if status == 0:
-            self._complete(op, None)
+            self.complete(op, None)
         else:
-            self._complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the write: {message}"))
+            self.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the write: {message}"))
 
     def _on_read_data(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
         status, message = decode_status(header, meta)
@@ -430,13 +475,13 @@ class Link:
         if status != 0:
             if header.payload_len:
                 raise ProtocolError("READ_DATA carries both an error and a payload")
-            self._complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the read: {message}"))
+            self.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the read: {message}"))
             return None
         if header.payload_len != op.expected:
             raise ProtocolError(f"READ_DATA of {header.payload_len} bytes for a request of {op.expected}")
         return op.sink
 
-    def _resolve_remote_request(self, header: FrameHeader, meta: bytes) -> tuple[CacheEntry, IoVec] | str:
+    def resolve_remote_request(self, header: FrameHeader, meta: bytes) -> tuple[CacheEntry, IoVec] | str:
         """Check a peer's WRITE/READ against the local registry: the iovec, or why it is refused."""
         transfer = decode_transfer(header, meta)
         if not self.owner.options.enable_remote_cache_accessible:
@@ -454,7 +499,7 @@ class Link:
         return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
 
     def _serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-        resolved = self._resolve_remote_request(header, meta)
+        resolved = self.resolve_remote_request(header, meta)
         if isinstance(resolved, str):
             code, _, reason = resolved.partition(":")
             log.warning("refused a write from cluster %s: %s", self.peer_cluster_id, reason)
@@ -474,7 +519,7 @@ class Link:
         return PayloadSink(iov, landed)
 
     def _serve_read(self, header: FrameHeader, meta: bytes) -> None:
-        resolved = self._resolve_remote_request(header, meta)
+        resolved = self.resolve_remote_request(header, meta)
         if isinstance(resolved, str):
             code, _, reason = resolved.partition(":")
             log.warning("refused a read from cluster %s: %s", self.peer_cluster_id, reason)
@@ -504,7 +549,7 @@ class Link:
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True
             return False
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError, LLMException):
             return False
         finally:
             self.close("unlinked")
@@ -524,13 +569,19 @@ class Link:
         for op in list(self._pending.values()):
             if op.sink is not None:
                 op.sink.cancel()
-            self._complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, error_text))
+            if op.copy is None:
+                op.release()
+            self.complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, error_text))
         for entry in self._inbound_pins.values():
             entry.unpin()
         self._inbound_pins.clear()
-        if not self._bye.done():
-            self._bye.set_exception(ConnectionError(reason))
-            self._bye.exception()
+        self.receiver.close()
+        if self.onesided is not None:
+            self.onesided.close()
+        for waiter in (self._bye, self._first_table):
+            if not waiter.done():
+                waiter.set_exception(LLMException(LLMStatusCode.LLM_LINK_FAILED, reason))
+                waiter.exception()
         if was_ready:
             log.info("link to cluster %s closed: %s", self.peer_cluster_id, reason)
         self.owner.link_closed(self, reason)

@@ -15,7 +15,8 @@ from .types import check_int, check_ip
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "tcp", "ucx", "shm")
+TRANSPORTS = ("auto", "tcp", "ucx", "cma")
+_TRANSPORT_ALIASES = {"shm": "cma", "same-host": "cma"}
 
 # attribute name -> option key. Keys that mean nothing on a CPU host are accepted and logged.
 _FIELDS: dict[str, str] = {
@@ -158,6 +159,7 @@ def parse_options(options: Any) -> EngineOptions:
             _parse_positive_int(raw_key, text)
             log.debug("option %s accepted; link time is bounded by link_clusters(timeout=...)", raw_key)
         elif key == "kvpush.transport":
+            text = _TRANSPORT_ALIASES.get(text, text)
             if text not in TRANSPORTS:
                 raise param_invalid(f"option {raw_key}={text!r} must be one of {', '.join(TRANSPORTS)}")
             parsed.transport = text

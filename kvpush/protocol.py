@@ -6,7 +6,9 @@ Every message is one frame::
     meta    meta_len bytes (JSON for control messages, a packed struct for transfers)
     payload payload_len bytes (block bytes of a WRITE or READ_DATA; empty otherwise)
 
-A transfer request (WRITE / READ) names the peer's cache by id, the first tensor and the number
+A transfer request (WRITE / READ, or WRITE_INTENT / READ_INTENT for one-sided transports, which the
+receiver answers with a GRANT before the sender copies; LANDED follows the copy) names the peer's
+cache by id, the first tensor and the number
 of tensors of one layer, and the merged runs ``(offset, length)`` within each tensor, so its size
 grows with runs, never with tensors x blocks. The payload is tensor-major: every run of the first
 tensor, then every run of the next.
@@ -57,11 +59,17 @@ class Kind(IntEnum):
     READ = 10
     READ_DATA = 11
     BYE = 12
+    # one-sided (same-host) transfers: ask, get a grant, copy, tell
+    WRITE_INTENT = 13
+    READ_INTENT = 14
+    GRANT = 15
+    LANDED = 16
 
 
 JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
                         Kind.PING, Kind.PONG, Kind.BYE})
 PAYLOAD_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
+TRANSFER_KINDS = frozenset({Kind.WRITE, Kind.READ, Kind.WRITE_INTENT, Kind.READ_INTENT})
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise ProtocolError(f"unknown frame kind {kind_value}") from None
     if kind in JSON_KINDS:
         limit = MAX_JSON_META
-    elif kind in (Kind.WRITE, Kind.READ):
+    elif kind in TRANSFER_KINDS:
         limit = MAX_TRANSFER_META
     else:
         limit = MAX_STATUS_META
@@ -171,7 +179,8 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
 
 
 def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:
-    """DONE (reply to WRITE) or READ_DATA (reply to READ; payload follows when status is 0)."""
+    """DONE (reply to WRITE), READ_DATA (reply to READ; payload follows when status is 0), GRANT
+    (reply to an intent) or LANDED (the one-sided copy finished, status 0, or was abandoned)."""
     text = message.encode()[:4096]
     meta = STATUS_META.pack(status & 0xFFFFFFFF) + text
     return encode_header(kind, request_id, len(meta), payload_len) + meta

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvpush.layout import IoVec
-from kvpush.protocol import FrameHeader
+if TYPE_CHECKING:
+    from kvpush.layout import IoVec
+    from kvpush.protocol import FrameHeader
 
 
 @dataclass(frozen=True)

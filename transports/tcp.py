@@ -23,14 +23,16 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpush.layout import IoVec
 from kvpush.protocol import HEADER_SIZE, FrameHeader, ProtocolError, decode_header
 
 from .base import Capabilities, PayloadSink, StreamHandler
+
+if TYPE_CHECKING:
+    from kvpush.layout import IoVec
 
 log = logging.getLogger(__name__)
 

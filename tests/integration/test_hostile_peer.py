@@ -46,6 +46,7 @@ class RawPeer:
         assert self.read()[0] == Kind.READY
         kind, table = self.read()
         assert kind == Kind.TABLE
+        self.send(encode_json(Kind.TABLE, 0, {"version": 0, "caches": []}))
         return table
 
     def send(self, data: bytes) -> None:

@@ -1,0 +1,83 @@
+"""Helpers shared by the two-process tests: cache geometry, deterministic contents, the expected
+destination (computed here, independently of kvpush's own layout code) and a linked prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from conftest import EngineFactory, link
+from peer import Peer, pattern
+
+from kvpush import BlocksCacheKey, Cache, CacheDesc, DataType, LLMDataDist
+
+TENSORS = 8            # 4 layers of K, V with N = 2
+SRC_BLOCKS, DST_BLOCKS = 32, 64
+ROW = 2048             # fp16 elements per block: 4 KiB blocks
+
+
+def desc(blocks: int, tensors: int = TENSORS) -> CacheDesc:
+    return CacheDesc(tensors, (blocks, ROW), DataType.DT_FLOAT16)
+
+
+def fill(cache: Cache, seed: int) -> None:
+    for index, tensor in enumerate(cache.tensors):
+        tensor.reshape(-1).view(np.uint8)[:] = pattern(seed, index, tensor.nbytes)
+
+
+def raw(cache: Cache) -> np.ndarray[Any, Any]:
+    return np.stack([t.view(np.uint8).reshape(t.shape[0], -1) for t in cache.tensors])
+
+
+def expected_after(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], src_blocks: list[int],
+                   dst_blocks: list[int], n: int, src_range: range | None = None,
+                   dst_range: range | None = None) -> np.ndarray[Any, Any]:
+    """What the destination must hold after the transfer."""
+    out = dst.copy()
+    if src_range is None and dst_range is None:
+        pairs = [(t, t) for t in range(src.shape[0])]
+    else:
+        assert src_range is not None and dst_range is not None
+        pairs = [(s * n + j, d * n + j) for s, d in zip(src_range, dst_range) for j in range(n)]
+    for s, d in pairs:
+        out[d][dst_blocks] = src[s][src_blocks]
+    return out
+
+
+def random_blocks(seed: int, count: int = SRC_BLOCKS) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(SRC_BLOCKS)[:count].tolist(), rng.permutation(DST_BLOCKS)[:count].tolist()
+
+
+def peer_options(transport: str = "auto", listen: bool = True) -> dict[str, str]:
+    options = {"kvpush.transport": transport}
+    if listen:
+        options["llm.listenIpInfo"] = "127.0.0.1:0"
+    return options
+
+
+def decode_peer_with_kv(transport: str = "auto") -> Peer:
+    peer = Peer(2, options=peer_options(transport))
+    peer.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0)
+    return peer
+
+
+async def prefill(make_engine: EngineFactory, peer: Peer, transport: str = "auto",
+                  **options: str) -> tuple[LLMDataDist, Cache]:
+    """A prefill engine in this process with a filled source cache, linked to ``peer``."""
+    engine = await make_engine(1, kvpush__transport=transport, **options)
+    cache = engine.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
+    fill(cache, seed=11)
+    await link(engine, 2, peer.port)
+    if transport != "auto":
+        assert engine.links[2].transport == transport, engine.links[2].fallback_reason
+    return engine, cache
+
+
+async def wait_for(predicate: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
