@@ -91,11 +91,7 @@ class CacheManager:
         if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
             raise param_invalid(f"{api}: {desc!r} describes no memory")
         mapping, regions = allocate_regions(desc)
-        try:
-            cache = self.registry.add(desc, regions, is_blocks, model_id, mapping)
-        except BaseException:
-            mapping.close()
-            raise
+        cache = self.registry.add(desc, regions, is_blocks, model_id, mapping)  # on error the mapping is dropped
         self._engine._registry_changed()
         return cache
 
@@ -191,6 +187,8 @@ class CacheManager:
         ranges_given = src_range is not None or dst_range is not None
         local_tensors = local_cache.cache_desc.num_tensors
         v.check_tensor_num(api, n, local_tensors, ranges_given)
+        v.check_layer_range_values(api, "src_layer_range", src_range)
+        v.check_layer_range_values(api, "dst_layer_range", dst_range)
         local_range = src_range if push else dst_range
         v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", local_range, local_tensors, n)
         v.check_range_lengths(api, src_range, dst_range)
@@ -272,11 +270,27 @@ class CacheManager:
         inflight: collections.deque[tuple[v.LayerStep, PendingOp]] = collections.deque()
         steps = plan.steps
         next_step = 0
+        local = plan.local
+        if local.removed:
+            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                               f"{plan.api}: local cache {local.cache.cache_id} was released")
+        local.pin()  # its memory stays mapped until this call is over, whatever the caller frees meanwhile
+        released: int | None = None  # the first layer not issued because the local cache was released
         try:
-            while next_step < len(steps) or inflight:
-                while next_step < len(steps) and len(inflight) < WINDOW:
-                    inflight.append((steps[next_step], self._start(plan, steps[next_step], timeout_ms)))
+            while (next_step < len(steps) and released is None) or inflight:
+                while next_step < len(steps) and len(inflight) < WINDOW and released is None:
+                    step = steps[next_step]
+                    if local.removed:  # stop issuing; layers already in flight still finish
+                        released = step.dst_layer
+                        break
+                    try:
+                        inflight.append((step, self._start(plan, step, timeout_ms)))
+                    except LLMException as refused:
+                        raise LLMException(refused.status_code, f"{plan.api}: layer {step.dst_layer}: {refused}",
+                                           completed) from None
                     next_step += 1
+                if not inflight:
+                    break
                 step, op = inflight[0]
                 done, _ = await asyncio.wait((op.future,), timeout=timeout)
                 if not done:
@@ -290,6 +304,10 @@ class CacheManager:
                     raise error
                 inflight.popleft()
                 completed.append(step.dst_layer)
+            if released is not None:
+                raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                   f"{plan.api}: local cache {local.cache.cache_id} was released before layer "
+                                   f"{released}", completed)
         except asyncio.CancelledError:
             await self._drain(plan.link, [op for _, op in inflight], timeout)
             raise
@@ -297,8 +315,12 @@ class CacheManager:
             ops = [op for _, op in inflight]
             for op in ops:
                 plan.link.abandon(op)
-            await plan.link.settle(ops)  # a one-sided copy already running ends before we report
+            # Clean up before reporting: running copies end and started frames finish leaving the
+            # source memory (or the link is closed), so nothing reads or writes it after we raise.
+            await plan.link.settle(ops, timeout)
             raise
+        finally:
+            local.unpin()
 
     @staticmethod
     async def _drain(link: Link, ops: list[PendingOp], timeout: float) -> None:
@@ -315,10 +337,10 @@ class CacheManager:
         except asyncio.CancelledError:
             pending = {op.future for op in landing}
         if pending:
-            link.close("a cancelled transfer could not be drained in time")
+            link.close("a cancelled transfer could not be drained in time", abort=True)
         for op in landing:
             link.abandon(op)
-        await link.settle(landing)
+        await link.settle(landing, timeout)
 
     # -- contiguous caches --------------------------------------------------------------------------
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
@@ -356,6 +378,8 @@ class CacheManager:
         ranges_given = local_range is not None or remote_range is not None
         local_desc = local_cache.cache_desc
         v.check_tensor_num(api, n, local_desc.num_tensors, ranges_given)
+        v.check_layer_range_values(api, "local layer range", local_range)
+        v.check_layer_range_values(api, "remote layer range", remote_range)
         v.check_range_bounds(api, "local layer range", local_range, local_desc.num_tensors, n)
         v.check_range_lengths(api, local_range, remote_range)
         if size_value == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,7 @@ class LLMDataDist:
         self.role = role
         self.cluster_id = check_int("cluster_id", cluster_id)
         self.options = EngineOptions()
+        self.instance = os.urandom(8).hex()  # tells a restarted peer from a second link of the same one
         self.registry = CacheRegistry()
         self._pending_options = options
         self._initialized = False
@@ -176,18 +178,37 @@ class LLMDataDist:
     async def _accept_one(self, sock: socket.socket, address: Any) -> None:
         try:
             link = await asyncio.wait_for(Link.establish(self, sock, dialer=False), HANDSHAKE_TIMEOUT_S)
-        except (TimeoutError, LLMException, OSError) as error:
-            log.warning("refused a link from %s: %s", address, error or "handshake timed out")
+        except TimeoutError:
+            log.warning("refused a link from %s: handshake timed out", address)
+            return
+        except Exception as error:  # whatever a peer sends, the listener goes on
+            log.warning("refused a link from %s: %s", address, error)
             return
         self._adopt(link)
 
-    def _adopt(self, link: Link) -> None:
+    def _dialer_cluster(self, link: Link) -> int:
         assert link.peer_cluster_id is not None
+        return self.cluster_id if link.dialer else link.peer_cluster_id
+
+    def _adopt(self, link: Link) -> bool:
+        """Make ``link`` the link to its cluster. A link from a new instance of the peer (it
+        restarted) replaces the old one. When both ends dialed each other at once, both keep the
+        link dialed by the lower cluster id, so they agree without talking. False: not adopted."""
+        assert link.peer_cluster_id is not None
+        if not self._initialized:
+            link.close("engine finalized")
+            return False
         old = self._links.get(link.peer_cluster_id)
+        if old is not None and old is not link and old.ready:
+            crossed = old.peer_instance == link.peer_instance and old.dialer != link.dialer
+            if crossed and self._dialer_cluster(old) < self._dialer_cluster(link):
+                link.close("both ends linked at once; keeping the other link")
+                return False
+            log.info("cluster %d linked again%s; closing its previous link", link.peer_cluster_id,
+                     " from both ends at once" if crossed else " (peer restarted)")
+            old.close("replaced by a new link to the same cluster")
         self._links[link.peer_cluster_id] = link
-        if old is not None and old is not link:
-            log.info("cluster %d linked again; closing its previous link", link.peer_cluster_id)
-            old.close("replaced by a new link from the same cluster")
+        return True
 
     # -- LinkOwner ------------------------------------------------------------------------------------
     def link_closed(self, link: Link, reason: str) -> None:
@@ -195,7 +216,7 @@ class LLMDataDist:
             del self._links[link.peer_cluster_id]
 
     def _registry_changed(self) -> None:
-        for link in self._links.values():
+        for link in list(self._links.values()):  # a failing send closes (and unlists) its link
             link.send_table()
 
     def _link_for(self, api: str, cluster_id: int) -> Link:
@@ -253,11 +274,22 @@ class LLMDataDist:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         break
+                    dial = asyncio.ensure_future(self._dial(host, port, cluster_id))
+                    self._handshakes.add(dial)  # finalize() cancels it
+                    dial.add_done_callback(self._handshakes.discard)
                     try:
-                        link = await asyncio.wait_for(self._dial(host, port, cluster_id), remaining)
-                    except TimeoutError:
+                        done, _ = await asyncio.wait({dial}, timeout=remaining)
+                    except asyncio.CancelledError:
+                        dial.cancel()
+                        raise
+                    if not done:
+                        dial.cancel()
                         reasons.append(f"{host}:{port}: timed out")
                         continue
+                    if dial.cancelled():
+                        return LLMStatusCode.LLM_LINK_FAILED  # the engine was finalized meanwhile
+                    try:
+                        link = dial.result()
                     except LLMException as error:
                         if error.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
                             log.warning("link_clusters: cluster %d: %s", cluster_id, error)
@@ -267,11 +299,9 @@ class LLMDataDist:
                     except OSError as error:
                         reasons.append(f"{host}:{port}: {error}")
                         continue
-                    if cluster_id in self._links:  # the peer linked to us meanwhile
-                        link.close("duplicate link")
-                        return LLMStatusCode.LLM_ALREADY_LINK
-                    self._adopt(link)
-                    return LLMStatusCode.LLM_SUCCESS
+                    if self._adopt(link):
+                        return LLMStatusCode.LLM_SUCCESS
+                    return LLMStatusCode.LLM_ALREADY_LINK if self._initialized else LLMStatusCode.LLM_LINK_FAILED
         finally:
             self._linking.discard(cluster_id)
         log.warning("link_clusters: cluster %d failed: %s", cluster_id, "; ".join(reasons) or "timed out")

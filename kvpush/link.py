@@ -61,6 +61,7 @@ class LinkState(Enum):
 class LinkOwner(Protocol):
     cluster_id: int
     role: LLMRole
+    instance: str
     options: EngineOptions
     registry: CacheRegistry
 
@@ -81,6 +82,7 @@ class Link:
         self.state = LinkState.HANDSHAKE
         self.peer_cluster_id: int | None = None
         self.peer_role: int | None = None
+        self.peer_instance = ""
         self.close_reason = ""
         self.remote_caches: dict[int, RemoteCache] = {}
         self.remote_by_model: dict[int, int] = {}
@@ -190,6 +192,7 @@ class Link:
     def _hello(self, nonce: bytes, proof: str | None) -> bytes:
         owner = self.owner
         body = {"version": PROTOCOL_VERSION, "cluster_id": owner.cluster_id, "role": int(owner.role),
+                "instance": owner.instance,
                 "nonce": nonce.hex(), "auth": owner.options.auth_token is not None,
                 "transports": [self.transport]}
         if proof is not None:
@@ -210,7 +213,8 @@ class Link:
             cluster_id = int(body["cluster_id"])
             nonce = bytes.fromhex(str(body["nonce"]))
             role = int(body.get("role", 0))
-        except (KeyError, TypeError, ValueError):
+            instance = str(body.get("instance", ""))
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "handshake: malformed HELLO") from None
         if version != PROTOCOL_VERSION:
             raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer speaks protocol {version}, "
@@ -223,7 +227,7 @@ class Link:
         if bool(body.get("auth")) != (token is not None):
             raise LLMException(LLMStatusCode.LLM_LINK_FAILED,
                                "authentication mismatch: only one side has an auth_token")
-        self.peer_cluster_id, self.peer_role = cluster_id, role
+        self.peer_cluster_id, self.peer_role, self.peer_instance = cluster_id, role, instance
         return nonce
 
     async def _handshake_dialer(self, expect_cluster_id: int | None) -> None:
@@ -388,10 +392,19 @@ class Link:
         if not op.future.done():
             op.future.cancel()
 
-    async def settle(self, ops: list[PendingOp]) -> None:
-        """Wait until no one-sided copy of ``ops`` is still running (bounded: they are memory copies)."""
+    async def settle(self, ops: list[PendingOp], grace: float) -> None:
+        """After abandoning ``ops``: wait until none still reads or writes local memory. One-sided
+        copies run to their end (memory copies, bounded); frames already started get ``grace``
+        seconds to finish leaving, after which the link is closed abortively (never half a frame
+        in the stream, never a read of the source memory after the caller was told)."""
         if self.onesided is not None:
             await self.onesided.settle(ops)
+        leaving = [op.frame.sent for op in ops
+                   if op.frame is not None and op.frame.started and not op.frame.sent.done()]
+        if leaving:
+            _, pending = await asyncio.wait(leaving, timeout=grace)
+            if pending:
+                self.close("a layer could not finish leaving after its transfer ended", abort=True)
 
     def complete(self, op: PendingOp, error: LLMException | None) -> None:
         self._pending.pop(op.request_id, None)
@@ -554,15 +567,16 @@ class Link:
         finally:
             self.close("unlinked")
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, abort: bool = False) -> None:
         """Close now. Every pending request fails with LLM_TIMEOUT (it was in flight when the
-        link broke); later calls see LLM_NOT_YET_LINK. Idempotent."""
+        link broke); later calls see LLM_NOT_YET_LINK. ``abort`` resets the connection so bytes
+        still queued in this host's kernel are discarded instead of delivered. Idempotent."""
         if self.state == LinkState.CLOSED:
             return
         was_ready = self.state == LinkState.READY
         self.state = LinkState.CLOSED
         self.close_reason = reason
-        self.stream.close(reason)
+        self.stream.close(reason, abort)
         if self._keepalive is not None and self._keepalive is not asyncio.current_task():
             self._keepalive.cancel()
         error_text = f"link to cluster {self.peer_cluster_id} broke during the transfer: {reason}"

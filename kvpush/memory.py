@@ -29,9 +29,17 @@ _DLPACK_CPU = 1
 
 @dataclass
 class Region:
+    """One tensor's bytes. ``view`` is a flat uint8 array over them whose base chain keeps the
+    memory alive (numpy array, DLPack capsule, buffer, kvpush's own mapping), so views handed to
+    users never dangle; for raw int addresses the caller keeps the memory alive."""
+
     address: int
     nbytes: int
     keepalive: object = field(repr=False)
+    view: np.ndarray[Any, Any] | None = field(default=None, repr=False)
+
+    def flat(self) -> np.ndarray[Any, Any]:
+        return self.view if self.view is not None else _view_of_address(self.address, self.nbytes)
 
 
 def _view_of_address(address: int, nbytes: int) -> np.ndarray[Any, Any]:
@@ -123,7 +131,7 @@ def region_of(obj: object, name: str, desc: CacheDesc) -> Region:
     if not raw_bytes and not _dtype_matches(array.dtype, desc.data_type):
         raise param_invalid(f"{name} has dtype {array.dtype}, descriptor says {desc.data_type.name}")
     address = int(array.__array_interface__["data"][0]) if array.nbytes else 0
-    return _checked(Region(address, int(array.nbytes), keepalive), name, desc)
+    return _checked(Region(address, int(array.nbytes), keepalive, array.reshape(-1).view(np.uint8)), name, desc)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -155,9 +163,10 @@ def allocate_regions(desc: CacheDesc) -> tuple[mmap.mmap, list[Region]]:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(mapping, np.uint8)
     whole[::PAGE] = 0  # prefault: the first transfer must not pay page faults
-    base = int(whole.__array_interface__["data"][0])
-    regions = [Region(base + i * stride, desc.size, mapping) for i in range(desc.num_tensors)]
-    del whole
+    regions = []
+    for index in range(desc.num_tensors):
+        view = whole[index * stride:index * stride + desc.size]
+        regions.append(Region(int(view.__array_interface__["data"][0]), desc.size, mapping, view))
     return mapping, regions
 
 
@@ -186,14 +195,11 @@ class CacheEntry:
             self._release()
 
     def _release(self) -> None:
+        """Drop kvpush's references. Memory kvpush allocated is unmapped when the last view of it
+        (including any ``cache.tensors`` a caller kept) is gone, so no view ever dangles."""
         self.cache.tensors = []
         self.regions = []
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:
-                log.debug("cache %d: views still exported; memory is freed when they are", self.cache.cache_id)
-            self.mapping = None
+        self.mapping = None
 
     def describe(self, with_addresses: bool = False) -> dict[str, Any]:
         """The description peers receive; tensor addresses only for same-host one-sided peers."""
@@ -259,8 +265,7 @@ class CacheRegistry:
             cache_desc=desc,
             tensor_addrs=[r.address for r in regions],
             is_blocks_cache=is_blocks_cache,
-            tensors=[_view_of_address(r.address, r.nbytes).view(desc.data_type.numpy_dtype).reshape(desc.shape)
-                     for r in regions],
+            tensors=[r.flat().view(desc.data_type.numpy_dtype).reshape(desc.shape) for r in regions],
         )
         self._next_id += 1
         entry = CacheEntry(cache, model_id, regions, np.array(cache.tensor_addrs, np.uint64), mapping)

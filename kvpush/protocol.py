@@ -116,10 +116,14 @@ def encode_json(kind: Kind, request_id: int, body: dict[str, Any]) -> bytes:
     return encode_header(kind, request_id, len(meta), 0) + meta
 
 
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"non-finite number {name} in JSON meta")
+
+
 def decode_json(kind: Kind, meta: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
-        body = json.loads(bytes(meta))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        body = json.loads(bytes(meta), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ProtocolError(f"{kind.name} meta is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} meta is not a JSON object")

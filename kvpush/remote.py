@@ -52,7 +52,7 @@ class RemoteCache:
             cache = cls(int(item["id"]), None if item["model"] is None else int(item["model"]),
                         bool(item["blocks"]), int(item["n"]), shape, DataType(int(item["dtype"])),
                         None if addrs is None else tuple(int(a) for a in addrs))
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
             raise ProtocolError(f"bad cache table entry {item!r}: {error}") from None
         if cache.num_tensors < 1 or not shape or min(shape) < 1:
             raise ProtocolError(f"cache table entry {item!r} describes no memory")

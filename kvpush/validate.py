@@ -30,10 +30,14 @@ def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
         raise TypeError(f"{api}: {name} must be a list or tuple of int, got {type(blocks).__name__}")
     if len(blocks) == 0:
         return np.zeros(0, np.uint64)
+    if not isinstance(blocks, np.ndarray) and bool in map(type, blocks):  # C-level scan; numpy would take True as 1
+        raise TypeError(f"{api}: {name} must contain int, not bool")
     try:
         array = np.asarray(blocks)
     except (TypeError, ValueError, OverflowError):
         array = np.asarray(blocks, dtype=object)
+    if array.dtype.kind == "f" and not isinstance(blocks, np.ndarray):
+        array = np.asarray(blocks, dtype=object)  # ints beyond int64 next to negatives: check one by one
     if array.ndim != 1:
         raise TypeError(f"{api}: {name} must be a flat list of int")
     if array.dtype.kind == "i":
@@ -54,17 +58,23 @@ def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
 
 
 def check_layer_range(api: str, name: str, value: object) -> range | None:
+    """The type checks of a layer range (TypeError, ValueError); its values come later, in order."""
     if value is None:
         return None
     if not isinstance(value, range):
         raise TypeError(f"{api}: {name} must be a range or None, got {type(value).__name__}")
-    if value.step != 1:
-        raise param_invalid(f"{api}: {name}={value} must have step 1")
     if value.start < 0:
         raise ValueError(f"{api}: {name}={value} starts below 0")
+    return value
+
+
+def check_layer_range_values(api: str, name: str, value: range | None) -> None:
+    if value is None:
+        return
+    if value.step != 1:
+        raise param_invalid(f"{api}: {name}={value} must have step 1")
     if value.stop <= value.start:
         raise param_invalid(f"{api}: {name}={value} is empty")
-    return value
 
 
 def check_tensor_num_type(api: str, value: object) -> int:

@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -293,12 +294,18 @@ class TcpFrameStream:
         self._payload_left = 0
 
     # -- closing --------------------------------------------------------------------------------
-    def close(self, reason: str) -> None:
-        """Close now: queued frames fail, a payload being received stops landing. Idempotent."""
+    def close(self, reason: str, abort: bool = False) -> None:
+        """Close now: queued frames fail, a payload being received stops landing. With ``abort``
+        the connection is reset (SO_LINGER 0): unsent bytes are dropped, not delivered. Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.close_reason = reason
+        if abort:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
         try:
             self.loop.remove_reader(self.fd)
         except (ValueError, RuntimeError):

@@ -232,3 +232,59 @@ async def test_cancelled_pull_never_writes_after_cancellation(transport: str,
     got = raw(local)
     assert np.array_equal(got[:2, 31], remote[:2, 40])
     assert not got[:, :31].any() and not got[2:].any()
+
+
+async def test_local_cache_released_mid_transfer(transport: str, make_engine: EngineFactory, decode_peer: Peer,
+                                                 tmp_path: Any) -> None:
+    engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="5000")
+    key = BlocksCacheKey(2, 0)
+    await engine.cache_manager.push_blocks(key, src, [0], [0])
+    before = await decode_peer.asnapshot("kv", tmp_path)
+    original = raw(src).copy()
+    blocks = list(range(8))
+    decode_peer.signal(signal.SIGSTOP)
+    try:
+        task = asyncio.create_task(engine.cache_manager.push_blocks(key, src, blocks, blocks))
+        await asyncio.sleep(0.1)
+        engine.cache_manager.deallocate_cache(src)  # layers 0 and 1 are in flight
+    finally:
+        decode_peer.signal(signal.SIGCONT)
+    with pytest.raises(LLMException) as caught:
+        await task
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert caught.value.completed_layers == [0, 1]
+    after = await decode_peer.asnapshot("kv", tmp_path)
+    assert np.array_equal(after[:4, blocks], original[:4, blocks])  # the layers that went are the real bytes
+    assert np.array_equal(after[4:], before[4:])                      # the rest never went
+
+
+async def test_nothing_lands_from_source_memory_changed_after_a_timeout(transport: str, make_engine: EngineFactory,
+                                                                        tmp_path: Any) -> None:
+    big = {"num_tensors": 2, "shape": [512, 16384], "model_id": 0}  # one layer = 32 MiB: more than socket buffers
+    with Peer(2, options=peer_options(transport)) as peer:
+        peer.call("allocate", name="big", **big)
+        engine = await make_engine(1, kvpush__transport=transport, llm__SyncKvCacheWaitTime="300")
+        src = engine.cache_manager.allocate_blocks_cache(CacheDesc(2, (512, 16384), DataType.DT_FLOAT16))
+        fill(src, seed=17)
+        original = raw(src).copy()
+        await link(engine, 2, peer.port)
+        blocks = list(range(512))
+        peer.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(LLMException) as caught:
+                await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, blocks, blocks)
+            assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT
+            for tensor in src.tensors:  # the caller reuses its blocks right after the error
+                tensor.view(np.uint8)[:] = 0xEE
+        finally:
+            peer.signal(signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        landed = await peer.asnapshot("big", tmp_path)
+        late = (landed == 0xEE) & (original != 0xEE)
+        assert not late.any(), f"{int(late.sum())} bytes written after the exception landed"
+        assert ((landed == original) | (landed == 0)).all()
+        if 2 not in engine.links:  # a half-sent layer closes the link rather than leave half a frame
+            await link(engine, 2, peer.port)
+        fill(src, seed=18)
+        await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [5], [9])
+        assert np.array_equal((await peer.asnapshot("big", tmp_path))[:, 9], raw(src)[:, 5])

@@ -84,6 +84,7 @@ async def test_valid_call_moves_bytes(pair: Pair) -> None:
     {"src_blocks": "01"},
     {"dst_blocks": [2, "3"]},
     {"dst_blocks": [2.0, 3.0]},
+    {"src_blocks": [0, True]},
     {"src_layer_range": [0, 1]},
     {"dst_layer_range": (0, 1)},
     {"tensor_num_per_layer": "2"},
@@ -95,6 +96,7 @@ async def test_wrong_types_raise_type_error(pair: Pair, kwargs: dict[str, Any]) 
 @pytest.mark.parametrize("kwargs", [
     {"src_blocks": [0, -1]},
     {"dst_blocks": [2, 1 << 64]},
+    {"dst_blocks": [-1, 2**63]},
     {"src_layer_range": range(-1, 1)},
 ])
 async def test_out_of_type_range_raises_value_error(pair: Pair, kwargs: dict[str, Any]) -> None:
@@ -183,6 +185,9 @@ async def test_checks_run_in_spec_order(pair: Pair) -> None:
                                    dst_cache_key=BlocksCacheKey(77, 0))
     assert "empty" in message
     await expect_refused(pair, LLMException, P, tensor_num_per_layer=0, dst_cache_key=BlocksCacheKey(77, 0))
+    # a bad N beats a bad layer range
+    assert "tensor_num_per_layer" in await expect_refused(pair, LLMException, P, tensor_num_per_layer=0,
+                                                          src_layer_range=range(0, 2, 2))
     # a missing link beats an out-of-range block
     await expect_refused(pair, LLMException, LLMStatusCode.LLM_NOT_YET_LINK, dst_blocks=[2, 999],
                          dst_cache_key=BlocksCacheKey(77, 0))

@@ -119,6 +119,8 @@ def untouched(arena: np.ndarray[Any, Any]) -> bool:
     encode_json(Kind.TABLE, 0, {"caches": []}),                         # table before the handshake
     encode_header(Kind.HELLO, 0, 1 << 30, 0),                           # oversized meta
     encode_header(Kind.HELLO, 0, 10, 0) + b"not json!!",               # malformed handshake
+    encode_header(Kind.HELLO, 0, 54, 0)
+    + b'{"version":1,"cluster_id":Infinity,"nonce":"00","a":1}',        # non-finite number
 ])
 async def test_garbage_before_handshake_closes_only_that_connection(
         guarded: tuple[LLMDataDist, np.ndarray[Any, Any], int], make_engine: EngineFactory,

@@ -4,6 +4,7 @@ peer, and two engines in one process."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 from collections.abc import Iterator
@@ -133,3 +134,36 @@ async def test_two_engines_in_one_process(make_engine: EngineFactory) -> None:
     stats = left.link_stats()[2]
     assert stats["transport"] == "cma"  # same host: one-sided, even within one process
     assert stats["write_requests"] == 2 and stats["bytes_served"] == 4 * 4096
+
+
+async def test_both_ends_linking_each_other_at_once_keep_one_link(make_engine: EngineFactory) -> None:
+    for _ in range(3):
+        left = await make_engine(1, listen=True)
+        right = await make_engine(2, listen=True)
+        results = await asyncio.gather(left.link_clusters([cluster(2, right.listen_address[1])]),
+                                       right.link_clusters([cluster(1, left.listen_address[1])]))
+        assert all(status in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK) for status, _ in results)
+        await asyncio.sleep(0.05)
+        assert list(left.links) == [2] and list(right.links) == [1]
+        a = left.cache_manager.allocate_blocks_cache(desc(4, 2), BlocksCacheKey(1, 0))
+        b = right.cache_manager.allocate_blocks_cache(desc(4, 2), BlocksCacheKey(2, 0))
+        fill(a, 1)
+        await left.cache_manager.push_blocks(BlocksCacheKey(2, 0), a, [0], [3])
+        await right.cache_manager.pull_blocks(BlocksCacheKey(1, 0), b, [1], [2])
+        assert np.array_equal(raw(b)[:, 3], raw(a)[:, 0]) and np.array_equal(raw(b)[:, 2], raw(a)[:, 1])
+        await left.finalize()
+        await right.finalize()
+
+
+async def test_finalize_stops_a_link_in_progress(make_engine: EngineFactory, decode_peer: Peer) -> None:
+    engine = await make_engine(1)
+    decode_peer.signal(signal.SIGSTOP)  # the handshake cannot finish
+    try:
+        task = asyncio.create_task(engine.link_clusters([cluster(2, decode_peer.port)], timeout=10000))
+        await asyncio.sleep(0.2)
+        await engine.finalize()
+        async with asyncio.timeout(5):
+            status, codes = await task
+    finally:
+        decode_peer.signal(signal.SIGCONT)
+    assert codes == [LLMStatusCode.LLM_LINK_FAILED] and engine.links == {}

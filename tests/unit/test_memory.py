@@ -109,3 +109,16 @@ async def test_calls_before_init_raise_runtime_error() -> None:
         LLMDataDist("prompt", 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         LLMDataDist(LLMRole.PROMPT, 1 << 64)
+
+
+async def test_views_outlive_deallocate_and_finalize(make_engine: EngineFactory) -> None:
+    engine = await make_engine(1)
+    cache = engine.cache_manager.allocate_blocks_cache(CacheDesc(2, (8, 1024), DataType.DT_UINT8))
+    kept = cache.tensors[1]
+    kept[:] = 5
+    engine.cache_manager.deallocate_cache(cache)
+    assert (kept == 5).all()  # still mapped: freed only when the last view goes
+    other = engine.cache_manager.allocate_blocks_cache(CacheDesc(1, (8, 1024), DataType.DT_UINT8)).tensors[0]
+    await engine.finalize()
+    other[:] = 3
+    assert (other == 3).all() and (kept == 5).all()
