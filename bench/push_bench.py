@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Side-by-side push benchmark: kvpush against the limits of this machine, in one run.
 
-    python bench/push_bench.py                      # W-KV: memcpy, socket, kvpush-tcp
-    python bench/push_bench.py --workload W-KV-RUNS --reps 7
+    python bench/push_bench.py                      # W-KV and W-KV-RUNS, every case
+    python bench/push_bench.py --workloads W-KV --cases memcpy,kvpush-cma --reps 7
 
 Cases (each prints one JSON line: GB/s median, per-layer ms, verified):
   memcpy      one process, numpy copy of each merged run (the one-copy limit)
   socket      two processes, blocking TCP over loopback, sendmsg/recvmsg_into straight into the
               destination blocks, one acknowledgement per layer (what plain Python sockets reach)
   kvpush-tcp  two processes, `await push_blocks(...)` of all layers over kvpush's TCP transport
+  kvpush-cma  the same over kvpush's same-host one-sided transport (cross-memory attach)
 A last line gives the ratios of kvpush to the baselines measured in this same run.
 """
 
@@ -265,7 +266,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions per case (after one warm-up)")
-    parser.add_argument("--cases", default="memcpy,socket,kvpush-tcp")
+    parser.add_argument("--cases", default="memcpy,socket,kvpush-tcp,kvpush-cma")
+    parser.add_argument("--workloads", default="W-KV,W-KV-RUNS", help="comma-separated (driver only)")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,6 +278,14 @@ def main() -> int:
     if args.role == "kvpush-target":
         kvpush_target(work, args.transport)
         return 0
+    ok = True
+    for name in args.workloads.split(","):
+        args.workload = name
+        ok &= run_workload(parser, workload_from_args(args), args)
+    return 0 if ok else 1
+
+
+def run_workload(parser: argparse.ArgumentParser, work: Workload, args: argparse.Namespace) -> bool:
     results: dict[str, dict[str, Any]] = {}
     for case in args.cases.split(","):
         if case == "memcpy":
@@ -294,9 +304,9 @@ def main() -> int:
             for base in ("memcpy", "socket"):
                 if base in results:
                     ratios[f"{name}/{base}"] = round(record["gbps"] / results[base]["gbps"], 3)
-    emit({"case": "ratios", "workload": work.name, **ratios,
-          "all_verified": all(r.get("verified") for r in results.values())})
-    return 0 if all(r.get("verified") for r in results.values()) else 1
+    verified = all(r.get("verified") for r in results.values())
+    emit({"case": "ratios", "workload": work.name, **ratios, "all_verified": verified})
+    return verified
 
 
 if __name__ == "__main__":

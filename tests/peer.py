@@ -71,9 +71,23 @@ async def _serve() -> None:
         if op == "link":
             info = LLMClusterInfo()
             info.remote_cluster_id = cmd["cluster_id"]
-            info.append_remote_ip_info("127.0.0.1", cmd["port"])
+            info.append_remote_ip_info(cmd.get("host", "127.0.0.1"), cmd["port"])
             status, codes = await engine.link_clusters([info], timeout=cmd.get("timeout", 5000))
             return {"status": int(status), "codes": [int(c) for c in codes]}
+        if op == "drop_privileges":  # become an unprivileged user: the kernel refuses it cross-memory attach
+            "localhost".encode("idna")  # load what is imported lazily while the files are still readable
+            await loop.getaddrinfo("127.0.0.1", 1)
+            os.setgroups([])
+            os.setresgid(cmd["uid"], cmd["uid"], cmd["uid"])
+            os.setresuid(cmd["uid"], cmd["uid"], cmd["uid"])
+            return {"uid": os.getuid()}
+        if op == "link_info":
+            return {"links": {str(c): {"transport": link.transport, "fallback_reason": link.fallback_reason}
+                              for c, link in engine.links.items()}}
+        if op == "push":
+            await cm.push_blocks(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
+                                 cmd["src_blocks"], cmd["dst_blocks"])
+            return {}
         if op == "finalize":
             await engine.finalize()
             return {}
@@ -111,11 +125,13 @@ def pattern(seed: int, tensor_index: int, nbytes: int) -> np.ndarray[Any, Any]:
 class Peer:
     """A peer engine process. Use as a context manager; it is always ended on exit."""
 
-    def __init__(self, cluster_id: int, options: dict[str, str] | None = None, role: int = 2) -> None:
+    def __init__(self, cluster_id: int, options: dict[str, str] | None = None, role: int = 2,
+                 wrapper: list[str] | None = None) -> None:
+        """``wrapper`` prefixes the command line (e.g. ``ip netns exec NAME`` to run on another "host")."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.proc = subprocess.Popen([sys.executable, HERE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen([*(wrapper or []), sys.executable, HERE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
         self.cluster_id = cluster_id
         self.pid = self._read()["pid"]
         opts = {"llm.listenIpInfo": "127.0.0.1:0"} if options is None else options

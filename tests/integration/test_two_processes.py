@@ -5,6 +5,7 @@ peer, and two engines in one process."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 from collections.abc import Iterator
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import EngineFactory, cluster, link
 from kvtest import DST_BLOCKS, ROW, SRC_BLOCKS, TENSORS, decode_peer_with_kv, desc, fill, prefill, raw, wait_for
-from peer import Peer
+from peer import Peer, pattern
 
-from kvpush import BlocksCacheKey, LLMException, LLMStatusCode
+from kvpush import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode
 
 
 @pytest.fixture
@@ -167,3 +168,24 @@ async def test_finalize_stops_a_link_in_progress(make_engine: EngineFactory, dec
     finally:
         decode_peer.signal(signal.SIGCONT)
     assert codes == [LLMStatusCode.LLM_LINK_FAILED] and engine.links == {}
+
+
+async def test_kernel_refusal_falls_back_to_tcp_and_says_why(make_engine: EngineFactory, tmp_path: Any,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a peer that then drops to another user")
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER)
+    dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
+    with Peer(1, options={}, role=1) as prefill:
+        prefill.call("allocate", name="kv", num_tensors=TENSORS, shape=[SRC_BLOCKS, ROW], model_id=0, seed=19)
+        prefill.call("drop_privileges", uid=65534)  # may not ptrace a root process any more
+        linked = await prefill.acall("link", cluster_id=2, port=decode.listen_address[1])
+        assert linked["codes"] == [0]
+        info = (await prefill.acall("link_info"))["links"]["2"]
+        assert info["transport"] == "tcp"
+        assert "refused" in info["fallback_reason"] and "Operation not permitted" in info["fallback_reason"]
+        await prefill.acall("push", name="kv", cluster_id=2, src_blocks=[1, 2], dst_blocks=[7, 30])
+        for tensor in range(TENSORS):
+            source = pattern(19, tensor, SRC_BLOCKS * ROW * 2).reshape(SRC_BLOCKS, -1)
+            assert np.array_equal(raw(dst)[tensor][[7, 30]], source[[1, 2]])
+        assert decode.links[1].transport == "cma"  # root may still reach the peer: each side picks its own path
