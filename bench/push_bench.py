@@ -10,6 +10,9 @@ Cases (each prints one JSON line: GB/s median, per-layer ms, verified):
               destination blocks, one acknowledgement per layer (what plain Python sockets reach)
   kvpush-tcp  two processes, `await push_blocks(...)` of all layers over kvpush's TCP transport
   kvpush-cma  the same over kvpush's same-host one-sided transport (cross-memory attach)
+  ucx_perftest-ucp_put_bw, ucx_perftest-tag_bw
+              UCX's own C benchmark at the run size on the same UCX transport (needs the ucx extra)
+  kvpush-ucx  `await push_blocks(...)` over kvpush's UCX binding (one-sided puts, one flush per layer)
 A last line gives the ratios of kvpush to the baselines measured in this same run.
 """
 
@@ -20,6 +23,7 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -51,6 +55,7 @@ from kvpush import (  # noqa: E402
 from kvpush.layout import block_runs  # noqa: E402
 
 IOV_MAX = 1024
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX over tcp stays on loopback in benchmarks
 HERE = os.path.abspath(__file__)
 
 
@@ -187,6 +192,43 @@ def case_socket(work: Workload, reps: int) -> dict[str, Any]:
         target.close()
 
 
+# -- ucx_perftest (what UCX itself does from C) ------------------------------------------------------
+def case_ucx_perftest(work: Workload, test: str) -> dict[str, Any]:
+    """``ucx_perftest -t <test>`` (ucp_put_bw or tag_bw) from the libucx wheel, two processes, at the
+    workload's run size (one block for W-KV, one 16-block run for W-KV-RUNS), on UCX's tcp transport
+    like kvpush-ucx. Reports UCX's own overall bandwidth; nothing to verify (UCX moves a scratch buffer)."""
+    import libucx  # the 'ucx' extra
+
+    root = os.path.dirname(libucx.__file__)
+    env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_TLS": os.environ.get("UCX_TLS", "tcp"),
+           "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+    binary = os.path.join(root, "bin", "ucx_perftest")
+    size = work.block_bytes * (work.src_blocks // work.runs if work.runs else 1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    iterations = max(200, min(20000, (2 << 30) // size))
+    server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        output = ""
+        for _ in range(50):  # the server needs a moment to listen
+            client = subprocess.run([binary, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size),
+                                     "-n", str(iterations)], env=env, capture_output=True, text=True, timeout=120)
+            output = client.stdout
+            if client.returncode == 0 and "Final:" in output:
+                break
+            time.sleep(0.1)
+        final = [line for line in output.splitlines() if line.startswith("Final:")]
+        if not final:
+            raise RuntimeError(f"ucx_perftest {test} printed no result: {output[-500:]}")
+        mb_per_s = float(final[-1].split()[6])  # overall bandwidth, MB/s (2^20 bytes)
+    finally:
+        server.kill()
+        server.wait(10)
+    return {"case": f"ucx_perftest-{test}", "workload": work.name, "message_bytes": size,
+            "gbps": round(mb_per_s * (1 << 20) / 1e9, 3), "verified": None, "transport": env["UCX_TLS"]}
+
+
 # -- kvpush ------------------------------------------------------------------------------------------
 def _desc(work: Workload, blocks: int) -> CacheDesc:
     return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
@@ -266,7 +308,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions per case (after one warm-up)")
-    parser.add_argument("--cases", default="memcpy,socket,kvpush-tcp,kvpush-cma")
+    parser.add_argument("--cases", default="memcpy,socket,kvpush-tcp,kvpush-cma,ucx_perftest-ucp_put_bw,"
+                                           "ucx_perftest-tag_bw,kvpush-ucx")
     parser.add_argument("--workloads", default="W-KV,W-KV-RUNS", help="comma-separated (driver only)")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
@@ -292,6 +335,8 @@ def run_workload(parser: argparse.ArgumentParser, work: Workload, args: argparse
             record = case_memcpy(work, args.reps)
         elif case == "socket":
             record = case_socket(work, args.reps)
+        elif case.startswith("ucx_perftest-"):
+            record = case_ucx_perftest(work, case.removeprefix("ucx_perftest-"))
         elif case.startswith("kvpush-"):
             record = case_kvpush(work, args.reps, case.removeprefix("kvpush-"))
         else:
@@ -301,10 +346,10 @@ def run_workload(parser: argparse.ArgumentParser, work: Workload, args: argparse
     ratios = {}
     for name, record in results.items():
         if name.startswith("kvpush"):
-            for base in ("memcpy", "socket"):
+            for base in ("memcpy", "socket", "ucx_perftest-ucp_put_bw", "ucx_perftest-tag_bw"):
                 if base in results:
                     ratios[f"{name}/{base}"] = round(record["gbps"] / results[base]["gbps"], 3)
-    verified = all(r.get("verified") for r in results.values())
+    verified = all(r.get("verified") is not False for r in results.values())
     emit({"case": "ratios", "workload": work.name, **ratios, "all_verified": verified})
     return verified
 

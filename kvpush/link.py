@@ -19,11 +19,11 @@ import socket
 import time
 from collections import Counter
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from transports import cma, tcp
+from transports import cma, tcp, ucp
 from transports.base import PayloadSink
 
 from .layout import IoVec, runs_in_bounds, scatter_vector
@@ -46,6 +46,9 @@ from .remote import PendingOp, RemoteCache
 from .status import LLMException, LLMStatusCode
 from .types import LLMRole
 
+if TYPE_CHECKING:
+    from transports.ucx import UcxService
+
 log = logging.getLogger(__name__)
 
 _NONCE_BYTES = 32
@@ -64,6 +67,7 @@ class LinkOwner(Protocol):
     instance: str
     options: EngineOptions
     registry: CacheRegistry
+    ucx: UcxService | None
 
     def link_closed(self, link: Link, reason: str) -> None: ...
 
@@ -94,9 +98,10 @@ class Link:
         self._bye: asyncio.Future[None] = self.loop.create_future()
         self._auth_sent = False
         self._probe: cma.Probe | None = None
-        self._peer_offer: dict[str, Any] | None = None
+        self._peer_offers: dict[str, Any] = {}
         self._first_table: asyncio.Future[None] = self.loop.create_future()
         self._share_addresses = False
+        self._share_rkeys = False
         self.onesided: OneSidedSender | None = None
         self.receiver = OneSidedReceiver(self)
         self.fallback_reason = ""
@@ -113,7 +118,7 @@ class Link:
     @property
     def transport(self) -> str:
         """How this side's transfers move bytes on this link."""
-        return cma.CAPABILITIES.name if self.onesided else self.stream.capabilities.name
+        return self.onesided.mover.capabilities.name if self.onesided else self.stream.capabilities.name
 
     @property
     def ready(self) -> bool:
@@ -148,46 +153,68 @@ class Link:
                  f"; same-host path not used: {link.fallback_reason}" if link.fallback_reason else "")
         return link
 
-    def _same_host_offer(self) -> dict[str, Any] | None:
-        """What lets the peer copy one-sided into this process (sent only after authentication)."""
-        if self.owner.options.transport not in ("auto", "cma") or not cma.AVAILABLE:
-            return None
-        self._probe = cma.Probe()
-        return {"host": cma.host_identity(), **self._probe.describe()}
+    def _offers(self) -> dict[str, Any]:
+        """What lets the peer move bytes one-sided with this process (sent only after authentication):
+        same-host cross-memory attach, and this engine's UCX worker address."""
+        offers: dict[str, Any] = {}
+        wanted = self.owner.options.transport
+        if wanted in ("auto", "cma") and cma.AVAILABLE:
+            self._probe = cma.Probe()
+            offers["cma"] = {"host": cma.host_identity(), **self._probe.describe()}
+        if self.owner.ucx is not None:
+            offers["ucx"] = self.owner.ucx.offer()
+        return offers
 
-    def _take_offer(self, body: dict[str, Any]) -> None:
-        offer = body.get("same_host")
-        self._peer_offer = offer if isinstance(offer, dict) else None
-        self._share_addresses = (self._peer_offer is not None and self._probe is not None
-                                 and self._peer_offer.get("host") == cma.host_identity())
+    def _take_offers(self, body: dict[str, Any]) -> None:
+        offers = body.get("offers")
+        self._peer_offers = offers if isinstance(offers, dict) else {}
+        peer_cma = self._peer_offers.get("cma")
+        self._share_addresses = (isinstance(peer_cma, dict) and self._probe is not None
+                                 and peer_cma.get("host") == cma.host_identity())
+        self._share_rkeys = isinstance(self._peer_offers.get("ucx"), dict) and self.owner.ucx is not None
 
     def _choose_data_path(self) -> None:
-        """Pick how this side moves bytes: the same-host one-sided path when the peer is on this
-        host and a probe read of its memory proves we can reach it, else the link's stream (TCP).
-        An explicit ``transport`` that cannot work raises LLM_FEATURE_NOT_ENABLED."""
+        """Pick how this side moves bytes: same host and a probe read of the peer's memory works ->
+        cross-memory attach; else UCX when both ends offer it; else the link's stream (TCP). An
+        explicit ``transport`` that cannot work raises LLM_FEATURE_NOT_ENABLED."""
         wanted = self.owner.options.transport
-        if wanted == "ucx":
-            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                               "transport 'ucx' is not available in this build of kvpush")
         if wanted == "tcp":
             return
-        offer = self._peer_offer
-        if not cma.AVAILABLE:
-            reason = "cross-memory attach is not available on this platform"
-        elif offer is None:
-            reason = "the peer offered no same-host path"
-        elif offer.get("host") != cma.host_identity():
-            reason = "the peer is on another host (or network/pid namespace)"
-        else:
-            try:
-                self.onesided = OneSidedSender(self, cma.CmaPeer(offer))
-                return
-            except cma.CmaError as error:
-                reason = f"the kernel refused cross-memory attach: {error}"
-        if wanted == "cma":
+        reasons = []
+        if wanted in ("auto", "cma"):
+            offer = self._peer_offers.get("cma")
+            if not cma.AVAILABLE:
+                reasons.append("cross-memory attach is not available on this platform")
+            elif not isinstance(offer, dict):
+                reasons.append("the peer offered no same-host path")
+            elif offer.get("host") != cma.host_identity():
+                reasons.append("the peer is on another host (or network/pid namespace)")
+            else:
+                try:
+                    self.onesided = OneSidedSender(self, cma.CmaMover(cma.CmaPeer(offer), str(self.peer_cluster_id)))
+                    return
+                except cma.CmaError as error:
+                    reasons.append(f"the kernel refused cross-memory attach: {error}")
+        if wanted in ("auto", "ucx"):
+            offer = self._peer_offers.get("ucx")
+            if self.owner.ucx is None:
+                reasons.append("UCX is not enabled in this engine")
+            elif not isinstance(offer, dict):
+                reasons.append("the peer offered no UCX endpoint")
+            else:
+                try:
+                    self.onesided = OneSidedSender(self, self.owner.ucx.connect(offer, self._ucx_error))
+                    return
+                except ucp.UcpError as error:
+                    reasons.append(f"UCX could not connect: {error}")
+        reason = "; ".join(reasons)
+        if wanted in ("cma", "ucx"):
             raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                               f"transport 'cma' cannot reach cluster {self.peer_cluster_id}: {reason}")
+                               f"transport {wanted!r} cannot reach cluster {self.peer_cluster_id}: {reason}")
         self.fallback_reason = reason
+
+    def _ucx_error(self, reason: str) -> None:
+        self.close(reason)
 
     def _hello(self, nonce: bytes, proof: str | None) -> bytes:
         owner = self.owner
@@ -246,8 +273,8 @@ class Link:
                 raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "authentication failed: peer's proof is wrong")
             proof = _proof(token, b"kvpush-dialer", peer_nonce, my_nonce)
         self._auth_sent = True
-        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or "", "same_host": self._same_host_offer()}))
-        self._take_offer(await self._expect(Kind.READY))
+        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or "", "offers": self._offers()}))
+        self._take_offers(await self._expect(Kind.READY))
 
     async def _handshake_acceptor(self) -> None:
         token = self.owner.options.auth_token
@@ -269,9 +296,9 @@ class Link:
                 log.warning("refused a link: %s", reason)
                 self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed"}))
                 raise LLMException(LLMStatusCode.LLM_LINK_FAILED, reason)
-        offer = self._same_host_offer()
-        self._take_offer(auth)
-        self.stream.send(encode_json(Kind.READY, 0, {"same_host": offer}))
+        offers = self._offers()
+        self._take_offers(auth)
+        self.stream.send(encode_json(Kind.READY, 0, {"offers": offers}))
         self.state = LinkState.READY
 
     # -- keepalive ------------------------------------------------------------------------------
@@ -290,8 +317,8 @@ class Link:
     def send_table(self, request_id: int = 0) -> None:
         if self.state == LinkState.READY:
             registry = self.owner.registry
-            self.stream.send(encode_json(Kind.TABLE, request_id, {"version": registry.version,
-                                                                  "caches": registry.table(self._share_addresses)}))
+            caches = registry.table(self._share_addresses or self._share_rkeys, self._share_rkeys)
+            self.stream.send(encode_json(Kind.TABLE, request_id, {"version": registry.version, "caches": caches}))
 
     def _apply_table(self, body: dict[str, Any]) -> None:
         caches = body.get("caches")
@@ -330,7 +357,7 @@ class Link:
         payload_len = int(source[:, 1].sum())
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
-        if self.onesided is not None and remote.addrs is not None:
+        if self._onesided_reaches(remote):
             return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
                                         remote_offset, length, source, source_entry, budget_ms)
         op = self._new_op(Kind.WRITE)
@@ -349,7 +376,7 @@ class Link:
         expected = int(destination[:, 1].sum())
         self.counters["read_requests"] += 1
         self.counters["bytes_pulled"] += expected
-        if self.onesided is not None and remote.addrs is not None:
+        if self._onesided_reaches(remote):
             return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire,
                                         remote_offset, length, destination, destination_entry, budget_ms)
         op = self._new_op(Kind.READ)
@@ -362,6 +389,11 @@ class Link:
         op.frame = self.stream.send(head)
         return op
 
+    def _onesided_reaches(self, remote: RemoteCache) -> bool:
+        if self.onesided is None or remote.addrs is None:
+            return False
+        return self.onesided.mover.capabilities.name != "ucx" or remote.rkeys is not None
+
     def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
                         runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
                         local: IoVec, entry: CacheEntry, budget_ms: int) -> PendingOp:
@@ -369,6 +401,7 @@ class Link:
         op = self._new_op(kind)
         op.local_iov = local
         op.remote_iov = scatter_vector(remote.addrs[first_tensor:first_tensor + num_tensors], remote_offset, length)
+        op.move_args = (remote.cache_id, first_tensor, remote.rkeys, int(length.shape[0]))
         entry.pin()
         op.hold(entry.unpin)
         op.frame = self.stream.send(encode_transfer(kind, op.request_id, remote.cache_id, first_tensor, num_tensors,
@@ -397,8 +430,8 @@ class Link:
         copies run to their end (memory copies, bounded); frames already started get ``grace``
         seconds to finish leaving, after which the link is closed abortively (never half a frame
         in the stream, never a read of the source memory after the caller was told)."""
-        if self.onesided is not None:
-            await self.onesided.settle(ops)
+        if self.onesided is not None and not await self.onesided.settle(ops, grace):
+            self.close("a one-sided transfer did not end in time after its request ended", abort=True)
         leaving = [op.frame.sent for op in ops
                    if op.frame is not None and op.frame.started and not op.frame.sent.done()]
         if leaving:

@@ -14,7 +14,7 @@ import ctypes
 import logging
 import mmap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -181,6 +181,8 @@ class CacheEntry:
     mapping: mmap.mmap | None = None
     pins: int = 0
     removed: bool = False
+    mapper: MemoryMapper | None = None
+    maps: list[tuple[Any, bytes]] = field(default_factory=list)  # per tensor: (handle, packed rkey)
 
     @property
     def desc(self) -> CacheDesc:
@@ -200,11 +202,18 @@ class CacheEntry:
         self.cache.tensors = []
         self.regions = []
         self.mapping = None
+        if self.mapper is not None:
+            for handle, _ in self.maps:
+                self.mapper.unmap(handle)
+        self.maps = []
 
-    def describe(self, with_addresses: bool = False) -> dict[str, Any]:
-        """The description peers receive; tensor addresses only for same-host one-sided peers."""
+    def describe(self, with_addresses: bool = False, with_rkeys: bool = False) -> dict[str, Any]:
+        """The description peers receive; tensor addresses (and UCX rkeys) only for peers that
+        may move bytes one-sided, on authenticated links."""
         desc = self.desc
         extra: dict[str, Any] = {"addrs": self.cache.tensor_addrs} if with_addresses else {}
+        if with_rkeys and self.maps:
+            extra["rkeys"] = [rkey.hex() for _, rkey in self.maps]
         return {**extra,
             "id": self.cache.cache_id,
             "model": self.model_id,
@@ -215,10 +224,20 @@ class CacheEntry:
         }
 
 
+class MemoryMapper(Protocol):
+    """Registers memory with a one-sided transport (UCX): a handle and a packed remote key."""
+
+    def map(self, address: int, length: int) -> tuple[Any, bytes]: ...
+
+    def unmap(self, handle: Any) -> None: ...
+
+
 class CacheRegistry:
-    """The caches of one engine instance. Ids count from 1 and are never reused."""
+    """The caches of one engine instance. Ids count from 1 and are never reused. With a
+    ``mapper`` every registered tensor is also registered with it (and unregistered on release)."""
 
     def __init__(self) -> None:
+        self.mapper: MemoryMapper | None = None
         self._entries: dict[int, CacheEntry] = {}
         self._by_model: dict[int, int] = {}
         self._next_id = 1
@@ -237,8 +256,8 @@ class CacheRegistry:
     def entries(self) -> list[CacheEntry]:
         return list(self._entries.values())
 
-    def table(self, with_addresses: bool = False) -> list[dict[str, Any]]:
-        return [entry.describe(with_addresses) for entry in self._entries.values()]
+    def table(self, with_addresses: bool = False, with_rkeys: bool = False) -> list[dict[str, Any]]:
+        return [entry.describe(with_addresses, with_rkeys) for entry in self._entries.values()]
 
     def add(
         self,
@@ -269,6 +288,14 @@ class CacheRegistry:
         )
         self._next_id += 1
         entry = CacheEntry(cache, model_id, regions, np.array(cache.tensor_addrs, np.uint64), mapping)
+        if self.mapper is not None:
+            entry.mapper = self.mapper
+            try:
+                for region in regions:
+                    entry.maps.append(self.mapper.map(region.address, region.nbytes))
+            except Exception as error:
+                entry._release()
+                raise LLMException(LLMStatusCode.LLM_FAILED, f"cannot register the memory with UCX: {error}") from None
         self._entries[cache.cache_id] = entry
         if model_id is not None:
             self._by_model[model_id] = cache.cache_id

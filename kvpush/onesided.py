@@ -1,10 +1,10 @@
-"""One-sided transfers on a link (same host: ``transports.cma``), both ends.
+"""One-sided transfers on a link (same host: ``transports.cma``; any host: ``transports.ucx``), both ends.
 
 Sender: WRITE_INTENT / READ_INTENT -> the receiver validates against its registry, pins the cache
-and answers GRANT -> the sender copies in a worker thread (process_vm_writev / _readv straight
-between the two processes' block memory) -> LANDED tells the receiver the copy is over (or was
-abandoned) so it unpins. Remote completion is the copy itself returning: the kernel has put every
-byte into the peer's pages by then.
+and answers GRANT -> the sender moves the bytes (a kernel copy in a worker thread, or UCX puts
+and a flush) -> LANDED tells the receiver the transfer is over (or was abandoned) so it unpins.
+Remote completion is the copy returning, or the UCX flush completing: every byte is in the peer's
+memory by then.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transports import cma
+from transports.base import Capabilities
 
+from .layout import IoVec
 from .memory import CacheEntry
 from .protocol import FrameHeader, Kind, decode_status, encode_status
 from .remote import PendingOp
@@ -34,19 +34,29 @@ LANDED_ABORTED = 1
 GRANT_GRACE_S = 2.0
 
 
-class OneSidedSender:
-    """The sending half: owns the pinned peer and the copy thread of one link."""
+class Mover(Protocol):
+    """How granted bytes move: ``transports.cma.CmaMover`` or ``transports.ucx.UcxMover``."""
 
-    def __init__(self, link: Link, peer: cma.CmaPeer) -> None:
+    capabilities: Capabilities
+
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class OneSidedSender:
+    """The sending half: owns the mover (a pinned peer process, or a UCX endpoint) of one link."""
+
+    def __init__(self, link: Link, mover: Mover) -> None:
         self.link = link
-        self.peer = peer
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{link.peer_cluster_id}")
+        self.mover = mover
 
     def on_grant(self, header: FrameHeader, meta: bytes) -> None:
         status, message = decode_status(header, meta)
         op = self.link.pending(header.request_id)
         if op is None or op.kind not in (Kind.WRITE_INTENT, Kind.READ_INTENT):
-            if status == 0:  # abandoned before the grant came: nothing was copied, let the peer unpin
+            if status == 0:  # abandoned before the grant came: nothing was moved, let the peer unpin
                 self.link.stream.send(encode_status(Kind.LANDED, header.request_id, LANDED_ABORTED))
             return
         if status != 0:
@@ -54,32 +64,40 @@ class OneSidedSender:
             self.link.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused: {message}"))
             return
         assert op.local_iov is not None and op.remote_iov is not None
-        copy = self.peer.write if op.kind == Kind.WRITE_INTENT else self.peer.read
-        op.copy = self.executor.submit(copy, op.local_iov, op.remote_iov)
-        asyncio.wrap_future(op.copy, loop=self.link.loop).add_done_callback(lambda _: self._copied(op))
+        try:
+            op.copy = self.mover.start(op.kind == Kind.READ_INTENT, op.local_iov, op.remote_iov, *op.move_args)
+        except Exception as error:  # e.g. a UCX call refused before anything was posted
+            op.release()
+            self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED))
+            self.link.complete(op, LLMException(LLMStatusCode.LLM_FAILED, f"one-sided transfer failed: {error}"))
+            return
+        op.copy.add_done_callback(lambda _: self._moved(op))
 
-    def _copied(self, op: PendingOp) -> None:
+    def _moved(self, op: PendingOp) -> None:
         op.release()
         assert op.copy is not None
-        error = op.copy.exception()
-        self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if error else 0))
-        if error is None:
+        error = None if op.copy.cancelled() else op.copy.exception()
+        failed = op.copy.cancelled() or error is not None
+        self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
+        if not failed:
             self.link.complete(op, None)
         elif isinstance(error, cma.CmaError) and error.errno == errno.ESRCH:
             self.link.close(f"peer process exited: {error}")
         else:
-            log.error("one-sided copy for request %d failed: %s", op.request_id, error)
-            self.link.complete(op, LLMException(LLMStatusCode.LLM_FAILED, f"one-sided copy failed: {error}"))
+            log.error("one-sided transfer for request %d failed: %s", op.request_id, error)
+            self.link.complete(op, LLMException(LLMStatusCode.LLM_FAILED, f"one-sided transfer failed: {error}"))
 
-    async def settle(self, ops: list[PendingOp]) -> None:
-        """Wait for copies already running (bounded: memory copies) so none outlives its request."""
-        copies: list[ThreadFuture[int]] = [op.copy for op in ops if op.copy is not None and not op.copy.done()]
-        if copies:
-            await asyncio.wait([asyncio.wrap_future(c, loop=self.link.loop) for c in copies])
+    async def settle(self, ops: list[PendingOp], grace: float) -> bool:
+        """Wait for transfers already running so none outlives its request; False if some did not
+        end within ``grace`` (the caller then closes the link, which stops them)."""
+        running = [op.copy for op in ops if op.copy is not None and not op.copy.done()]
+        if not running:
+            return True
+        _, pending = await asyncio.wait(running, timeout=grace)
+        return not pending
 
     def close(self) -> None:
-        self.executor.submit(self.peer.close)  # after copies in flight, which still use the pidfd
-        self.executor.shutdown(wait=False)
+        self.mover.close()
 
 
 class OneSidedReceiver:

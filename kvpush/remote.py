@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ class RemoteCache:
     shape: tuple[int, ...]
     data_type: DataType
     addrs: tuple[int, ...] | None = None
+    rkeys: tuple[bytes, ...] | None = None
 
     @property
     def tensor_bytes(self) -> int:
@@ -49,9 +49,11 @@ class RemoteCache:
         try:
             shape = tuple(int(d) for d in item["shape"])
             addrs = item.get("addrs")
+            rkeys = item.get("rkeys")
             cache = cls(int(item["id"]), None if item["model"] is None else int(item["model"]),
                         bool(item["blocks"]), int(item["n"]), shape, DataType(int(item["dtype"])),
-                        None if addrs is None else tuple(int(a) for a in addrs))
+                        None if addrs is None else tuple(int(a) for a in addrs),
+                        None if rkeys is None else tuple(bytes.fromhex(str(k)) for k in rkeys))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
             raise ProtocolError(f"bad cache table entry {item!r}: {error}") from None
         if cache.num_tensors < 1 or not shape or min(shape) < 1:
@@ -59,6 +61,8 @@ class RemoteCache:
         if cache.addrs is not None and (len(cache.addrs) != cache.num_tensors
                                         or not all(0 < a <= U64_MAX - cache.tensor_bytes for a in cache.addrs)):
             raise ProtocolError(f"cache table entry {cache.cache_id} has bad addresses")
+        if cache.rkeys is not None and (cache.addrs is None or len(cache.rkeys) != cache.num_tensors):
+            raise ProtocolError(f"cache table entry {cache.cache_id} has bad rkeys")
         return cache
 
 
@@ -69,7 +73,7 @@ class PendingOp:
     exactly once) and, once granted, the worker-thread ``copy``."""
 
     __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "_release")
+                 "copy", "move_args", "_release")
 
     def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
         self.request_id = request_id
@@ -80,7 +84,8 @@ class PendingOp:
         self.expected = 0
         self.local_iov: IoVec | None = None
         self.remote_iov: IoVec | None = None
-        self.copy: ThreadFuture[int] | None = None
+        self.copy: asyncio.Future[Any] | None = None
+        self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
         self._release: Callable[[], None] | None = None
 
     def hold(self, release: Callable[[], None]) -> None:

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# UCX over tcp would also use the host's external interface: tests stay on loopback (peers inherit this).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from kvpush import LLMClusterInfo, LLMDataDist, LLMRole  # noqa: E402
 

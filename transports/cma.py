@@ -24,10 +24,12 @@ keep running while the kernel copies.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
 import select
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -165,3 +167,22 @@ class CmaPeer:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+class CmaMover:
+    """Moves a granted layer with one kernel copy in a worker thread (see ``kvpush.onesided``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, peer: CmaPeer, name: str) -> None:
+        self.peer = peer
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{name}")
+
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: Any, runs_per_tensor: int) -> Any:
+        copy = self.peer.read if is_read else self.peer.write
+        return asyncio.wrap_future(self.executor.submit(copy, local, remote))
+
+    def close(self) -> None:
+        self.executor.submit(self.peer.close)  # after copies in flight, which still use the pidfd
+        self.executor.shutdown(wait=False)

@@ -37,9 +37,9 @@ from kvpush import (
     LLMException,
     LLMStatusCode,
 )
-from transports import cma
+from transports import cma, ucx
 
-AVAILABLE = ["tcp"] + (["cma"] if cma.AVAILABLE else [])
+AVAILABLE = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
 
 
 @pytest.fixture(params=AVAILABLE)
