@@ -126,9 +126,10 @@ class Peer:
     """A peer engine process. Use as a context manager; it is always ended on exit."""
 
     def __init__(self, cluster_id: int, options: dict[str, str] | None = None, role: int = 2,
-                 wrapper: list[str] | None = None) -> None:
-        """``wrapper`` prefixes the command line (e.g. ``ip netns exec NAME`` to run on another "host")."""
-        env = dict(os.environ)
+                 wrapper: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        """``wrapper`` prefixes the command line (e.g. ``ip netns exec NAME`` to run on another "host");
+        ``env`` adds environment variables."""
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen([*(wrapper or []), sys.executable, HERE], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from peer import Peer, pattern
 
+from transports import ucx
+
 SUBNET = "10.213.{}.{}"  # exists only inside the test's namespaces
 
 
@@ -23,8 +25,9 @@ def _ip(*args: str) -> None:
 
 
 @pytest.fixture
-def two_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
-    """((ns_a, addr_a), (ns_b, addr_b)); skipped, with the reason, where namespaces cannot be made."""
+def two_hosts() -> Iterator[tuple[tuple[str, str, str], tuple[str, str, str]]]:
+    """((ns_a, addr_a, veth_a), (ns_b, addr_b, veth_b)); skipped, with the reason, where namespaces
+    cannot be made."""
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     if shutil.which("ip") is None:
@@ -52,24 +55,29 @@ def two_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
         stderr = getattr(error, "stderr", b"") or b""
         pytest.skip(f"cannot create network namespaces here: {stderr.decode(errors='replace').strip() or error}")
     try:
-        yield (ns_a, addr_a), (ns_b, addr_b)
+        yield (ns_a, addr_a, veth_a), (ns_b, addr_b, veth_b)
     finally:
         for ns in created:  # deleting a namespace also deletes its end of the veth pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+TRANSPORTS = ["auto", "tcp"] + (["ucx"] if ucx.available() is None else [])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_push_between_two_namespaces(two_hosts: Any, tmp_path: Any, transport: str) -> None:
-    (ns_a, addr_a), (ns_b, _) = two_hosts
+    (ns_a, addr_a, veth_a), (ns_b, _, veth_b) = two_hosts
     options = {"llm.listenIpInfo": f"{addr_a}:0", "kvpush.transport": transport}
-    with Peer(2, options=options, wrapper=["ip", "netns", "exec", ns_a]) as decode, \
-            Peer(1, options={"kvpush.transport": transport}, role=1, wrapper=["ip", "netns", "exec", ns_b]) as prefill:
+    with Peer(2, options=options, wrapper=["ip", "netns", "exec", ns_a], env={"UCX_NET_DEVICES": veth_a}) as decode, \
+            Peer(1, options={"kvpush.transport": transport}, role=1, wrapper=["ip", "netns", "exec", ns_b],
+                 env={"UCX_NET_DEVICES": veth_b}) as prefill:
         decode.call("allocate", name="kv", num_tensors=4, shape=[64, 2048], model_id=0)
         prefill.call("allocate", name="kv", num_tensors=4, shape=[32, 2048], model_id=0, seed=41)
         linked = prefill.call("link", cluster_id=2, host=addr_a, port=decode.port)
         assert linked["codes"] == [0]
         links = prefill.call("link_info")["links"]
-        assert links["2"]["transport"] == "tcp"  # not the same-host path: another network namespace
+        # never the same-host path between two network namespaces
+        assert links["2"]["transport"] == ("ucx" if transport == "ucx" else "tcp")
         if transport == "auto":
             assert "another host" in links["2"]["fallback_reason"]
         src_blocks, dst_blocks = [0, 1, 2, 9, 31], [60, 61, 62, 3, 0]
@@ -83,7 +91,7 @@ def test_push_between_two_namespaces(two_hosts: Any, tmp_path: Any, transport: s
 
 
 def test_explicit_same_host_transport_across_namespaces_is_refused(two_hosts: Any) -> None:
-    (ns_a, addr_a), (ns_b, _) = two_hosts
+    (ns_a, addr_a, _), (ns_b, _, _) = two_hosts
     with Peer(2, options={"llm.listenIpInfo": f"{addr_a}:0"}, wrapper=["ip", "netns", "exec", ns_a]) as decode, \
             Peer(1, options={"kvpush.transport": "cma"}, role=1, wrapper=["ip", "netns", "exec", ns_b]) as prefill:
         linked = prefill.call("link", cluster_id=2, host=addr_a, port=decode.port)
