@@ -21,6 +21,7 @@ from . import validate as v
 from .layout import Runs, block_runs, contiguous_runs, pack_runs, scatter_vector
 from .link import Link
 from .memory import CacheEntry, CacheRegistry, allocate_regions, region_of
+from .pipeline import LayerPusher
 from .protocol import Kind
 from .remote import PendingOp, RemoteCache
 from .status import LLMException, LLMStatusCode, param_invalid
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WINDOW = 2  # layers in flight per transfer: keeps the wire busy across the per-layer round trip
+
+
+class _TableMiss(Exception):
+    """The peer's table as known here lacks the cache; a refresh may find it."""
+
+    def __init__(self, link: Link) -> None:
+        super().__init__("cache not in the peer's table")
+        self.link = link
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,20 @@ class CacheManager:
     async def _block_plan(self, api: str, kind: Kind, remote_key: object, local_cache: object,
                           src_blocks: object, dst_blocks: object, src_range_arg: object, dst_range_arg: object,
                           n_arg: object, remote_cache_id: int | None = None) -> _Plan:
+        """Validate (SPEC order) and plan; one bounded refresh of the peer's table if it lacks the cache."""
+        args = (api, kind, remote_key, local_cache, src_blocks, dst_blocks, src_range_arg, dst_range_arg, n_arg,
+                remote_cache_id)
+        try:
+            return self._block_plan_now(*args, final=False)
+        except _TableMiss as miss:
+            await self._refresh(api, miss.link)
+        return self._block_plan_now(*args, final=True)
+
+    def _block_plan_now(self, api: str, kind: Kind, remote_key: object, local_cache: object,
+                        src_blocks: object, dst_blocks: object, src_range_arg: object, dst_range_arg: object,
+                        n_arg: object, remote_cache_id: int | None = None, final: bool = True) -> _Plan:
+        """The synchronous plan from the peer's table as known now (``final``: a miss is
+        LLM_KV_CACHE_NOT_EXIST, else ``_TableMiss`` so the caller may refresh and retry)."""
         push = kind == Kind.WRITE
         local_name, remote_name = ("src_cache", "dst_cache_key") if push else ("dst_cache", "src_cache_key")
         self._engine._require_init(api)
@@ -198,9 +221,9 @@ class CacheManager:
         local = self._local(api, local_name, local_cache)
         if remote_cache_id is None:
             assert isinstance(remote_key, BlocksCacheKey)
-            remote = await self._remote_cache(api, link, model_id=remote_key.model_id)
+            remote = self._lookup(api, link, final, model_id=remote_key.model_id)
         else:
-            remote = await self._remote_cache(api, link, cache_id=remote_cache_id)
+            remote = self._lookup(api, link, final, cache_id=remote_cache_id)
         if not remote.is_blocks_cache:
             raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
         # 8. block bounds
@@ -234,26 +257,34 @@ class CacheManager:
         return _Plan(api, kind, link, local, remote, local_offset, remote_offset,
                      pack_runs(remote_offset, runs.length), runs.length, steps)
 
+    def _lookup(self, api: str, link: Link, final: bool, *, model_id: int | None = None,
+                cache_id: int | None = None) -> RemoteCache:
+        wanted = link.remote_by_model.get(model_id) if model_id is not None else cache_id
+        found = None if wanted is None else link.remote_caches.get(wanted)
+        if found is not None:
+            return found
+        if not final:
+            raise _TableMiss(link)
+        what = f"model_id={model_id}" if model_id is not None else f"cache_id={cache_id}"
+        raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"{api}: cluster {link.peer_cluster_id} has no cache with {what}")
+
+    async def _refresh(self, api: str, link: Link) -> None:
+        """One round trip for the peer's current table, bounded by ``sync_kv_timeout``."""
+        try:
+            await asyncio.wait_for(link.refresh_table(), self._engine.options.sync_kv_timeout_ms / 1000)
+        except TimeoutError:
+            raise LLMException(LLMStatusCode.LLM_TIMEOUT,
+                               f"{api}: the peer's cache table did not arrive in time") from None
+
     async def _remote_cache(self, api: str, link: Link, *, model_id: int | None = None,
                             cache_id: int | None = None) -> RemoteCache:
         """The peer's cache from its table; one bounded refresh round trip when it is not there."""
-        def lookup() -> RemoteCache | None:
-            wanted = link.remote_by_model.get(model_id) if model_id is not None else cache_id
-            return None if wanted is None else link.remote_caches.get(wanted)
-
-        found = lookup()
-        if found is None:
-            try:
-                await asyncio.wait_for(link.refresh_table(), self._engine.options.sync_kv_timeout_ms / 1000)
-            except TimeoutError:
-                raise LLMException(LLMStatusCode.LLM_TIMEOUT,
-                                   f"{api}: the peer's cache table did not arrive in time") from None
-            found = lookup()
-        if found is None:
-            what = f"model_id={model_id}" if model_id is not None else f"cache_id={cache_id}"
-            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                               f"{api}: cluster {link.peer_cluster_id} has no cache with {what}")
-        return found
+        try:
+            return self._lookup(api, link, False, model_id=model_id, cache_id=cache_id)
+        except _TableMiss:
+            await self._refresh(api, link)
+        return self._lookup(api, link, True, model_id=model_id, cache_id=cache_id)
 
     def _start(self, plan: _Plan, step: v.LayerStep, budget_ms: int) -> PendingOp:
         local_first = step.src_first if plan.kind == Kind.WRITE else step.dst_first
@@ -341,6 +372,17 @@ class CacheManager:
         for op in landing:
             link.abandon(op)
         await link.settle(landing, timeout)
+
+    # -- layer-pipelined pushing ---------------------------------------------------------------------
+    def layer_pusher(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], tensor_num_per_layer: int = 2) -> LayerPusher:
+        """A pusher bound to one request: ``push_layer(l)`` starts layer ``l`` (source layer l into
+        destination layer l) as soon as prefill has computed it. Validates everything now, against the
+        peer's cache table as this engine knows it (SPEC order; no round trip), and raises like
+        ``push_blocks`` for bad arguments. See ``kvpush.pipeline.LayerPusher``."""
+        plan = self._block_plan_now("layer_pusher", Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                    None, None, tensor_num_per_layer, final=True)
+        return LayerPusher(self, plan)
 
     # -- contiguous caches --------------------------------------------------------------------------
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvpush.layout import IoVec
 
 CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True)
+INLINE_COPY_BYTES = 256 << 10
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -176,12 +177,30 @@ class CmaMover:
 
     def __init__(self, peer: CmaPeer, name: str) -> None:
         self.peer = peer
+        self._queued = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{name}")
 
     def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
               rkeys: Any, runs_per_tensor: int) -> Any:
         copy = self.peer.read if is_read else self.peer.write
-        return asyncio.wrap_future(self.executor.submit(copy, local, remote))
+        if int(local[:, 1].sum()) <= INLINE_COPY_BYTES and self._idle():
+            # small (decode-time) transfers: a thread hand-off would cost more than the copy
+            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            try:
+                future.set_result(copy(local, remote))
+            except CmaError as error:
+                future.set_exception(error)
+            return future
+        self._queued += 1
+        job = asyncio.wrap_future(self.executor.submit(copy, local, remote))
+        job.add_done_callback(self._dequeue)
+        return job
+
+    def _idle(self) -> bool:
+        return self._queued == 0  # an inline copy must not overtake copies still queued on the thread
+
+    def _dequeue(self, _: Any) -> None:
+        self._queued -= 1
 
     def close(self) -> None:
         self.executor.submit(self.peer.close)  # after copies in flight, which still use the pidfd

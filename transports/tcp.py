@@ -141,6 +141,7 @@ class TcpFrameStream:
         self.bytes_out = 0
         self._queue: collections.deque[TcpFrame] = collections.deque()
         self._writer_armed = False
+        self._pump_scheduled = False
         # receive state
         self._header = bytearray(HEADER_SIZE)
         self._got = 0
@@ -166,9 +167,19 @@ class TcpFrameStream:
             frame.sent.exception()  # mark retrieved; callers check the link state first
             return frame
         self._queue.append(frame)
+        if self._writer_armed or self._pump_scheduled:
+            return frame
+        if payload is None:
+            self._pump()  # control frames leave at once (latency)
+        else:  # block payloads leave from the loop, so starting a transfer costs the caller microseconds
+            self._pump_scheduled = True
+            self.loop.call_soon(self._scheduled_pump)
+        return frame
+
+    def _scheduled_pump(self) -> None:
+        self._pump_scheduled = False
         if not self._writer_armed:
             self._pump()
-        return frame
 
     def _pump(self) -> None:
         while self._queue and not self.closed:

@@ -1,0 +1,142 @@
+"""Layer-pipelined pushing (SPEC §7): prefill computes layer l+1 while layer l is on the wire.
+
+    async with cm.layer_pusher(BlocksCacheKey(2, 0), kv, src_blocks, dst_blocks) as pusher:
+        for layer in range(num_layers):
+            compute(layer)              # the model's forward pass for this layer
+            pusher.push_layer(layer)    # microseconds: validate, queue, return
+    # leaving the block waited for every layer (remote completion) and raised the first error
+
+Each layer is one request on the link, bounded by ``sync_kv_timeout`` from the moment
+``push_layer`` started it. Layers may be started in any order, and several pushers may run on one
+link at once: every layer carries its own destination, so bytes of different requests never mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .status import LLMException, LLMStatusCode, param_invalid
+from .types import check_int
+
+if TYPE_CHECKING:
+    from .cache_manager import CacheManager, _Plan
+    from .remote import PendingOp
+    from .validate import LayerStep
+
+log = logging.getLogger(__name__)
+
+
+class LayerPusher:
+    """One request's layers, pushed as they become ready. Obtain from ``CacheManager.layer_pusher``.
+
+    ``push_layer(l)`` returns an awaitable (an ``asyncio.Task``) for that layer alone; ``wait()`` (or
+    leaving ``async with``) waits for all started layers and raises the first error as an
+    ``LLMException`` whose ``completed_layers`` lists every layer that landed. A pusher is single
+    use: after ``wait()``, or once a layer failed, ``push_layer`` raises LLM_PARAM_INVALID.
+
+    Timeout: each layer fails with LLM_TIMEOUT if not in the peer's memory within ``sync_kv_timeout``
+    of its ``push_layer`` call; the other layers go on. Cancellation: cancelling ``wait()`` (or the
+    task around ``async with``) cancels every layer still in flight, each cleaning up like a
+    cancelled ``push_blocks`` before the cancellation propagates.
+    """
+
+    def __init__(self, manager: CacheManager, plan: _Plan) -> None:
+        self._manager = manager
+        self._plan = plan
+        self._steps: dict[int, LayerStep] = {step.dst_layer: step for step in plan.steps}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self.landed: list[int] = []
+        self._failure: LLMException | None = None
+        self._finished = False
+        self._timeout_ms = manager._engine.options.sync_kv_timeout_ms
+        plan.local.pin()  # the source cache stays mapped until the pusher is done
+        self._pinned = True
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._steps)
+
+    def push_layer(self, layer: int) -> asyncio.Task[None]:
+        """Start layer ``layer`` now and return at once. Raises (moving no byte) for a layer outside
+        the request, a layer already started, or a pusher already finished or failed."""
+        layer = check_int("layer", layer, 0)
+        if self._finished:
+            raise param_invalid("push_layer: this pusher already finished (wait() was called)")
+        if self._failure is not None:
+            raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
+                               f"push_layer: this pusher's request already failed: {self._failure}")
+        step = self._steps.get(layer)
+        if step is None:
+            raise param_invalid(f"push_layer: layer {layer} is outside the request's {self.num_layers} layers")
+        if layer in self._tasks:
+            raise param_invalid(f"push_layer: layer {layer} was already started")
+        plan = self._plan
+        if plan.local.removed:
+            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                               f"push_layer: local cache {plan.local.cache.cache_id} was released")
+        op = self._manager._start(plan, step, self._timeout_ms)
+        task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
+        task.add_done_callback(self._retrieve)
+        self._tasks[layer] = task
+        return task
+
+    @staticmethod
+    def _retrieve(task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            task.exception()  # reported by wait(); never "exception was never retrieved"
+
+    async def _finish(self, step: LayerStep, op: PendingOp) -> None:
+        link = self._plan.link
+        timeout = self._timeout_ms / 1000
+        try:
+            done, _ = await asyncio.wait((op.future,), timeout=timeout)
+            if not done:
+                raise LLMException(LLMStatusCode.LLM_TIMEOUT,
+                                   f"push_layer: layer {step.dst_layer} not done within {self._timeout_ms} ms")
+            error = op.future.exception()
+            if isinstance(error, LLMException):
+                raise LLMException(error.status_code, f"push_layer: layer {step.dst_layer}: {error}")
+            if error is not None:
+                raise error
+        except asyncio.CancelledError:
+            await self._manager._drain(link, [op], timeout)
+            raise
+        except BaseException as error:
+            link.abandon(op)
+            await link.settle([op], timeout)
+            if isinstance(error, LLMException) and self._failure is None:
+                self._failure = error
+            raise
+        self.landed.append(step.dst_layer)
+
+    async def wait(self) -> None:
+        """Wait for every started layer; raise the first error with ``completed_layers``."""
+        try:
+            results = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        finally:
+            self._close()
+        for result in results:
+            if isinstance(result, BaseException):
+                if isinstance(result, LLMException):
+                    raise LLMException(result.status_code, str(result), sorted(self.landed))
+                raise result
+
+    def _close(self) -> None:
+        self._finished = True
+        if self._pinned:
+            self._pinned = False
+            self._plan.local.unpin()
+
+    async def __aenter__(self) -> LayerPusher:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            await self.wait()
+            return
+        for task in self._tasks.values():  # the body failed: stop what is in flight, then let its error out
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._close()
