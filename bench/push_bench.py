@@ -71,7 +71,15 @@ def _layer_plan(work: Workload) -> tuple[list[int], list[int], list[int]]:
 
 
 # -- memcpy --------------------------------------------------------------------------------------
-def case_memcpy(work: Workload, reps: int) -> dict[str, Any]:
+Progress = Any  # callable(done, total) or None
+
+
+def _tick(progress: Progress, done: int, total: int) -> None:
+    if progress is not None:
+        progress(done, total)
+
+
+def case_memcpy(work: Workload, reps: int, progress: Progress = None) -> dict[str, Any]:
     src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
     dst = _alloc(work.tensors, work.dst_blocks, work.block_bytes)
     fill_source(src, work.seed)
@@ -86,6 +94,7 @@ def case_memcpy(work: Workload, reps: int) -> dict[str, Any]:
                 d_view[d:d + n] = s_view[s:s + n]
         if rep:
             times.append(time.perf_counter() - start)
+        _tick(progress, rep + 1, reps + 1)
     return summarize(work, "memcpy", times, verify(work, dst))
 
 
@@ -161,7 +170,7 @@ def socket_target(work: Workload) -> None:
             emit_ctl({**verify(work, dst), "server_error": errors[0] if errors else None})
 
 
-def case_socket(work: Workload, reps: int) -> dict[str, Any]:
+def case_socket(work: Workload, reps: int, progress: Progress = None) -> dict[str, Any]:
     target = Target([HERE, "--role", "socket-target", *work.as_args()])
     try:
         src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
@@ -185,6 +194,7 @@ def case_socket(work: Workload, reps: int) -> dict[str, Any]:
                 _recv_into_views(sock, [memoryview(ack)])
             if rep:
                 times.append(time.perf_counter() - start)
+            _tick(progress, rep + 1, reps + 1)
         sock.sendall(struct.pack("<II", 0, 0))
         sock.close()
         return summarize(work, "socket", times, target.ask({"op": "verify"}))
@@ -270,36 +280,54 @@ def kvpush_target(work: Workload, transport: str) -> None:
     thread.join(10)
 
 
-async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Target) -> dict[str, Any]:
+async def linked_prefill(work: Workload, transport: str, target: Target) -> tuple[LLMDataDist, Any]:
+    """A prefill engine with the workload's source cache (filled), linked to the target."""
     options = {"kvpush.transport": transport, "llm.SyncKvCacheWaitTime": "30000"}
-    async with LLMDataDist(LLMRole.PROMPT, 1, options) as engine:
-        cache = engine.cache_manager.allocate_blocks_cache(_desc(work, work.src_blocks), BlocksCacheKey(1, 0))
-        fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
-        info = LLMClusterInfo()
-        info.remote_cluster_id = 2
-        info.append_remote_ip_info("127.0.0.1", target.ready["port"])
-        status, _ = await engine.link_clusters([info], timeout=10000)
-        if status != 0:
-            raise RuntimeError(f"link failed: {status!r}")
+    engine = LLMDataDist(LLMRole.PROMPT, 1, options)
+    await engine.init()
+    cache = engine.cache_manager.allocate_blocks_cache(_desc(work, work.src_blocks), BlocksCacheKey(1, 0))
+    fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 2
+    info.append_remote_ip_info("127.0.0.1", target.ready["port"])
+    status, _ = await engine.link_clusters([info], timeout=10000)
+    if status != 0:
+        await engine.finalize()
+        raise RuntimeError(f"link failed: {status!r}")
+    return engine, cache
+
+
+async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Target,
+                         progress: Progress = None) -> dict[str, Any]:
+    engine, cache = await linked_prefill(work, transport, target)
+    try:
         src, dst = (b.tolist() for b in work.block_lists())
         key = BlocksCacheKey(2, 0)
+        n = work.kv
         times = []
         for rep in range(reps + 1):
             if rep == 1:
                 await asyncio.to_thread(target.ask, {"op": "zero"})
             start = time.perf_counter()
-            await engine.cache_manager.push_blocks(key, cache, src, dst)
+            await engine.cache_manager.push_blocks(key, cache, src, dst, tensor_num_per_layer=n)
             if rep:
                 times.append(time.perf_counter() - start)
+            _tick(progress, rep + 1, reps + 1)
         transport_used = engine.links[2].transport
+    finally:
+        await engine.finalize()
     result = await asyncio.to_thread(target.ask, {"op": "verify"})
-    return summarize(work, f"kvpush-{transport_used}", times, result)
+    return summarize(work, f"kvpush-{transport_used}", times, {**result, "transport": transport_used})
 
 
-def case_kvpush(work: Workload, reps: int, transport: str) -> dict[str, Any]:
-    target = Target([HERE, "--role", "kvpush-target", "--transport", transport, *work.as_args()])
+def start_target(work: Workload, transport: str) -> Target:
+    return Target([HERE, "--role", "kvpush-target", "--transport", transport, *work.as_args()])
+
+
+def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = None) -> dict[str, Any]:
+    target = start_target(work, transport)
     try:
-        return asyncio.run(_kvpush_driver(work, reps, transport, target))
+        return asyncio.run(_kvpush_driver(work, reps, transport, target, progress))
     finally:
         target.close()
 

@@ -55,6 +55,9 @@ class Workload:
         dst = rng.permutation(self.dst_blocks)[: self.src_blocks]
         return src, dst
 
+    def layer_bytes(self) -> int:
+        return self.kv * self.src_blocks * self.block_bytes
+
     def as_args(self) -> list[str]:
         return ["--workload", self.name, "--layers", str(self.layers), "--src-blocks", str(self.src_blocks),
                 "--dst-blocks", str(self.dst_blocks), "--block-bytes", str(self.block_bytes)]
@@ -63,21 +66,31 @@ class Workload:
 WORKLOADS = {
     "W-KV": Workload("W-KV"),
     "W-KV-RUNS": Workload("W-KV-RUNS", runs=16),
+    # W-KV pushed one layer at a time by a prefill loop that computes the next layer meanwhile
+    "W-LAYER": Workload("W-LAYER"),
+    # one layer of one tensor, one 32 KiB block: decode-time latency
+    "W-SMALL": Workload("W-SMALL", layers=1, kv=1, src_blocks=1, dst_blocks=8),
+    # 8 writes of 64 MiB into shuffled slots of a 16-slot pool: the transport's ceiling
+    "W-CONTIG": Workload("W-CONTIG", layers=1, kv=1, src_blocks=8, dst_blocks=16, block_bytes=64 << 20),
 }
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The named workload; size flags override it only where given."""
     base = WORKLOADS[args.workload]
-    return Workload(base.name, args.layers, base.kv, args.src_blocks, args.dst_blocks, args.block_bytes,
-                    base.runs, base.seed)
+    def pick(name: str, default: int) -> int:
+        value = getattr(args, name, None)
+        return default if value is None else int(value)
+    return Workload(base.name, pick("layers", base.layers), base.kv, pick("src_blocks", base.src_blocks),
+                    pick("dst_blocks", base.dst_blocks), pick("block_bytes", base.block_bytes), base.runs, base.seed)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W-KV")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--src-blocks", type=int, default=256)
-    parser.add_argument("--dst-blocks", type=int, default=512)
-    parser.add_argument("--block-bytes", type=int, default=16 * 8 * 128 * 2)
+    parser.add_argument("--layers", type=int, default=None, help="override the workload's layer count")
+    parser.add_argument("--src-blocks", type=int, default=None)
+    parser.add_argument("--dst-blocks", type=int, default=None)
+    parser.add_argument("--block-bytes", type=int, default=None)
 
 
 def fill_source(tensors: list[np.ndarray[Any, Any]], seed: int) -> None:
@@ -154,15 +167,24 @@ class Target:
 
 
 def summarize(work: Workload, system: str, seconds: list[float], extra: dict[str, Any]) -> dict[str, Any]:
+    """One case's JSON record. A case whose verification failed gets no throughput: FAIL, not a number."""
     gbps = np.array([work.payload_bytes / s / 1e9 for s in seconds])
     per_layer_ms = np.array(seconds) * 1000 / work.layers
-    return {
+    record: dict[str, Any] = {
         "case": system,
         "workload": work.name,
         "bytes": work.payload_bytes,
         "reps": len(seconds),
         "gbps": round(float(np.median(gbps)), 3),
-        "gbps_all": [round(float(x), 3) for x in gbps],
         "per_layer_ms": round(float(np.median(per_layer_ms)), 3),
+        "p50_us": round(float(np.percentile(seconds, 50)) * 1e6, 1),
+        "p99_us": round(float(np.percentile(seconds, 99)) * 1e6, 1),
         **extra,
     }
+    if len(seconds) <= 20:
+        record["gbps_all"] = [round(float(x), 3) for x in gbps]
+    if record.get("verified") is False:
+        for key in ("gbps", "gbps_all", "per_layer_ms", "p50_us", "p99_us"):
+            record.pop(key, None)
+        record["result"] = "FAIL"
+    return record

@@ -132,10 +132,12 @@ def check_block_bounds(api: str, name: str, blocks: np.ndarray[Any, Any], num_bl
 
 
 def check_no_duplicates(api: str, name: str, blocks: np.ndarray[Any, Any]) -> None:
-    unique, counts = np.unique(blocks, return_counts=True)
-    repeated = unique[counts > 1]
+    if blocks.shape[0] < 2:
+        return
+    ordered = np.sort(blocks)
+    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
     if repeated.shape[0]:
-        raise param_invalid(f"{api}: {name} repeats block {int(repeated[0])}")
+        raise param_invalid(f"{api}: {name} repeats block {int(ordered[repeated[0]])}")
 
 
 def check_compatible(api: str, local_unit: int, local_dtype: DataType, remote_unit: int,

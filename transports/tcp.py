@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 CAPABILITIES = Capabilities(name="tcp", one_sided=False, same_host_only=False)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _READS_PER_WAKEUP = 64
+_SEND_NOW_BYTES = 256 << 10
 _DISCARD = bytearray(1 << 18)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -52,16 +53,17 @@ _writev.restype = ctypes.c_ssize_t
 
 
 class _Cursor:
-    """Progress through an iovec, resumable after partial reads or writes (all numpy, no loop)."""
+    """Progress through an iovec, resumable after partial reads or writes (numpy, no loop per
+    entry). The bookkeeping for partial progress is built only when a call stops mid-vector."""
 
     __slots__ = ("vec", "base", "length", "cum", "total", "done", "index")
 
-    def __init__(self, iov: IoVec) -> None:
-        self.vec = np.ascontiguousarray(iov, dtype=np.uint64).copy()
-        self.base = self.vec[:, 0].copy()
-        self.length = self.vec[:, 1].copy()
-        self.cum = np.cumsum(self.length)
-        self.total = int(self.cum[-1]) if self.cum.shape[0] else 0
+    def __init__(self, iov: IoVec, owned: bool = False, total: int | None = None) -> None:
+        self.vec = iov if owned else np.array(iov, dtype=np.uint64, order="C")
+        self.base: np.ndarray[Any, Any] | None = None
+        self.length: np.ndarray[Any, Any] | None = None
+        self.cum: np.ndarray[Any, Any] | None = None
+        self.total = int(self.vec[:, 1].sum()) if total is None else total
         self.done = 0
         self.index = 0
 
@@ -70,6 +72,11 @@ class _Cursor:
         if self.done >= self.total:
             self.index = self.vec.shape[0]
             return
+        if self.cum is None:
+            self.base = self.vec[:, 0].copy()
+            self.length = self.vec[:, 1].copy()
+            self.cum = np.cumsum(self.length)
+        assert self.base is not None and self.length is not None
         index = int(np.searchsorted(self.cum, self.done, side="right"))
         consumed = self.done - (int(self.cum[index - 1]) if index else 0)
         self.vec[index, 0] = self.base[index] + np.uint64(consumed)
@@ -97,15 +104,20 @@ class TcpFrame:
 
     __slots__ = ("head", "cursor", "sent", "_started", "abandoned")
 
-    def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
+                 already_sent: int = 0) -> None:
         self.head = np.frombuffer(head, np.uint8)
         rows = 1 + (0 if payload is None else payload.shape[0])
         vec = np.empty((rows, 2), np.uint64)
         vec[0, 0] = self.head.__array_interface__["data"][0]
         vec[0, 1] = len(head)
+        total = len(head)
         if payload is not None:
             vec[1:] = payload
-        self.cursor = _Cursor(vec)
+            total += int(payload[:, 1].sum())
+        self.cursor = _Cursor(vec, owned=True, total=total)
+        if already_sent:
+            self.cursor.advance(already_sent)
         self.sent: asyncio.Future[None] = loop.create_future()
         self._started = False
         self.abandoned = False
@@ -161,7 +173,25 @@ class TcpFrameStream:
 
     # -- sending --------------------------------------------------------------------------------
     def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
-        frame = TcpFrame(head, payload, self.loop)
+        sent = 0
+        if payload is None and not self._queue and not self._writer_armed and not self.closed:
+            # a control frame on an idle stream: one plain send, no iovec bookkeeping (latency)
+            try:
+                sent = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as error:
+                self.close(f"send failed: {error.strerror or error}")
+            self.bytes_out += sent
+            if sent == len(head):
+                frame = TcpFrame.__new__(TcpFrame)
+                frame.sent = self.loop.create_future()
+                frame.sent.set_result(None)
+                frame._started, frame.abandoned = True, False
+                return frame
+        frame = TcpFrame(head, payload, self.loop, sent)
+        if sent:
+            frame._started = True
         if self.closed:
             frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
             frame.sent.exception()  # mark retrieved; callers check the link state first
@@ -169,9 +199,9 @@ class TcpFrameStream:
         self._queue.append(frame)
         if self._writer_armed or self._pump_scheduled:
             return frame
-        if payload is None:
-            self._pump()  # control frames leave at once (latency)
-        else:  # block payloads leave from the loop, so starting a transfer costs the caller microseconds
+        if payload is None or frame.cursor.total <= _SEND_NOW_BYTES:
+            self._pump()  # control frames and small payloads leave at once (latency)
+        else:  # big payloads leave from the loop, so starting a transfer costs the caller microseconds
             self._pump_scheduled = True
             self.loop.call_soon(self._scheduled_pump)
         return frame
@@ -274,8 +304,8 @@ class TcpFrameStream:
         self._sink = sink
         self._cursor = None
         if sink is not None:
-            cursor = _Cursor(sink.iov)
-            if cursor.total != frame.payload_len:
+            cursor = _Cursor(sink.iov, total=frame.payload_len)
+            if int(sink.iov[:, 1].sum()) != frame.payload_len:
                 raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {cursor.total}")
             self._cursor = cursor
 

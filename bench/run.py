@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""The kvpush benchmark suite, in one run: every workload, every available kvpush transport, the
+limits of this machine and the peers, side by side.
+
+    python bench/run.py            # also: python -m bench, kvpush bench
+    python bench/run.py --quick    # smaller sizes and fewer repetitions: under two minutes
+
+Workloads (shared/bench/WORKLOADS.md): W-KV, W-KV-RUNS, W-LAYER (layer-pipelined prefill with real
+CPU compute per layer), W-SMALL (one 32 KiB block: p50/p99 latency), W-CONTIG (8 writes of 64 MiB).
+Systems: memcpy (one-copy limit), socket (plain Python sockets), ucx_perftest (UCX from C),
+kvpush over tcp / cma / ucx, and Mooncake Transfer Engine and NIXL when their environments exist
+(``bash bench/peers/setup.sh`` builds them). Every kvpush and baseline case verifies every
+destination byte; a case that fails verification reports FAIL and no number.
+
+Writes ``bench/results/<stamp>.jsonl`` (one JSON line per case), ``<stamp>.md`` (medians and ratios)
+and ``<stamp>.png`` (GB/s per system per workload, and W-SMALL latency); prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core computes, the other moves bytes
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench import push_bench as pb  # noqa: E402
+from bench.workload import WORKLOADS, Workload  # noqa: E402
+from kvpush import BlocksCacheKey  # noqa: E402
+from kvpush.cache_manager import CacheManager  # noqa: E402
+from transports import cma, ucx  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+PEERS = os.path.join(HERE, "peers")
+
+
+# -- progress ------------------------------------------------------------------------------------------
+class Bar:
+    """One progress bar per case on stderr."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.started = time.monotonic()
+        self.draw(0, 1)
+
+    def draw(self, done: int, total: int) -> None:
+        width = 24
+        filled = int(width * done / max(total, 1))
+        elapsed = time.monotonic() - self.started
+        sys.stderr.write(f"\r  {self.label:<34} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                         f"{elapsed:5.1f}s")
+        sys.stderr.flush()
+
+    def close(self, record: dict[str, Any]) -> None:
+        shown = record.get("result") or (f"{record['gbps']} GB/s" if "gbps" in record else "")
+        if record["workload"] == "W-SMALL" and "p50_us" in record:
+            shown = f"p50 {record['p50_us']} us, p99 {record['p99_us']} us"
+        if record["workload"] == "W-LAYER" and "hidden" in record:
+            shown = f"{record['hidden'] * 100:.0f}% of transfer hidden"
+        sys.stderr.write(f"  {shown}\n")
+        sys.stderr.flush()
+
+
+# -- W-LAYER: a prefill loop with real compute per layer ------------------------------------------------
+def _matmul_for(seconds: float) -> Callable[[], None]:
+    """A numpy matmul sized so one call takes about ``seconds`` on this machine (one BLAS thread)."""
+    size = 64
+    a = np.ones((size, size), np.float32)
+    while True:
+        a = np.random.default_rng(0).random((size, size), dtype=np.float32)
+        start = time.perf_counter()
+        a @ a
+        took = time.perf_counter() - start
+        if took >= seconds or size >= 4096:
+            break
+        size = int(size * max(1.1, min(2.0, (seconds / max(took, 1e-6)) ** (1 / 3))))
+    def compute() -> None:
+        a @ a
+    return compute
+
+
+async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Target,
+                        progress: Callable[[int, int], None]) -> dict[str, Any]:
+    engine, cache = await pb.linked_prefill(work, transport, target)
+    try:
+        src, dst = (b.tolist() for b in work.block_lists())
+        key = BlocksCacheKey(2, 0)
+        manager = engine.cache_manager
+        await manager.push_blocks(key, cache, src, dst)  # warm-up, and the transfer time per layer
+        start = time.perf_counter()
+        await manager.push_blocks(key, cache, src, dst)
+        transfer_per_layer = (time.perf_counter() - start) / work.layers
+        compute = _matmul_for(transfer_per_layer)
+        serial, pipelined, computing, push_layer_us, start_us = [], [], [], [], []
+        total = 3 * reps
+        for rep in range(reps):
+            begin = time.perf_counter()
+            for _ in range(work.layers):
+                await asyncio.to_thread(compute)
+            computing.append(time.perf_counter() - begin)
+            progress(3 * rep + 1, total)
+            begin = time.perf_counter()
+            for layer in range(work.layers):  # compute, then push, one layer after the other
+                await asyncio.to_thread(compute)
+                await manager.push_blocks(key, cache, src, dst, range(layer, layer + 1), range(layer, layer + 1))
+            serial.append(time.perf_counter() - begin)
+            progress(3 * rep + 2, total)
+            begin = time.perf_counter()
+            async with manager.layer_pusher(key, cache, src, dst) as pusher:
+                for layer in range(work.layers):  # compute layer l+1 while layer l is on the wire
+                    await asyncio.to_thread(compute)
+                    t0 = time.perf_counter()
+                    pusher.push_layer(layer)
+                    push_layer_us.append((time.perf_counter() - t0) * 1e6)
+            pipelined.append(time.perf_counter() - begin)
+            progress(3 * rep + 3, total)
+        # the per-layer Python cost of push_blocks: time spent issuing a layer (plan -> request queued)
+        original = CacheManager._start
+
+        def timed(self: CacheManager, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args)
+            finally:
+                start_us.append((time.perf_counter() - t0) * 1e6)
+
+        CacheManager._start = timed  # type: ignore[method-assign]
+        try:
+            await manager.push_blocks(key, cache, src, dst)
+        finally:
+            CacheManager._start = original  # type: ignore[method-assign]
+        transport_used = engine.links[2].transport
+    finally:
+        await engine.finalize()
+    result = await asyncio.to_thread(target.ask, {"op": "verify"})
+    s, p, c = float(np.median(serial)), float(np.median(pipelined)), float(np.median(computing))
+    transfer = max(s - c, 1e-9)
+    record = {
+        "case": f"kvpush-{transport_used}", "workload": "W-LAYER", "transport": transport_used,
+        "bytes": work.payload_bytes, "reps": reps, "serial_s": round(s, 4), "pipelined_s": round(p, 4),
+        "compute_s": round(c, 4), "transfer_s": round(transfer, 4),
+        "hidden": round(min(1.0, max(0.0, (s - p) / transfer)), 3),
+        "gbps": round(work.payload_bytes / p / 1e9, 3),
+        "push_layer_us": round(float(np.median(push_layer_us)), 1),
+        "push_blocks_python_us_per_layer": round(float(np.median(start_us)), 1),
+        **result,
+    }
+    if result.get("verified") is False:
+        record = {k: v for k, v in record.items() if k not in ("gbps", "hidden")} | {"result": "FAIL"}
+    return record
+
+
+def case_layer(work: Workload, reps: int, transport: str, progress: Callable[[int, int], None]) -> dict[str, Any]:
+    target = pb.start_target(work, transport)
+    try:
+        return asyncio.run(_layer_driver(work, reps, transport, target, progress))
+    finally:
+        target.close()
+
+
+# -- peers ----------------------------------------------------------------------------------------------
+def case_peer(work: Workload, system: str, reps: int, env_extra: dict[str, str]) -> dict[str, Any] | None:
+    """Mooncake TE (TCP) or NIXL (UCX) through their own Python APIs, when bench/peers/setup.sh built them."""
+    venv, script = {"mooncake": ("venv-mc", "bench_mooncake.py"), "nixl": ("venv-nixl", "bench_nixl.py")}[system]
+    python = os.path.join(PEERS, venv, "bin", "python")
+    if not os.path.exists(python):
+        return None
+    mode = "contig" if work.name == "W-CONTIG" else "kv"
+    argv = [python, os.path.join(PEERS, script), "--mode", mode, "--iters", str(reps), "--layers", str(work.layers),
+            "--blocks", str(work.src_blocks), "--dst-blocks", str(work.dst_blocks),
+            "--block-bytes", str(work.block_bytes), "--kv", str(work.kv), "--chunk-bytes", str(work.block_bytes)]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo", **env_extra}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"case": system, "workload": work.name, "result": "FAIL",
+                "error": (done.stderr or done.stdout)[-300:]}
+    raw = json.loads(lines[-1])
+    name = system + (f"-{env_extra['UCX_TLS']}" if "UCX_TLS" in env_extra else "")
+    record = {"case": name, "workload": work.name, "gbps": raw.get("gbps_median"),
+              "verified": raw.get("verified"), "transport": raw.get("transport"), "package": raw.get("package")}
+    if raw.get("verified") is False:
+        record.pop("gbps")
+        record["result"] = "FAIL"
+    return record
+
+
+# -- the suite --------------------------------------------------------------------------------------------
+def transports() -> list[str]:
+    return ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
+
+
+def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int], None]], dict[str, Any] | None]]]:
+    layers = 8 if quick else 32
+    reps = 3 if quick else 5
+    kv, runs = replace(WORKLOADS["W-KV"], layers=layers), replace(WORKLOADS["W-KV-RUNS"], layers=layers)
+    contig = WORKLOADS["W-CONTIG"] if not quick else replace(WORKLOADS["W-CONTIG"], block_bytes=16 << 20)
+    small = WORKLOADS["W-SMALL"]
+    small_reps = 300 if quick else 1000
+    layer = replace(WORKLOADS["W-LAYER"], layers=layers)
+    have_ucx = ucx.available() is None
+    cases: list[tuple[Workload, str, Callable[[Callable[[int, int], None]], dict[str, Any] | None]]] = []
+    for work in (kv, runs, contig):
+        cases.append((work, "memcpy", lambda p, w=work: pb.case_memcpy(w, reps, p)))
+        cases.append((work, "socket", lambda p, w=work: pb.case_socket(w, reps, p)))
+        if have_ucx:
+            for test in ("ucp_put_bw", "tag_bw"):
+                cases.append((work, f"ucx_perftest-{test}", lambda p, w=work, t=test: pb.case_ucx_perftest(w, t)))
+        for transport in transports():
+            cases.append((work, f"kvpush-{transport}", lambda p, w=work, t=transport: pb.case_kvpush(w, reps, t, p)))
+        if work.name != "W-KV-RUNS":  # the peers' drivers know scattered blocks and contiguous writes
+            cases.append((work, "mooncake", lambda p, w=work: case_peer(w, "mooncake", reps, {})))
+            cases.append((work, "nixl", lambda p, w=work: case_peer(w, "nixl", reps, {})))
+            cases.append((work, "nixl-tcp", lambda p, w=work: case_peer(w, "nixl", reps, {"UCX_TLS": "tcp"})))
+    cases.append((small, "socket", lambda p: pb.case_socket(small, small_reps, p)))
+    for transport in transports():
+        cases.append((small, f"kvpush-{transport}",
+                      lambda p, t=transport: pb.case_kvpush(small, small_reps, t, p)))
+    for transport in transports():
+        cases.append((layer, f"kvpush-{transport}", lambda p, t=transport: case_layer(layer, reps, t, p)))
+    return cases
+
+
+def ratios(records: list[dict[str, Any]]) -> list[str]:
+    """A Markdown table: medians, and each case against the baselines of its workload in this run."""
+    by_work: dict[str, dict[str, dict[str, Any]]] = {}
+    for record in records:
+        by_work.setdefault(record["workload"], {})[record["case"]] = record
+    lines = ["| workload | case | result | vs memcpy | vs socket | vs ucx_perftest put | vs mooncake | vs nixl-tcp |",
+             "|---|---|---|---|---|---|---|---|"]
+    for work, cases in by_work.items():
+        for name, record in cases.items():
+            if "result" in record:
+                result = record["result"]
+            elif work == "W-SMALL":
+                result = f"p50 {record['p50_us']} us / p99 {record['p99_us']} us"
+            elif work == "W-LAYER":
+                result = (f"{record['hidden'] * 100:.0f}% hidden (serial {record['serial_s']} s, pipelined "
+                          f"{record['pipelined_s']} s); push_layer {record['push_layer_us']} us")
+            else:
+                result = f"{record['gbps']:.2f} GB/s"
+            cells = []
+            for base in ("memcpy", "socket", "ucx_perftest-ucp_put_bw", "mooncake", "nixl-tcp"):
+                other = cases.get(base)
+                key = "p50_us" if work == "W-SMALL" else "gbps"
+                if other is None or base == name or key not in record or key not in other or not other[key]:
+                    cells.append("")
+                elif work == "W-SMALL":
+                    cells.append(f"{other[key] / record[key]:.2f}x faster")
+                else:
+                    cells.append(f"{record[key] / other[key]:.2f}")
+            lines.append(f"| {work} | {name} | {result} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def chart(records: list[dict[str, Any]], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("matplotlib not installed (pip install 'kvpush[bench]'): no chart\n")
+        return False
+    throughput = [r for r in records if r["workload"] not in ("W-SMALL",) and isinstance(r.get("gbps"), float)]
+    small = [r for r in records if r["workload"] == "W-SMALL" and "p50_us" in r]
+    works = list(dict.fromkeys(r["workload"] for r in throughput))
+    systems = list(dict.fromkeys(r["case"] for r in throughput))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(len(systems), 1)
+    for index, system in enumerate(systems):
+        values = [next((r["gbps"] for r in throughput if r["workload"] == w and r["case"] == system), 0.0)
+                  for w in works]
+        left.bar(np.arange(len(works)) + index * width, values, width, label=system)
+    left.set_xticks(np.arange(len(works)) + width * (len(systems) - 1) / 2, works)
+    left.set_ylabel("GB/s (10^9 B/s of block payload, median)")
+    left.set_title("Throughput per system per workload (W-LAYER: pipelined prefill incl. compute)")
+    left.legend(fontsize=7, ncol=2)
+    names = [r["case"] for r in small]
+    right.bar(np.arange(len(small)) - 0.2, [r["p50_us"] for r in small], 0.4, label="p50")
+    right.bar(np.arange(len(small)) + 0.2, [r["p99_us"] for r in small], 0.4, label="p99")
+    right.set_xticks(np.arange(len(small)), names, rotation=30, fontsize=8)
+    right.set_ylabel("microseconds per push")
+    right.set_title("W-SMALL latency (one 32 KiB block)")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpush bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions: under two minutes")
+    parser.add_argument("--only", default="", help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS})")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    only = {w for w in args.only.split(",") if w}
+    records: list[dict[str, Any]] = []
+    machine = {"case": "machine", "workload": "-", "cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "transports": transports(), "quick": args.quick}
+    started = time.monotonic()
+    with open(os.path.join(args.out, f"{stamp}.jsonl"), "w") as out:
+        out.write(json.dumps(machine) + "\n")
+        for work, name, run in plan(args.quick):
+            if only and work.name not in only:
+                continue
+            bar = Bar(f"{work.name} {name}")
+            try:
+                record = run(bar.draw)
+            except Exception as error:  # one broken case must not hide the others
+                record = {"case": name, "workload": work.name, "result": "FAIL", "error": repr(error)[:300]}
+            if record is None:  # a peer whose environment was not built
+                sys.stderr.write("  skipped: run bench/peers/setup.sh to build it\n")
+                continue
+            bar.close(record)
+            records.append(record)
+            print(json.dumps(record), flush=True)
+            out.write(json.dumps(record) + "\n")
+    table = ratios(records)
+    elapsed = time.monotonic() - started
+    command = "python bench/run.py" + (" --quick" if args.quick else "")
+    header = [f"# kvpush benchmark {stamp}", "",
+              f"`{command}` on {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}; "
+              f"{elapsed:.0f} s. Loopback only. Ratios compare cases of one workload from this same run.", ""]
+    with open(os.path.join(args.out, f"{stamp}.md"), "w") as out:
+        out.write("\n".join(header + table) + "\n")
+    drew = chart(records, os.path.join(args.out, f"{stamp}.png"))
+    print("\n".join(table))
+    print(f"\nresults: {os.path.join(args.out, stamp)}.{{jsonl,md{',png' if drew else ''}}} ({elapsed:.0f} s)")
+    return 1 if any(r.get("result") == "FAIL" for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
