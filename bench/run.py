@@ -108,6 +108,13 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
         transfer_per_layer = (time.perf_counter() - start) / work.layers
         compute = _matmul_for(transfer_per_layer)
         serial, pipelined, computing, push_layer_us, start_us = [], [], [], [], []
+        computing_pipelined: list[float] = []
+
+        def timed_compute(sink: list[float]) -> None:
+            t0 = time.perf_counter()
+            compute()
+            sink.append(time.perf_counter() - t0)
+
         total = 3 * reps
         for rep in range(reps):
             begin = time.perf_counter()
@@ -122,13 +129,15 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
             serial.append(time.perf_counter() - begin)
             progress(3 * rep + 2, total)
             begin = time.perf_counter()
+            spent: list[float] = []
             async with manager.layer_pusher(key, cache, src, dst) as pusher:
                 for layer in range(work.layers):  # compute layer l+1 while layer l is on the wire
-                    await asyncio.to_thread(compute)
+                    await asyncio.to_thread(timed_compute, spent)
                     t0 = time.perf_counter()
                     pusher.push_layer(layer)
                     push_layer_us.append((time.perf_counter() - t0) * 1e6)
             pipelined.append(time.perf_counter() - begin)
+            computing_pipelined.append(sum(spent))
             progress(3 * rep + 3, total)
         # the per-layer Python cost of push_blocks: time spent issuing a layer (plan -> request queued)
         original = CacheManager._start
@@ -150,12 +159,17 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
         await engine.finalize()
     result = await asyncio.to_thread(target.ask, {"op": "verify"})
     s, p, c = float(np.median(serial)), float(np.median(pipelined)), float(np.median(computing))
+    cp = float(np.median(computing_pipelined))
     transfer = max(s - c, 1e-9)
     record = {
         "case": f"kvpush-{transport_used}", "workload": "W-LAYER", "transport": transport_used,
         "bytes": work.payload_bytes, "reps": reps, "serial_s": round(s, 4), "pipelined_s": round(p, 4),
         "compute_s": round(c, 4), "transfer_s": round(transfer, 4),
         "hidden": round(min(1.0, max(0.0, (s - p) / transfer)), 3),
+        # contention on few cores: how much slower the same compute ran while bytes moved, and how
+        # much of the transfer ran behind that (slowed) compute
+        "compute_inflation": round(cp / c - 1, 3),
+        "transfer_behind_compute": round(min(1.0, max(0.0, 1 - (p - cp) / transfer)), 3),
         "gbps": round(work.payload_bytes / p / 1e9, 3),
         "push_layer_us": round(float(np.median(push_layer_us)), 1),
         "push_blocks_python_us_per_layer": round(float(np.median(start_us)), 1),
@@ -252,7 +266,10 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
                 result = f"p50 {record['p50_us']} us / p99 {record['p99_us']} us"
             elif work == "W-LAYER":
                 result = (f"{record['hidden'] * 100:.0f}% hidden (serial {record['serial_s']} s, pipelined "
-                          f"{record['pipelined_s']} s); push_layer {record['push_layer_us']} us")
+                          f"{record['pipelined_s']} s); transfer behind compute "
+                          f"{record['transfer_behind_compute'] * 100:.0f}%, compute slowed "
+                          f"{record['compute_inflation'] * 100:.0f}% by contention; push_layer "
+                          f"{record['push_layer_us']} us")
             else:
                 result = f"{record['gbps']:.2f} GB/s"
             cells = []

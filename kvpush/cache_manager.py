@@ -286,13 +286,15 @@ class CacheManager:
             await self._refresh(api, link)
         return self._lookup(api, link, True, model_id=model_id, cache_id=cache_id)
 
-    def _start(self, plan: _Plan, step: v.LayerStep, budget_ms: int) -> PendingOp:
+    def _start(self, plan: _Plan, step: v.LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
         local_first = step.src_first if plan.kind == Kind.WRITE else step.dst_first
         remote_first = step.dst_first if plan.kind == Kind.WRITE else step.src_first
         iov = scatter_vector(plan.local.addrs[local_first:local_first + step.count], plan.local_offset, plan.length)
-        start = plan.link.start_write if plan.kind == Kind.WRITE else plan.link.start_read
-        return start(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset, plan.length, iov,
-                     plan.local, budget_ms)
+        if plan.kind == Kind.WRITE:
+            return plan.link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
+                                         plan.length, iov, plan.local, budget_ms, held)
+        return plan.link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
+                                    plan.length, iov, plan.local, budget_ms)
 
     async def _execute(self, plan: _Plan) -> None:
         timeout_ms = self._engine.options.sync_kv_timeout_ms

@@ -351,22 +351,49 @@ class Link:
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                     remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], source: IoVec,
-                    source_entry: CacheEntry, budget_ms: int) -> PendingOp:
+                    source_entry: CacheEntry, budget_ms: int, held: bool = False) -> PendingOp:
         """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the
-        bytes. The source cache stays pinned until its bytes left."""
+        bytes. The source cache stays pinned until its bytes left. ``held``: prepare everything (a
+        one-sided request is even granted) but move no byte until ``release_held``."""
         payload_len = int(source[:, 1].sum())
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
         if self._onesided_reaches(remote):
-            return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        remote_offset, length, source, source_entry, budget_ms)
+            op = self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
+                                      remote_offset, length, source, source_entry, budget_ms, held)
+            return op
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
         source_entry.pin()
-        op.frame = self.stream.send(head, source)
-        op.frame.sent.add_done_callback(lambda _: source_entry.unpin())
+        op.hold(source_entry.unpin)
+        op.frame = self.stream.prepare(head, source)
+        op.held = held
+        if not held:
+            self._enqueue(op)
         return op
+
+    def _enqueue(self, op: PendingOp) -> None:
+        """Queue a prepared frame; from now on its ``sent`` future (not ``abandon``) unpins."""
+        assert op.frame is not None
+        release, op._release = op._release, None
+        self.stream.enqueue(op.frame)
+        if release is not None:
+            op.frame.sent.add_done_callback(lambda _: release())
+
+    def release_held(self, op: PendingOp) -> None:
+        """Let a ``held`` request move its bytes now (microseconds: everything was prepared)."""
+        if not op.held:
+            return
+        op.held = False
+        if op.kind == Kind.WRITE:
+            self._enqueue(op)
+        elif op.granted and self.onesided is not None:
+            self.loop.call_soon(self._begin_granted, op)  # posting the copy is the loop's work, not the caller's
+
+    def _begin_granted(self, op: PendingOp) -> None:
+        if op.granted and self.onesided is not None and op.request_id in self._pending:
+            self.onesided.begin(op)
 
     def start_read(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                    remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], destination: IoVec,
@@ -396,9 +423,10 @@ class Link:
 
     def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
                         runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
-                        local: IoVec, entry: CacheEntry, budget_ms: int) -> PendingOp:
+                        local: IoVec, entry: CacheEntry, budget_ms: int, held: bool = False) -> PendingOp:
         assert remote.addrs is not None
         op = self._new_op(kind)
+        op.held = held
         op.local_iov = local
         op.remote_iov = scatter_vector(remote.addrs[first_tensor:first_tensor + num_tensors], remote_offset, length)
         op.move_args = (remote.cache_id, first_tensor, remote.rkeys, int(length.shape[0]))
@@ -422,6 +450,9 @@ class Link:
             op.sink.cancel()
         if op.copy is None:
             op.release()
+            if op.granted:  # granted but never moved: let the peer unpin
+                self.stream.send(encode_status(Kind.LANDED, op.request_id, 1))
+                op.granted = False
         if not op.future.done():
             op.future.cancel()
 

@@ -63,7 +63,14 @@ class OneSidedSender:
             op.release()
             self.link.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused: {message}"))
             return
+        op.granted = True
+        if not op.held:
+            self.begin(op)
+
+    def begin(self, op: PendingOp) -> None:
+        """Move a granted request's bytes now."""
         assert op.local_iov is not None and op.remote_iov is not None
+        op.granted = False
         try:
             op.copy = self.mover.start(op.kind == Kind.READ_INTENT, op.local_iov, op.remote_iov, *op.move_args)
         except Exception as error:  # e.g. a UCX call refused before anything was posted

@@ -53,6 +53,10 @@ class LayerPusher:
         self._timeout_ms = manager._engine.options.sync_kv_timeout_ms
         plan.local.pin()  # the source cache stays mapped until the pusher is done
         self._pinned = True
+        # Every layer is prepared now (iovecs, frames; one-sided requests are even granted by the
+        # peer), so push_layer only lets bytes go: microseconds on the prefill's critical path.
+        self._prepared: dict[int, PendingOp] = {
+            layer: manager._start(plan, step, self._timeout_ms, held=True) for layer, step in self._steps.items()}
 
     @property
     def num_layers(self) -> int:
@@ -76,7 +80,8 @@ class LayerPusher:
         if plan.local.removed:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
-        op = self._manager._start(plan, step, self._timeout_ms)
+        op = self._prepared.pop(layer)
+        plan.link.release_held(op)
         task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
         task.add_done_callback(self._retrieve)
         self._tasks[layer] = task
@@ -125,6 +130,9 @@ class LayerPusher:
 
     def _close(self) -> None:
         self._finished = True
+        for op in self._prepared.values():  # layers never pushed: nothing of them moves
+            self._plan.link.abandon(op)
+        self._prepared.clear()
         if self._pinned:
             self._pinned = False
             self._plan.local.unpin()

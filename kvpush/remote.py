@@ -73,7 +73,7 @@ class PendingOp:
     exactly once) and, once granted, the worker-thread ``copy``."""
 
     __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "move_args", "_release")
+                 "copy", "move_args", "held", "granted", "_release")
 
     def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
         self.request_id = request_id
@@ -85,6 +85,8 @@ class PendingOp:
         self.local_iov: IoVec | None = None
         self.remote_iov: IoVec | None = None
         self.copy: asyncio.Future[Any] | None = None
+        self.held = False      # prepared (and, one-sided, granted) but waiting for release_held
+        self.granted = False
         self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
         self._release: Callable[[], None] | None = None
 

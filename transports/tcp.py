@@ -172,6 +172,29 @@ class TcpFrameStream:
         return f"<TcpFrameStream peer={peer} {'closed' if self.closed else 'open'}>"
 
     # -- sending --------------------------------------------------------------------------------
+    def prepare(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
+        """A frame ready to ``enqueue`` later (nothing is sent yet)."""
+        return TcpFrame(head, payload, self.loop)
+
+    def enqueue(self, frame: TcpFrame) -> None:
+        """Queue a prepared frame behind everything sent so far."""
+        if self.closed:
+            if not frame.sent.done():
+                frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
+                frame.sent.exception()
+            return
+        self._queue.append(frame)
+        self._kick(frame.cursor.total)
+
+    def _kick(self, size: int) -> None:
+        if self._writer_armed or self._pump_scheduled:
+            return
+        if size <= _SEND_NOW_BYTES:
+            self._pump()  # control frames and small payloads leave at once (latency)
+        else:  # big payloads leave from the loop, so starting a transfer costs the caller microseconds
+            self._pump_scheduled = True
+            self.loop.call_soon(self._scheduled_pump)
+
     def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
         sent = 0
         if payload is None and not self._queue and not self._writer_armed and not self.closed:
@@ -197,13 +220,7 @@ class TcpFrameStream:
             frame.sent.exception()  # mark retrieved; callers check the link state first
             return frame
         self._queue.append(frame)
-        if self._writer_armed or self._pump_scheduled:
-            return frame
-        if payload is None or frame.cursor.total <= _SEND_NOW_BYTES:
-            self._pump()  # control frames and small payloads leave at once (latency)
-        else:  # big payloads leave from the loop, so starting a transfer costs the caller microseconds
-            self._pump_scheduled = True
-            self.loop.call_soon(self._scheduled_pump)
+        self._kick(0 if payload is None else frame.cursor.total)
         return frame
 
     def _scheduled_pump(self) -> None:

@@ -68,9 +68,15 @@ async def test_a_layer_that_times_out_fails_alone(transport: str, make_engine: E
     engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="300")
     pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
     await pusher.push_layer(0)  # lands
+    await engine.cache_manager.push_blocks(KEY, src, [9], [9])  # the link is ordered: earlier replies are in
     decode_peer.signal(signal.SIGSTOP)
     try:
         pusher.push_layer(1)
+        if transport == "cma":
+            # granted when the pusher was made: a one-sided copy needs nothing from a stopped peer
+            await pusher.wait()
+            assert sorted(pusher.landed) == [0, 1]
+            return
         with pytest.raises(LLMException) as caught:
             await pusher.wait()
     finally:
@@ -80,6 +86,24 @@ async def test_a_layer_that_times_out_fails_alone(transport: str, make_engine: E
     with pytest.raises(LLMException) as caught:
         pusher.push_layer(2)
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+async def test_a_pusher_made_while_the_peer_is_stopped_times_out(transport: str, make_engine: EngineFactory,
+                                                                 decode_peer: Peer, tmp_path: Any) -> None:
+    engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="300")
+    before = await decode_peer.asnapshot("kv", tmp_path)
+    decode_peer.signal(signal.SIGSTOP)
+    try:
+        pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
+        pusher.push_layer(3)
+        with pytest.raises(LLMException) as caught:
+            await pusher.wait()
+    finally:
+        decode_peer.signal(signal.SIGCONT)
+    assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT and caught.value.completed_layers == []
+    await engine.cache_manager.push_blocks(KEY, src, [0], [0])  # the link goes on; the layers never pushed
+    after = await decode_peer.asnapshot("kv", tmp_path)     # (0, 1, 2) never moved a byte
+    assert np.array_equal(after[:6, 1], before[:6, 1])
 
 
 async def test_misuse_is_refused_without_moving_bytes(transport: str, make_engine: EngineFactory,
