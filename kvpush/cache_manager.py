@@ -327,9 +327,11 @@ class CacheManager:
                 step, op = inflight[0]
                 done, _ = await asyncio.wait((op.future,), timeout=timeout)
                 if not done:
-                    raise LLMException(LLMStatusCode.LLM_TIMEOUT,
-                                       f"{plan.api}: layer {step.dst_layer} not done within {timeout_ms} ms",
-                                       completed)
+                    timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT,
+                                             f"{plan.api}: layer {step.dst_layer} not done within {timeout_ms} ms",
+                                             completed)
+                    plan.link.note_failure(timed_out)
+                    raise timed_out
                 error = op.future.exception()
                 if isinstance(error, LLMException):
                     raise LLMException(error.status_code, f"{plan.api}: layer {step.dst_layer}: {error}", completed)

@@ -270,6 +270,8 @@ class Link:
         if token is not None:
             expected = _proof(token, b"kvpush-acceptor", my_nonce, peer_nonce)
             if not hmac.compare_digest(str(body.get("proof", "")), expected):
+                self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed: the listener's proof "
+                                                                     "does not match this dialer's token"}))
                 raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "authentication failed: peer's proof is wrong")
             proof = _proof(token, b"kvpush-dialer", peer_nonce, my_nonce)
         self._auth_sent = True
@@ -470,6 +472,11 @@ class Link:
             if pending:
                 self.close("a layer could not finish leaving after its transfer ended", abort=True)
 
+    def note_failure(self, error: LLMException) -> None:
+        """Count a failure the engine raised itself (e.g. a layer's deadline passed)."""
+        self.failures[error.status_code.name] += 1
+        self.last_error = str(error)
+
     def complete(self, op: PendingOp, error: LLMException | None) -> None:
         self._pending.pop(op.request_id, None)
         if op.future.done():
@@ -477,8 +484,7 @@ class Link:
         if error is None:
             op.future.set_result(None)
         else:
-            self.failures[error.status_code.name] += 1
-            self.last_error = str(error)
+            self.note_failure(error)
             op.future.set_exception(error)
             op.future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
 
@@ -614,6 +620,7 @@ class Link:
         if body.get("ack"):
             if not self._bye.done():
                 self._bye.set_result(None)
+            self.close("unlinked")
             return
         ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True}))
         ack.sent.add_done_callback(lambda _: self.close("peer unlinked"))

@@ -127,8 +127,8 @@ class EngineOptions:
     sync_kv_timeout_ms: int = 1000
     transport: str = "auto"
     auth_token: str | None = None
-    keepalive_interval_ms: int = 250
-    keepalive_timeout_ms: int = 3000
+    keepalive_interval_ms: int = 200
+    keepalive_timeout_ms: int = 1000
     link_retry_count: int = 1
     enable_remote_cache_accessible: bool = True
 

@@ -98,8 +98,10 @@ class LayerPusher:
         try:
             done, _ = await asyncio.wait((op.future,), timeout=timeout)
             if not done:
-                raise LLMException(LLMStatusCode.LLM_TIMEOUT,
-                                   f"push_layer: layer {step.dst_layer} not done within {self._timeout_ms} ms")
+                timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT,
+                                         f"push_layer: layer {step.dst_layer} not done within {self._timeout_ms} ms")
+                link.note_failure(timed_out)
+                raise timed_out
             error = op.future.exception()
             if isinstance(error, LLMException):
                 raise LLMException(error.status_code, f"push_layer: layer {step.dst_layer}: {error}")

@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # UCX over tcp would also use the host's external interface: tests stay on loopback (peers inherit this).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from netns import two_hosts  # noqa: E402, F401  (a fixture for every test directory)
+
 from kvpush import LLMClusterInfo, LLMDataDist, LLMRole  # noqa: E402
 
 EngineFactory = Callable[..., Awaitable[LLMDataDist]]
@@ -47,3 +49,13 @@ def cluster(cluster_id: int, port: int, host: str = "127.0.0.1") -> LLMClusterIn
 async def link(engine: LLMDataDist, cluster_id: int, port: int) -> None:
     status, codes = await engine.link_clusters([cluster(cluster_id, port)], timeout=5000)
     assert status == 0 and codes == [0], (status, codes)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="long fuzz/soak modes (e.g. >= 10 000 fuzz examples)")
+
+
+@pytest.fixture(scope="session")
+def long_mode(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--long"))

@@ -51,8 +51,12 @@ def random_blocks(seed: int, count: int = SRC_BLOCKS) -> tuple[list[int], list[i
     return rng.permutation(SRC_BLOCKS)[:count].tolist(), rng.permutation(DST_BLOCKS)[:count].tolist()
 
 
+# Tests that SIGSTOP a peer for a while must not have keepalive (1 s by default) end the link.
+PATIENT = {"kvpush.keepalive_timeout_ms": "10000"}
+
+
 def peer_options(transport: str = "auto", listen: bool = True) -> dict[str, str]:
-    options = {"kvpush.transport": transport}
+    options = {"kvpush.transport": transport, **PATIENT}
     if listen:
         options["llm.listenIpInfo"] = "127.0.0.1:0"
     return options
@@ -67,6 +71,7 @@ def decode_peer_with_kv(transport: str = "auto") -> Peer:
 async def prefill(make_engine: EngineFactory, peer: Peer, transport: str = "auto",
                   **options: str) -> tuple[LLMDataDist, Cache]:
     """A prefill engine in this process with a filled source cache, linked to ``peer``."""
+    options = {"kvpush__keepalive_timeout_ms": PATIENT["kvpush.keepalive_timeout_ms"], **options}
     engine = await make_engine(1, kvpush__transport=transport, **options)
     cache = engine.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
     fill(cache, seed=11)

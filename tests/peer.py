@@ -84,6 +84,23 @@ async def _serve() -> None:
         if op == "link_info":
             return {"links": {str(c): {"transport": link.transport, "fallback_reason": link.fallback_reason}
                               for c, link in engine.links.items()}}
+        if op == "try_push":  # report the terminal state instead of raising
+            started = loop.time()
+            try:
+                await cm.push_blocks(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
+                                     cmd["src_blocks"], cmd["dst_blocks"])
+                status = 0
+            except kvpush.LLMException as error:
+                status = int(error.status_code)
+            return {"status": status, "seconds": loop.time() - started}
+        if op == "push_many":  # many concurrent requests, each its own push_blocks
+            key = BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0))
+            jobs = [cm.push_blocks(key, caches[cmd["name"]], s, d) for s, d in cmd["requests"]]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            return {"errors": [repr(r) for r in results if isinstance(r, BaseException)]}
+        if op == "stats":
+            return {"stats": {str(k): v for k, v in engine.link_stats().items()},
+                    "fds": len(os.listdir("/proc/self/fd"))}
         if op == "push":
             await cm.push_blocks(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
                                  cmd["src_blocks"], cmd["dst_blocks"])

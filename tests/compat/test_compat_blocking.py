@@ -93,7 +93,8 @@ def in_thread(function: Callable[[], Any], timeout: float = 30.0) -> Any:
 @pytest.fixture
 def decode_peer() -> Iterator[Peer]:
     """An async engine (cluster 2) in another process with a blocks cache, model_id 0, of PEER_BLOCKS blocks."""
-    with Peer(2) as peer:
+    # keepalive (1 s by default) must not end the link while a test keeps the peer stopped for longer
+    with Peer(2, options={"llm.listenIpInfo": "127.0.0.1:0", "kvpush.keepalive_timeout_ms": "10000"}) as peer:
         peer.call("allocate", name="kv", num_tensors=TENSORS, shape=[PEER_BLOCKS, ROW], dtype=int(DataType.DT_INT32),
                   model_id=0)
         yield peer
@@ -245,7 +246,7 @@ def test_a_blocking_call_waits_as_long_as_sync_kv_timeout_allows(decode_peer: Pe
                                                                  tmp_path: Any) -> None:
     """No shorter deadline of the facade's own: a peer silent for 1.2 s, inside a 4 s timeout, is waited for."""
     source = arrays(seed=4)
-    engine = engines(1, {"llm.SyncKvCacheWaitTime": "4000"})
+    engine = engines(1, {"llm.SyncKvCacheWaitTime": "4000", "kvpush.keepalive_timeout_ms": "10000"})
     cache = engine.cache_manager.register_blocks_cache(DESC, data_ptrs(source), BlocksCacheKey(1, 0))
     assert engine.link_clusters([cluster(2, decode_peer.port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
     decode_peer.signal(signal.SIGSTOP)

@@ -213,7 +213,7 @@ async def test_cancelled_push_drains_and_link_stays_consistent(transport: str,
 async def test_cancelled_pull_never_writes_after_cancellation(transport: str,
                                                               make_engine: EngineFactory, decode_peer: Peer,
                                                               tmp_path: Any) -> None:
-    engine = await make_engine(1, kvpush__transport=transport)
+    engine = await make_engine(1, kvpush__transport=transport, kvpush__keepalive_timeout_ms="10000")
     local = engine.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
     await link(engine, 2, decode_peer.port)
     decode_peer.call("fill", name="kv", seed=30)
@@ -263,7 +263,8 @@ async def test_nothing_lands_from_source_memory_changed_after_a_timeout(transpor
     big = {"num_tensors": 2, "shape": [512, 16384], "model_id": 0}  # one layer = 32 MiB: more than socket buffers
     with Peer(2, options=peer_options(transport)) as peer:
         peer.call("allocate", name="big", **big)
-        engine = await make_engine(1, kvpush__transport=transport, llm__SyncKvCacheWaitTime="300")
+        engine = await make_engine(1, kvpush__transport=transport, kvpush__keepalive_timeout_ms="10000",
+                                   llm__SyncKvCacheWaitTime="300")
         src = engine.cache_manager.allocate_blocks_cache(CacheDesc(2, (512, 16384), DataType.DT_FLOAT16))
         fill(src, seed=17)
         original = raw(src).copy()
