@@ -112,6 +112,7 @@ class CacheManager:
         return self._allocate("allocate_blocks_cache", cache_desc, True, model_id)
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[Any] = ()) -> Cache:
+        """kvpush-owned contiguous memory (``shape[0]`` is the batch dimension), page-aligned and prefaulted."""
         v.check_type("allocate_cache", "cache_keys", cache_keys, (list, tuple))
         return self._allocate("allocate_cache", cache_desc, False, None)
 
@@ -125,6 +126,7 @@ class CacheManager:
         self._engine._registry_changed()
 
     def deallocate_cache(self, cache: Cache) -> None:
+        """Release a cache (allocated or registered); like ``unregister_cache(cache.cache_id)``."""
         v.check_type("deallocate_cache", "cache", cache, Cache)
         self.unregister_cache(cache.cache_id)
 

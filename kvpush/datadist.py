@@ -156,10 +156,12 @@ class LLMDataDist:
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
+        """The ``(host, port)`` actually bound (port 0 asked for any free port), or None when not listening."""
         return tcp.bound_address(self._listener) if self._listener is not None else None
 
     @property
     def cache_manager(self) -> CacheManager:
+        """The instance's ``CacheManager`` (registration and transfers). RuntimeError before ``init``."""
         self._require_init("cache_manager")
         return self._cache_manager
 
@@ -246,6 +248,7 @@ class LLMDataDist:
 
     # -- LinkOwner ------------------------------------------------------------------------------------
     def link_closed(self, link: Link, reason: str) -> None:
+        """Called by a link when it closes (internal): it is forgotten, so linking again works."""
         if link.peer_cluster_id is not None and self._links.get(link.peer_cluster_id) is link:
             del self._links[link.peer_cluster_id]
 

@@ -71,6 +71,7 @@ class LLMConfig:
         self.ge_options: dict[str, str] = {}
 
     def generate_options(self) -> dict[str, str]:
+        """The option dict for ``LLMDataDist.init``: every field set so far, as strings, with ``ge_options``."""
         options: dict[str, str] = {}
         for key, value in self.ge_options.items():
             options[str(key)] = str(value)

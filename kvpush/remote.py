@@ -12,7 +12,7 @@ from transports.base import PayloadSink
 
 from .layout import IoVec
 from .protocol import Kind, ProtocolError
-from .types import U64_MAX, DataType
+from .types import U64_MAX, CacheDesc, DataType
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ class RemoteCache:
     rkeys: tuple[bytes, ...] | None = None
 
     @property
+    def desc(self) -> CacheDesc:
+        return CacheDesc(self.num_tensors, self.shape, self.data_type)
+
+    @property
     def tensor_bytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.data_type.itemsize
+        return self.desc.size
 
     @property
     def num_blocks(self) -> int:
@@ -42,7 +43,7 @@ class RemoteCache:
 
     @property
     def block_bytes(self) -> int:
-        return self.tensor_bytes // self.shape[0]
+        return self.desc.block_bytes
 
     @classmethod
     def from_wire(cls, item: Any) -> RemoteCache:

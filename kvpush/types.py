@@ -52,6 +52,7 @@ class DataType(IntEnum):
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element (BF16: 2)."""
         return _ITEMSIZE[self]
 
     @property
@@ -118,6 +119,7 @@ class CacheDesc:
 
     @property
     def size(self) -> int:
+        """Bytes of one tensor."""
         count = 1
         for dim in self.shape:
             count *= dim
@@ -125,10 +127,12 @@ class CacheDesc:
 
     @property
     def num_blocks(self) -> int:
+        """``shape[0]``: blocks (or batch slots) per tensor."""
         return self.shape[0] if self.shape else 0
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one block of one tensor (``size // shape[0]``)."""
         return self.size // self.shape[0] if self.shape and self.shape[0] else 0
 
     def __repr__(self) -> str:
@@ -183,6 +187,7 @@ class BlocksCacheKey:
 
     @property
     def prompt_cluster_id(self) -> int:
+        """LLM-DataDist's name for ``cluster_id``."""
         return self.cluster_id
 
     def __repr__(self) -> str:
@@ -235,6 +240,7 @@ class LLMClusterInfo:
 
     @property
     def remote_cluster_id(self) -> int | None:
+        """The peer's cluster id (required before linking)."""
         return self._remote_cluster_id
 
     @remote_cluster_id.setter
@@ -242,9 +248,11 @@ class LLMClusterInfo:
         self._remote_cluster_id = check_int("remote_cluster_id", value)
 
     def append_local_ip_info(self, ip: str | int, port: int) -> None:
+        """Accepted for LLM-DataDist compatibility: kvpush picks the local address per connection."""
         self.local_ip_info.append((check_ip("ip", ip), check_int("port", port, 0, 65535)))
 
     def append_remote_ip_info(self, ip: str | int, port: int) -> None:
+        """An address the peer listens on (IPv4, IPv6 or host name); tried in order when linking."""
         self.remote_ip_info.append((check_ip("ip", ip), check_int("port", port, 1, 65535)))
 
     def __repr__(self) -> str:

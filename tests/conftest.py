@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -12,11 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # UCX over tcp would also use the host's external interface: tests stay on loopback (peers inherit this).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from kvtest import EngineFactory, cluster, decode_peer_with_kv, link  # noqa: E402, F401  (re-exported)
 from netns import two_hosts  # noqa: E402, F401  (a fixture for every test directory)
+from peer import Peer  # noqa: E402
 
-from kvpush import LLMClusterInfo, LLMDataDist, LLMRole  # noqa: E402
-
-EngineFactory = Callable[..., Awaitable[LLMDataDist]]
+from kvpush import LLMDataDist, LLMRole  # noqa: E402
+from transports import cma, ucx  # noqa: E402
 
 
 @pytest.fixture
@@ -39,18 +40,6 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
         await engine.finalize()
 
 
-def cluster(cluster_id: int, port: int, host: str = "127.0.0.1") -> LLMClusterInfo:
-    info = LLMClusterInfo()
-    info.remote_cluster_id = cluster_id
-    info.append_remote_ip_info(host, port)
-    return info
-
-
-async def link(engine: LLMDataDist, cluster_id: int, port: int) -> None:
-    status, codes = await engine.link_clusters([cluster(cluster_id, port)], timeout=5000)
-    assert status == 0 and codes == [0], (status, codes)
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="long fuzz/soak modes (e.g. >= 10 000 fuzz examples)")
@@ -59,3 +48,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def long_mode(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--long"))
+
+
+# -- the conformance suites run every case once per transport available here -----------------------
+TRANSPORTS = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def decode_peer(transport: str) -> Iterator[Peer]:
+    """A decode engine in another process, listening, with a blocks cache "kv" (model_id 0)."""
+
+    with decode_peer_with_kv(transport) as peer:
+        yield peer

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from conftest import EngineFactory, link
 from peer import Peer, pattern
 
-from kvpush import BlocksCacheKey, Cache, CacheDesc, DataType, LLMDataDist
+from kvpush import BlocksCacheKey, Cache, CacheDesc, DataType, LLMClusterInfo, LLMDataDist
+
+EngineFactory = Callable[..., Awaitable[LLMDataDist]]
 
 TENSORS = 8            # 4 layers of K, V with N = 2
 SRC_BLOCKS, DST_BLOCKS = 32, 64
@@ -86,3 +88,15 @@ async def wait_for(predicate: Any, seconds: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+def cluster(cluster_id: int, port: int, host: str = "127.0.0.1") -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    info.append_remote_ip_info(host, port)
+    return info
+
+
+async def link(engine: LLMDataDist, cluster_id: int, port: int) -> None:
+    status, codes = await engine.link_clusters([cluster(cluster_id, port)], timeout=5000)
+    assert status == 0 and codes == [0], (status, codes)

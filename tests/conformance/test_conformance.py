@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from kvtest import (
     ROW,
     SRC_BLOCKS,
     TENSORS,
-    decode_peer_with_kv,
     desc,
     expected_after,
     fill,
@@ -37,20 +35,6 @@ from kvpush import (
     LLMException,
     LLMStatusCode,
 )
-from transports import cma, ucx
-
-AVAILABLE = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
-
-
-@pytest.fixture(params=AVAILABLE)
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def decode_peer(transport: str) -> Iterator[Peer]:
-    with decode_peer_with_kv(transport) as peer:
-        yield peer
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

@@ -5,31 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import EngineFactory
-from kvtest import DST_BLOCKS, TENSORS, decode_peer_with_kv, expected_after, prefill, raw
+from kvtest import DST_BLOCKS, TENSORS, expected_after, prefill, raw
 from peer import Peer
 
 from kvpush import BlocksCacheKey, LLMException, LLMStatusCode
-from transports import cma, ucx
 
-AVAILABLE = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
 KEY = BlocksCacheKey(2, 0)
-
-
-@pytest.fixture(params=AVAILABLE)
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def decode_peer(transport: str) -> Iterator[Peer]:
-    with decode_peer_with_kv(transport) as peer:
-        yield peer
 
 
 async def test_layers_in_any_order_land_exactly(transport: str, make_engine: EngineFactory, decode_peer: Peer,
