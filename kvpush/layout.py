@@ -70,9 +70,8 @@ def merge_block_runs(
     """
     src = np.asarray(src_blocks, dtype=np.int64)
     dst = np.asarray(dst_blocks, dtype=np.int64)
-    if src.shape[0] == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
+    if src.shape[0] <= 1:  # a single block (decode-time pushes): nothing to sort or merge
+        return src, dst, np.ones(src.shape[0], np.int64)
     order = np.argsort(src, kind="stable")
     src, dst = src[order], dst[order]
     breaks = np.ones(src.shape[0], dtype=bool)

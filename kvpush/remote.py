@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from transports import tcp
@@ -29,11 +30,11 @@ class RemoteCache:
     addrs: tuple[int, ...] | None = None
     rkeys: tuple[bytes, ...] | None = None
 
-    @property
+    @cached_property
     def desc(self) -> CacheDesc:
         return CacheDesc(self.num_tensors, self.shape, self.data_type)
 
-    @property
+    @cached_property
     def tensor_bytes(self) -> int:
         return self.desc.size
 
@@ -41,7 +42,7 @@ class RemoteCache:
     def num_blocks(self) -> int:
         return self.shape[0]
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         return self.desc.block_bytes
 
