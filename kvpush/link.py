@@ -10,11 +10,8 @@ the link; ``link_clusters`` to that peer then builds a new one.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import itertools
 import logging
-import os
 import socket
 import time
 from collections import Counter
@@ -23,15 +20,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from transports import cma, tcp, ucp
+from transports import cma, tcp
 from transports.base import PayloadSink
 
+from . import handshake
+from .handshake import HANDSHAKE_KINDS
 from .layout import IoVec, runs_in_bounds, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .onesided import OneSidedReceiver, OneSidedSender
 from .options import EngineOptions
 from .protocol import (
-    PROTOCOL_VERSION,
     FrameHeader,
     Kind,
     ProtocolError,
@@ -51,8 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_NONCE_BYTES = 32
-HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.BYE})
 
 
 class LinkState(Enum):
@@ -70,10 +66,6 @@ class LinkOwner(Protocol):
     ucx: UcxService | None
 
     def link_closed(self, link: Link, reason: str) -> None: ...
-
-
-def _proof(token: str, label: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(token.encode(), label + first + second, hashlib.sha256).hexdigest()
 
 
 class Link:
@@ -133,10 +125,10 @@ class Link:
         link = cls(owner, sock, dialer=dialer)
         try:
             if dialer:
-                await link._handshake_dialer(expect_cluster_id)
+                await handshake.dial(link, expect_cluster_id)
             else:
-                await link._handshake_acceptor()
-            link._choose_data_path()
+                await handshake.accept(link)
+            handshake.choose_data_path(link)
             link.state = LinkState.READY
             link.send_table()
             if dialer:  # linked means the peer's caches are known: no round trip on the first push
@@ -152,156 +144,6 @@ class Link:
                  "dialed" if dialer else "accepted",
                  f"; same-host path not used: {link.fallback_reason}" if link.fallback_reason else "")
         return link
-
-    def _offers(self) -> dict[str, Any]:
-        """What lets the peer move bytes one-sided with this process (sent only after authentication):
-        same-host cross-memory attach, and this engine's UCX worker address."""
-        offers: dict[str, Any] = {}
-        wanted = self.owner.options.transport
-        if wanted in ("auto", "cma") and cma.AVAILABLE:
-            self._probe = cma.Probe()
-            offers["cma"] = {"host": cma.host_identity(), **self._probe.describe()}
-        if self.owner.ucx is not None:
-            offers["ucx"] = self.owner.ucx.offer()
-        return offers
-
-    def _take_offers(self, body: dict[str, Any]) -> None:
-        offers = body.get("offers")
-        self._peer_offers = offers if isinstance(offers, dict) else {}
-        peer_cma = self._peer_offers.get("cma")
-        self._share_addresses = (isinstance(peer_cma, dict) and self._probe is not None
-                                 and peer_cma.get("host") == cma.host_identity())
-        self._share_rkeys = isinstance(self._peer_offers.get("ucx"), dict) and self.owner.ucx is not None
-
-    def _choose_data_path(self) -> None:
-        """Pick how this side moves bytes: same host and a probe read of the peer's memory works ->
-        cross-memory attach; else UCX when both ends offer it; else the link's stream (TCP). An
-        explicit ``transport`` that cannot work raises LLM_FEATURE_NOT_ENABLED."""
-        wanted = self.owner.options.transport
-        if wanted == "tcp":
-            return
-        reasons = []
-        if wanted in ("auto", "cma"):
-            offer = self._peer_offers.get("cma")
-            if not cma.AVAILABLE:
-                reasons.append("cross-memory attach is not available on this platform")
-            elif not isinstance(offer, dict):
-                reasons.append("the peer offered no same-host path")
-            elif offer.get("host") != cma.host_identity():
-                reasons.append("the peer is on another host (or network/pid namespace)")
-            else:
-                try:
-                    self.onesided = OneSidedSender(self, cma.CmaMover(cma.CmaPeer(offer), str(self.peer_cluster_id)))
-                    return
-                except cma.CmaError as error:
-                    reasons.append(f"the kernel refused cross-memory attach: {error}")
-        if wanted in ("auto", "ucx"):
-            offer = self._peer_offers.get("ucx")
-            if self.owner.ucx is None:
-                reasons.append("UCX is not enabled in this engine")
-            elif not isinstance(offer, dict):
-                reasons.append("the peer offered no UCX endpoint")
-            else:
-                try:
-                    self.onesided = OneSidedSender(self, self.owner.ucx.connect(offer, self._ucx_error))
-                    return
-                except ucp.UcpError as error:
-                    reasons.append(f"UCX could not connect: {error}")
-        reason = "; ".join(reasons)
-        if wanted in ("cma", "ucx"):
-            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                               f"transport {wanted!r} cannot reach cluster {self.peer_cluster_id}: {reason}")
-        self.fallback_reason = reason
-
-    def _ucx_error(self, reason: str) -> None:
-        self.close(reason)
-
-    def _hello(self, nonce: bytes, proof: str | None) -> bytes:
-        owner = self.owner
-        body = {"version": PROTOCOL_VERSION, "cluster_id": owner.cluster_id, "role": int(owner.role),
-                "instance": owner.instance,
-                "nonce": nonce.hex(), "auth": owner.options.auth_token is not None,
-                "transports": [self.transport]}
-        if proof is not None:
-            body["proof"] = proof
-        return encode_json(Kind.HELLO, 0, body)
-
-    async def _expect(self, kind: Kind) -> dict[str, Any]:
-        got, body = await self._handshake_inbox.get()
-        if got == Kind.BYE:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer refused the link: {body.get('reason', '?')}")
-        if got != kind:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"handshake: expected {kind.name}, got {got.name}")
-        return body
-
-    def _check_hello(self, body: dict[str, Any]) -> bytes:
-        try:
-            version = int(body["version"])
-            cluster_id = int(body["cluster_id"])
-            nonce = bytes.fromhex(str(body["nonce"]))
-            role = int(body.get("role", 0))
-            instance = str(body.get("instance", ""))
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "handshake: malformed HELLO") from None
-        if version != PROTOCOL_VERSION:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer speaks protocol {version}, "
-                                                               f"this engine {PROTOCOL_VERSION}")
-        if cluster_id == self.owner.cluster_id:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, f"peer has this engine's own cluster id {cluster_id}")
-        if len(nonce) != _NONCE_BYTES:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "handshake: bad nonce")
-        token = self.owner.options.auth_token
-        if bool(body.get("auth")) != (token is not None):
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED,
-                               "authentication mismatch: only one side has an auth_token")
-        self.peer_cluster_id, self.peer_role, self.peer_instance = cluster_id, role, instance
-        return nonce
-
-    async def _handshake_dialer(self, expect_cluster_id: int | None) -> None:
-        token = self.owner.options.auth_token
-        my_nonce = os.urandom(_NONCE_BYTES)
-        self.stream.send(self._hello(my_nonce, None))
-        body = await self._expect(Kind.HELLO)
-        peer_nonce = self._check_hello(body)
-        if expect_cluster_id is not None and self.peer_cluster_id != expect_cluster_id:
-            raise LLMException(LLMStatusCode.LLM_LINK_FAILED,
-                               f"peer is cluster {self.peer_cluster_id}, not {expect_cluster_id}")
-        proof = None
-        if token is not None:
-            expected = _proof(token, b"kvpush-acceptor", my_nonce, peer_nonce)
-            if not hmac.compare_digest(str(body.get("proof", "")), expected):
-                self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed: the listener's proof "
-                                                                     "does not match this dialer's token"}))
-                raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "authentication failed: peer's proof is wrong")
-            proof = _proof(token, b"kvpush-dialer", peer_nonce, my_nonce)
-        self._auth_sent = True
-        self.stream.send(encode_json(Kind.AUTH, 0, {"proof": proof or "", "offers": self._offers()}))
-        self._take_offers(await self._expect(Kind.READY))
-
-    async def _handshake_acceptor(self) -> None:
-        token = self.owner.options.auth_token
-        body = await self._expect(Kind.HELLO)
-        try:
-            peer_nonce = self._check_hello(body)
-        except LLMException as error:
-            self.stream.send(encode_json(Kind.BYE, 0, {"reason": str(error)}))
-            log.warning("refused a link: %s", error)
-            raise
-        my_nonce = os.urandom(_NONCE_BYTES)
-        proof = _proof(token, b"kvpush-acceptor", peer_nonce, my_nonce) if token is not None else None
-        self.stream.send(self._hello(my_nonce, proof))
-        auth = await self._expect(Kind.AUTH)
-        if token is not None:
-            expected = _proof(token, b"kvpush-dialer", my_nonce, peer_nonce)
-            if not hmac.compare_digest(str(auth.get("proof", "")), expected):
-                reason = f"authentication failed for cluster {self.peer_cluster_id}"
-                log.warning("refused a link: %s", reason)
-                self.stream.send(encode_json(Kind.BYE, 0, {"reason": "authentication failed"}))
-                raise LLMException(LLMStatusCode.LLM_LINK_FAILED, reason)
-        offers = self._offers()
-        self._take_offers(auth)
-        self.stream.send(encode_json(Kind.READY, 0, {"offers": offers}))
-        self.state = LinkState.READY
 
     # -- keepalive ------------------------------------------------------------------------------
     async def _keepalive_loop(self) -> None:
