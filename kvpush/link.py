@@ -280,6 +280,10 @@ class Link:
                                                     runs_wire, 0, budget_ms))
         return op
 
+    def peer_offer(self, name: str) -> Any:
+        """What the peer offered at the handshake for one-sided transfers (``cma``, ``ucx``), or None."""
+        return self._peer_offers.get(name)
+
     def pending(self, request_id: int) -> PendingOp | None:
         return self._pending.get(request_id)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
+import select
 from typing import TYPE_CHECKING, Any, Protocol
 
 from transports import cma
@@ -29,8 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LANDED_ABORTED = 1
-# How long a receiver keeps a granted cache pinned after its link broke: a copy the sender had
-# already started runs to its end (a memory copy, bounded) even when the control stream is gone.
+# How long a receiver keeps a granted cache pinned after its link broke when the peer is not on this
+# host (UCX): a transfer the sender had already posted runs to its end even when the control stream is gone.
 GRANT_GRACE_S = 2.0
 
 
@@ -139,12 +141,53 @@ class OneSidedReceiver:
             self.link.counters[counter] += size
 
     def close(self) -> None:
+        """The link is gone with requests still granted. A granted copy may still be queued or
+        running in the peer (or the peer may be stopped just before it), so the pins stay until
+        the peer cannot write any more: for a same-host peer, until its process has exited (polled
+        through a pidfd); otherwise for a grace period."""
         held = [entry for entry, _, _ in self.granted.values()]
         self.granted.clear()
+        if not held:
+            return
+        watch = _peer_process(self.link.peer_offer("cma"))
 
         def release() -> None:
             for entry in held:
                 entry.unpin()
 
-        if held:
+        def check() -> None:
+            if watch is None or not _alive(watch):
+                if watch is not None:
+                    os.close(watch)
+                release()
+                return
+            self.link.loop.call_later(PEER_EXIT_POLL_S, check)
+
+        if watch is None:
             self.link.loop.call_later(GRANT_GRACE_S, release)
+        else:
+            check()
+
+
+PEER_EXIT_POLL_S = 1.0
+
+
+def _peer_process(offer: Any) -> int | None:
+    """A pidfd of the same-host peer that was granted one-sided access, if it is still that process."""
+    if not isinstance(offer, dict) or not cma.AVAILABLE:
+        return None
+    try:
+        pid, start = int(offer["pid"]), int(offer["start"])
+        pidfd = os.pidfd_open(pid)
+    except (KeyError, TypeError, ValueError, OSError):
+        return None
+    if cma.process_start_time(pid) != start:  # already gone and the pid reused
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _alive(pidfd: int) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return not poller.poll(0)

@@ -29,6 +29,7 @@ async def _serve() -> None:
 
     engine: LLMDataDist | None = None
     caches: dict[str, kvpush.Cache] = {}
+    held: list[Any] = []
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -93,6 +94,10 @@ async def _serve() -> None:
             except kvpush.LLMException as error:
                 status = int(error.status_code)
             return {"status": status, "seconds": loop.time() - started}
+        if op == "hold_pusher":  # prepare a request (its one-sided layers get granted) and push nothing yet
+            held.append(cm.layer_pusher(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
+                                        cmd["src_blocks"], cmd["dst_blocks"]))
+            return {"layers": held[-1].num_layers}
         if op == "push_many":  # many concurrent requests, each its own push_blocks
             key = BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0))
             jobs = [cm.push_blocks(key, caches[cmd["name"]], s, d) for s, d in cmd["requests"]]

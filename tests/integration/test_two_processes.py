@@ -189,3 +189,27 @@ async def test_kernel_refusal_falls_back_to_tcp_and_says_why(make_engine: Engine
             source = pattern(19, tensor, SRC_BLOCKS * ROW * 2).reshape(SRC_BLOCKS, -1)
             assert np.array_equal(raw(dst)[tensor][[7, 30]], source[[1, 2]])
         assert decode.links[1].transport == "cma"  # root may still reach the peer: each side picks its own path
+
+
+async def test_granted_memory_stays_pinned_until_a_silent_writer_is_gone(make_engine: EngineFactory) -> None:
+    """A same-host writer holds grants (a prepared layer pusher) and goes silent: its link is dropped, but
+    the granted cache stays mapped, even when deallocated, until the writer's process has exited —
+    a stopped writer could still resume in the middle of a copy."""
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
+    dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
+    entry = decode.registry.get(dst.cache_id)
+    assert entry is not None
+    with Peer(1, options={"kvpush.transport": "cma"}, role=1) as prefill:
+        prefill.call("allocate", name="kv", num_tensors=TENSORS, shape=[SRC_BLOCKS, ROW], model_id=0)
+        assert (await prefill.acall("link", cluster_id=2, port=decode.listen_address[1]))["codes"] == [0]
+        assert (await prefill.acall("hold_pusher", name="kv", cluster_id=2, src_blocks=[0], dst_blocks=[1]))[
+            "layers"] == TENSORS // 2
+        await wait_for(lambda: entry.pins == TENSORS // 2)  # every layer granted
+        prefill.signal(signal.SIGSTOP)
+        await wait_for(lambda: 1 not in decode.links, seconds=5)  # keepalive drops the silent writer
+        decode.cache_manager.deallocate_cache(dst)
+        await asyncio.sleep(0.3)
+        assert entry.removed and entry.pins == TENSORS // 2 and entry.regions  # still mapped: it may still be written
+        prefill.kill()
+        await wait_for(lambda: entry.pins == 0, seconds=5)
+        assert not entry.regions  # released once the writer could not write any more
