@@ -5,7 +5,9 @@ every block that must not change. Faults are real signals to the peer process.""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -273,3 +275,27 @@ async def test_nothing_lands_from_source_memory_changed_after_a_timeout(transpor
         fill(src, seed=18)
         await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [5], [9])
         assert np.array_equal((await peer.asnapshot("big", tmp_path))[:, 9], raw(src)[:, 5])
+
+
+def test_a_writer_killed_mid_push_never_takes_the_receiver_down(transport: str, decode_peer: Peer) -> None:
+    """The receiving process survives its writer's death in the middle of a big push, drops the link,
+    and links with a new writer."""
+    for attempt in range(3):  # kill at different points of the transfer
+        with Peer(1, options=peer_options(transport, listen=False), role=1) as writer:
+            writer.call("allocate", name="kv", num_tensors=TENSORS, shape=[SRC_BLOCKS, ROW], model_id=0, seed=attempt)
+            assert writer.call("link", cluster_id=2, port=decode_peer.port)["codes"] == [0]
+            assert writer.proc.stdin is not None
+            command = {"op": "push_many", "name": "kv", "cluster_id": 2,
+                       "requests": [[list(range(SRC_BLOCKS)), list(range(SRC_BLOCKS))]] * 8}
+            writer.proc.stdin.write(json.dumps(command) + "\n")
+            writer.proc.stdin.flush()
+            time.sleep(0.01 * attempt)
+            writer.kill()
+        deadline = time.monotonic() + 5
+        while decode_peer.call("links")["links"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decode_peer.proc.poll() is None and decode_peer.call("links")["links"] == []
+    with Peer(1, options=peer_options(transport, listen=False), role=1) as writer:
+        writer.call("allocate", name="kv", num_tensors=TENSORS, shape=[SRC_BLOCKS, ROW], model_id=0, seed=9)
+        assert writer.call("link", cluster_id=2, port=decode_peer.port)["codes"] == [0]
+        assert writer.call("try_push", name="kv", cluster_id=2, src_blocks=[3], dst_blocks=[4])["status"] == 0
