@@ -327,7 +327,7 @@ class CacheManager:
                 if not inflight:
                     break
                 step, op = inflight[0]
-                done, _ = await asyncio.wait((op.future,), timeout=timeout)
+                done = op.future.done() or bool((await asyncio.wait((op.future,), timeout=timeout))[0])
                 if not done:
                     timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT,
                                              f"{plan.api}: layer {step.dst_layer} not done within {timeout_ms} ms",

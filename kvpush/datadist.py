@@ -255,6 +255,7 @@ class LLMDataDist:
     def _registry_changed(self) -> None:
         for link in list(self._links.values()):  # a failing send closes (and unlists) its link
             link.send_table()
+            link.receiver.revoke_released()
 
     def _link_for(self, api: str, cluster_id: int) -> Link:
         link = self._links.get(cluster_id)

@@ -203,8 +203,10 @@ class Link:
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
         if self._onesided_reaches(remote):
+            assert self.onesided is not None
+            leased = self.onesided.lease_active(remote.cache_id)
             op = self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                      remote_offset, length, source, source_entry, budget_ms, held)
+                                      remote_offset, length, source, source_entry, budget_ms, held, leased)
             return op
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
@@ -232,8 +234,14 @@ class Link:
         op.held = False
         if op.kind == Kind.WRITE:
             self._enqueue(op)
+        elif op.notice is not None and self.onesided is not None:
+            self.loop.call_soon(self._begin_leased, op)
         elif op.granted and self.onesided is not None:
             self.loop.call_soon(self._begin_granted, op)  # posting the copy is the loop's work, not the caller's
+
+    def _begin_leased(self, op: PendingOp) -> None:
+        if self.onesided is not None and op.request_id in self._pending:
+            self.onesided.begin_leased(op)
 
     def _begin_granted(self, op: PendingOp) -> None:
         if op.granted and self.onesided is not None and op.request_id in self._pending:
@@ -267,7 +275,9 @@ class Link:
 
     def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
                         runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
-                        local: IoVec, entry: CacheEntry, budget_ms: int, held: bool = False) -> PendingOp:
+                        local: IoVec, entry: CacheEntry, budget_ms: int, held: bool = False,
+                        leased: bool = False) -> PendingOp:
+        """A one-sided request: ask for a grant (intent), or under a lease copy at once and notify."""
         assert remote.addrs is not None
         op = self._new_op(kind)
         op.held = held
@@ -276,9 +286,21 @@ class Link:
         op.move_args = (remote.cache_id, first_tensor, remote.rkeys, int(length.shape[0]))
         entry.pin()
         op.hold(entry.unpin)
+        if leased:
+            op.notice = encode_transfer(Kind.WRITE_NOTICE, op.request_id, remote.cache_id, first_tensor,
+                                        num_tensors, runs_wire, 0, budget_ms)
+            if not held:
+                assert self.onesided is not None
+                self.onesided.begin_leased(op)
+            return op
         op.frame = self.stream.send(encode_transfer(kind, op.request_id, remote.cache_id, first_tensor, num_tensors,
                                                     runs_wire, 0, budget_ms))
         return op
+
+    @property
+    def shares_addresses_same_host(self) -> bool:
+        """True when the peer is on this host and may copy one-sided into this process."""
+        return self._share_addresses
 
     def peer_offer(self, name: str) -> Any:
         """What the peer offered at the handshake for one-sided transfers (``cma``, ``ucx``), or None."""
@@ -379,6 +401,16 @@ class Link:
             self.onesided.on_grant(header, meta)
         elif kind == Kind.LANDED:
             self.receiver.on_landed(header, meta)
+        elif kind == Kind.WRITE_NOTICE:
+            self.receiver.on_notice(header, meta)
+        elif kind == Kind.LEASE:
+            body = decode_json(kind, meta)
+            if body.get("op") in ("request", "revoked"):
+                self.receiver.on_lease(body)
+            elif self.onesided is None:
+                raise ProtocolError("LEASE answer on a link that asked for none")
+            else:
+                self.onesided.on_lease(body)
         elif kind == Kind.BYE:
             self._on_bye(decode_json(kind, meta))
         else:

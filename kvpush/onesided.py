@@ -14,14 +14,15 @@ import errno
 import logging
 import os
 import select
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from transports import cma
 from transports.base import Capabilities
 
-from .layout import IoVec
+from .layout import IoVec, runs_in_bounds
 from .memory import CacheEntry
-from .protocol import FrameHeader, Kind, decode_status, encode_status
+from .protocol import FrameHeader, Kind, ProtocolError, decode_status, decode_transfer, encode_json, encode_status
 from .remote import PendingOp
 from .status import LLMException, LLMStatusCode
 
@@ -53,6 +54,62 @@ class OneSidedSender:
     def __init__(self, link: Link, mover: Mover) -> None:
         self.link = link
         self.mover = mover
+        # Same host only: a standing grant per destination cache lets a write go without a round trip
+        # (copy, then a one-way WRITE_NOTICE). State per cache id: requested, active or revoked.
+        self.leases: dict[int, str] = {}
+        self.leased_inflight: Counter[int] = Counter()
+        self.can_lease = mover.capabilities.name == "cma"
+
+    # -- leases ---------------------------------------------------------------------------------
+    def lease_active(self, cache_id: int) -> bool:
+        """True when writes to ``cache_id`` may go without asking; asks for a lease the first time."""
+        state = self.leases.get(cache_id)
+        if state is None and self.can_lease:
+            self.leases[cache_id] = "requested"
+            self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id}))
+        return state == "active"
+
+    def on_lease(self, body: dict[str, Any]) -> None:
+        op, cache_id = body.get("op"), body.get("cache")
+        if not isinstance(cache_id, int):
+            raise ProtocolError(f"LEASE without a cache id: {body!r}")
+        if op == "grant" and self.leases.get(cache_id) == "requested":
+            self.leases[cache_id] = "active"
+        elif op == "refuse":
+            self.leases[cache_id] = "revoked"  # the grant-per-request path goes on working
+        elif op == "revoke":
+            self.leases[cache_id] = "revoked"
+            self._maybe_revoked(cache_id)
+        else:
+            raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
+
+    def _maybe_revoked(self, cache_id: int) -> None:
+        if self.leases.get(cache_id) == "revoked" and not self.leased_inflight[cache_id]:
+            del self.leased_inflight[cache_id]
+            self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "revoked", "cache": cache_id}))
+            self.leases[cache_id] = "done"
+
+    def begin_leased(self, op: PendingOp) -> None:
+        """Copy a write under an active lease now; the notice follows the bytes."""
+        assert op.local_iov is not None and op.remote_iov is not None
+        cache_id = op.move_args[0]
+        if self.leases.get(cache_id) != "active":  # revoked while the request was held
+            op.release()
+            self.link.complete(op, LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                                f"the peer released cache {cache_id}"))
+            return
+        self.leased_inflight[cache_id] += 1
+        try:
+            op.copy = self.mover.start(False, op.local_iov, op.remote_iov, *op.move_args)
+        except Exception as error:
+            self.leased_inflight[cache_id] -= 1
+            op.release()
+            self.link.complete(op, LLMException(LLMStatusCode.LLM_FAILED, f"one-sided transfer failed: {error}"))
+            return
+        if op.copy.done():  # an inline copy: report without another loop iteration
+            self._moved(op)
+        else:
+            op.copy.add_done_callback(lambda _: self._moved(op))
 
     def on_grant(self, header: FrameHeader, meta: bytes) -> None:
         status, message = decode_status(header, meta)
@@ -87,7 +144,14 @@ class OneSidedSender:
         assert op.copy is not None
         error = None if op.copy.cancelled() else op.copy.exception()
         failed = op.copy.cancelled() or error is not None
-        self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
+        if op.notice is not None:  # a leased write: tell the receiver what landed (nothing to unpin there)
+            if not failed:
+                self.link.stream.send(op.notice)
+            cache_id = op.move_args[0]
+            self.leased_inflight[cache_id] -= 1
+            self._maybe_revoked(cache_id)
+        else:
+            self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:
             self.link.complete(op, None)
         elif isinstance(error, cma.CmaError) and error.errno == errno.ESRCH:
@@ -115,6 +179,50 @@ class OneSidedReceiver:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.granted: dict[int, tuple[CacheEntry, int, str]] = {}
+        self.leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
+        self.revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
+
+    def on_lease(self, body: dict[str, Any]) -> None:
+        op, cache_id = body.get("op"), body.get("cache")
+        if not isinstance(cache_id, int):
+            raise ProtocolError(f"LEASE without a cache id: {body!r}")
+        if op == "request":
+            entry = self.link.owner.registry.get(cache_id)
+            same_host_writer = self.link.shares_addresses_same_host
+            if (entry is None or not same_host_writer or cache_id in self.leases
+                    or not self.link.owner.options.enable_remote_cache_accessible):
+                self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
+                return
+            entry.pin()
+            self.leases[cache_id] = entry
+            self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id}))
+        elif op == "revoked":
+            entry = self.revoking.pop(cache_id, None)
+            if entry is None:
+                raise ProtocolError(f"LEASE revoked for cache {cache_id}, which was not being revoked")
+            entry.unpin()
+        else:
+            raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
+
+    def revoke_released(self) -> None:
+        """Caches unregistered here lose their leases; their memory stays until the writer confirms."""
+        for cache_id, entry in list(self.leases.items()):
+            if entry.removed:
+                del self.leases[cache_id]
+                self.revoking[cache_id] = entry
+                self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "revoke", "cache": cache_id}))
+
+    def on_notice(self, header: FrameHeader, meta: bytes) -> None:
+        """A leased write landed: check it lies inside the leased cache and count it."""
+        transfer = decode_transfer(header, meta)
+        entry = self.leases.get(transfer.cache_id) or self.revoking.get(transfer.cache_id)
+        if entry is None:
+            raise ProtocolError(f"WRITE_NOTICE for cache {transfer.cache_id}, which this link holds no lease on")
+        desc = entry.desc
+        if (transfer.first_tensor + transfer.num_tensors > desc.num_tensors
+                or not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size)):
+            raise ProtocolError(f"a leased write to cache {transfer.cache_id} lay outside it")
+        self.link.counters["bytes_received"] += transfer.payload_len
 
     def on_intent(self, header: FrameHeader, meta: bytes) -> None:
         resolved = self.link.resolve_remote_request(header, meta)
@@ -145,8 +253,11 @@ class OneSidedReceiver:
         running in the peer (or the peer may be stopped just before it), so the pins stay until
         the peer cannot write any more: for a same-host peer, until its process has exited (polled
         through a pidfd); otherwise for a grace period."""
-        held = [entry for entry, _, _ in self.granted.values()]
+        held = [entry for entry, _, _ in self.granted.values()] + list(self.leases.values()) + list(
+            self.revoking.values())
         self.granted.clear()
+        self.leases.clear()
+        self.revoking.clear()
         if not held:
             return
         watch = _peer_process(self.link.peer_offer("cma"))

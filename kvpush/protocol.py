@@ -64,12 +64,16 @@ class Kind(IntEnum):
     READ_INTENT = 14
     GRANT = 15
     LANDED = 16
+    # standing same-host write grants ("leases") for one cache: request, grant, refuse, revoke, revoked
+    LEASE = 17
+    # a leased write already copied: what landed where, so the receiver validates and counts it
+    WRITE_NOTICE = 18
 
 
 JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
-                        Kind.PING, Kind.PONG, Kind.BYE})
+                        Kind.PING, Kind.PONG, Kind.BYE, Kind.LEASE})
 PAYLOAD_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
-TRANSFER_KINDS = frozenset({Kind.WRITE, Kind.READ, Kind.WRITE_INTENT, Kind.READ_INTENT})
+TRANSFER_KINDS = frozenset({Kind.WRITE, Kind.READ, Kind.WRITE_INTENT, Kind.READ_INTENT, Kind.WRITE_NOTICE})
 
 
 @dataclass(frozen=True)

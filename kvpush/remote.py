@@ -75,7 +75,7 @@ class PendingOp:
     exactly once) and, once granted, the worker-thread ``copy``."""
 
     __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "move_args", "held", "granted", "_release")
+                 "copy", "move_args", "held", "granted", "notice", "_release")
 
     def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
         self.request_id = request_id
@@ -89,6 +89,7 @@ class PendingOp:
         self.copy: asyncio.Future[Any] | None = None
         self.held = False      # prepared (and, one-sided, granted) but waiting for release_held
         self.granted = False
+        self.notice: bytes | None = None  # set for a write under a lease: the WRITE_NOTICE to send after the copy
         self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
         self._release: Callable[[], None] | None = None
 

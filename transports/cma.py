@@ -118,6 +118,8 @@ class CmaPeer:
             self.pidfd = os.pidfd_open(self.pid)
         except OSError as error:
             raise CmaError(error.errno, f"pidfd_open({self.pid}): {error.strerror}") from None
+        self._poller = select.poll()
+        self._poller.register(self.pidfd, select.POLLIN)
         try:
             if process_start_time(self.pid) != start:
                 raise CmaError(errno.ESRCH, f"pid {self.pid} is not the peer process (start time differs)")
@@ -132,9 +134,8 @@ class CmaPeer:
             raise
 
     def alive(self) -> bool:
-        poller = select.poll()
-        poller.register(self.pidfd, select.POLLIN)
-        return not poller.poll(0)
+        """False once the peer process has exited (its pidfd turns readable)."""
+        return not self._poller.poll(0)
 
     def _copy(self, function: Any, name: str, local: IoVec, remote: IoVec) -> int:
         """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one."""

@@ -54,7 +54,7 @@ async def test_a_layer_that_times_out_fails_alone(transport: str, make_engine: E
     engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="300")
     pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
     await pusher.push_layer(0)  # lands
-    await engine.cache_manager.push_blocks(KEY, src, [9], [9])  # the link is ordered: earlier replies are in
+    await engine.links[2].refresh_table()  # a round trip on the ordered link: earlier replies (grants) are in
     decode_peer.signal(signal.SIGSTOP)
     try:
         pusher.push_layer(1)

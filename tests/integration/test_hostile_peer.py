@@ -183,6 +183,8 @@ async def test_out_of_bounds_writes_are_refused_and_write_nothing(
     encode_header(Kind.DONE, 1, 2, 0) + b"\x00\x00",                      # truncated status meta
     encode_header(Kind.HELLO, 0, 2, 0) + b"{}",                            # a second handshake
     b"\x4b\x50" + b"\xff" * 22,                                          # bad magic on a ready link
+    encode_transfer(Kind.WRITE_NOTICE, 1, 1, 0, 1, pack_runs(np.array([0], np.uint64),
+                                                             np.array([BLOCK], np.uint64)), 0),  # no lease held
 ])
 async def test_malformed_frames_on_a_ready_link_close_it(
         guarded: tuple[LLMDataDist, np.ndarray[Any, Any], int], make_engine: EngineFactory,
