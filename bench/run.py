@@ -279,7 +279,7 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
                 if other is None or base == name or key not in record or key not in other or not other[key]:
                     cells.append("")
                 elif work == "W-SMALL":
-                    cells.append(f"{other[key] / record[key]:.2f}x faster")
+                    cells.append(f"{record[key] / other[key]:.2f}x its latency")
                 else:
                     cells.append(f"{record[key] / other[key]:.2f}")
             lines.append(f"| {work} | {name} | {result} | " + " | ".join(cells) + " |")

@@ -5,6 +5,13 @@ and answers GRANT -> the sender moves the bytes (a kernel copy in a worker threa
 and a flush) -> LANDED tells the receiver the transfer is over (or was abandoned) so it unpins.
 Remote completion is the copy returning, or the UCX flush completing: every byte is in the peer's
 memory by then.
+
+Same host only, a writer may also hold a standing grant (LEASE) on a destination cache: the receiver
+pins the cache once, and later writes go without a round trip (copy, then a one-way WRITE_NOTICE that
+the receiver validates against the leased cache and counts). Unregistering the cache revokes the
+lease; the receiver keeps the memory until the writer answers that no copy into it runs any more (or
+its process is gone). A same-host writer allowed to ptrace this process could write anywhere anyway;
+the lease changes when the receiver learns of a write, never where a write may go.
 """
 
 from __future__ import annotations
