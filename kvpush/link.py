@@ -495,19 +495,35 @@ class Link:
 
     # -- closing --------------------------------------------------------------------------------
     def _on_bye(self, body: dict[str, Any]) -> None:
+        """A graceful unlink. ``leases_done``: the sender of the BYE has no same-host copy into this
+        process running any more, so the caches it held standing grants on can be let go now."""
+        if body.get("leases_done"):
+            self.receiver.end_leases()
         if body.get("ack"):
             if not self._bye.done():
                 self._bye.set_result(None)
             self.close("unlinked")
             return
-        ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True}))
+        if self.onesided is not None and not self.onesided.leases_idle():
+            asyncio.ensure_future(self._ack_when_idle())
+            return
+        self._ack_bye()
+
+    def _ack_bye(self) -> None:
+        ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True, "leases_done": True}))
         ack.sent.add_done_callback(lambda _: self.close("peer unlinked"))
+
+    async def _ack_when_idle(self) -> None:
+        if self.onesided is not None:
+            await self.onesided.drain_leases(self.owner.options.sync_kv_timeout_ms / 1000)
+        self._ack_bye()
 
     async def unlink(self, timeout: float) -> bool:
         """Tell the peer and wait for its acknowledgement (bounded); always closes locally."""
         try:
             if self.state == LinkState.READY:
-                self.stream.send(encode_json(Kind.BYE, 0, {}))
+                done = self.onesided is None or await self.onesided.drain_leases(timeout)
+                self.stream.send(encode_json(Kind.BYE, 0, {"leases_done": done}))
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True
             return False

@@ -96,6 +96,17 @@ class OneSidedSender:
             self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "revoked", "cache": cache_id}))
             self.leases[cache_id] = "done"
 
+    def leases_idle(self) -> bool:
+        """No copy under a standing grant is running or queued."""
+        return not any(self.leased_inflight.values())
+
+    async def drain_leases(self, timeout: float) -> bool:
+        """Wait (bounded) until no leased copy runs; True when none does."""
+        deadline = self.link.loop.time() + timeout
+        while not self.leases_idle() and self.link.loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        return self.leases_idle()
+
     def begin_leased(self, op: PendingOp) -> None:
         """Copy a write under an active lease now; the notice follows the bytes."""
         assert op.local_iov is not None and op.remote_iov is not None
@@ -210,6 +221,13 @@ class OneSidedReceiver:
             entry.unpin()
         else:
             raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
+
+    def end_leases(self) -> None:
+        """The writer said no leased copy into this process runs any more (a graceful unlink)."""
+        for entry in list(self.leases.values()) + list(self.revoking.values()):
+            entry.unpin()
+        self.leases.clear()
+        self.revoking.clear()
 
     def revoke_released(self) -> None:
         """Caches unregistered here lose their leases; their memory stays until the writer confirms."""

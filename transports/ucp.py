@@ -59,7 +59,7 @@ ucs_status_t ucp_mem_unmap(ucp_context_h context, ucp_mem_h memh);
 void ucp_worker_destroy(ucp_worker_h worker);
 void ucp_cleanup(ucp_context_h context_p);
 
-ucs_status_t kvp_open(int multi_thread, ucp_context_h *context, ucp_worker_h *worker, int *efd);
+ucs_status_t kvp_open(int multi_thread, const char *tls, ucp_context_h *context, ucp_worker_h *worker, int *efd);
 ucs_status_t kvp_worker_address(ucp_worker_h worker, char *out, size_t *length);
 ucs_status_t kvp_ep_create(ucp_worker_h worker, const void *address, int peer_error_mode, void *arg,
                            ucp_ep_h *ep);
@@ -92,10 +92,15 @@ static void kvp_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
     kvp_py_ep_error(arg, status);
 }
 
-static ucs_status_t kvp_open(int multi_thread, ucp_context_h *context, ucp_worker_h *worker, int *efd) {
+static ucs_status_t kvp_open(int multi_thread, const char *tls, ucp_context_h *context, ucp_worker_h *worker,
+                             int *efd) {
     ucp_config_t *config;
     ucs_status_t status = ucp_config_read(NULL, NULL, &config);
     if (status != UCS_OK) return status;
+    if (tls != NULL) {  /* this context only: the process environment is left alone */
+        status = ucp_config_modify(config, "TLS", tls);
+        if (status != UCS_OK) { ucp_config_release(config); return status; }
+    }
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
@@ -341,13 +346,15 @@ def rdma_capable() -> bool:
 class Worker:
     """A UCP context and worker driven by an asyncio loop (see module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, multi_thread: bool = False) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, multi_thread: bool = False, tls: str | None = None) -> None:
+        """``tls``: UCX transports for this worker only (like UCX_TLS); None: UCX's configuration."""
         self.ffi, self.lib = load()
         ffi, lib = self.ffi, self.lib
         context = ffi.new("ucp_context_h *")
         worker = ffi.new("ucp_worker_h *")
         efd = ffi.new("int *")
-        self._check("ucp_init", lib.kvp_open(int(multi_thread), context, worker, efd))
+        tls_arg = ffi.new("char[]", tls.encode()) if tls is not None else ffi.NULL
+        self._check("ucp_init", lib.kvp_open(int(multi_thread), tls_arg, context, worker, efd))
         self.context, self.worker, self.efd = context[0], worker[0], int(efd[0])
         self.loop = loop
         self.closed = False

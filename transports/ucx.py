@@ -47,9 +47,8 @@ class UcxService:
     """One engine's UCX worker and the memory it registered."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        if "UCX_TLS" not in os.environ and "KVPUSH_UCX_PREFIX" not in os.environ:
-            os.environ["UCX_TLS"] = "tcp"
-        self.worker = ucp.Worker(loop)
+        own_choice = "UCX_TLS" in os.environ or "KVPUSH_UCX_PREFIX" in os.environ
+        self.worker = ucp.Worker(loop, tls=None if own_choice else "tcp")
 
     def offer(self) -> dict[str, Any]:
         return {"address": self.worker.address.hex()}

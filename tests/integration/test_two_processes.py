@@ -242,3 +242,21 @@ async def test_a_standing_grant_is_revoked_when_the_cache_is_released(make_engin
     with pytest.raises(LLMException) as caught:
         await prefill.cache_manager.push_blocks(key, src, [0], [0])
     assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+async def test_a_graceful_unlink_lets_leased_caches_go(make_engine: EngineFactory) -> None:
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
+    dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
+    entry = decode.registry.get(dst.cache_id)
+    assert entry is not None
+    prefill = await make_engine(1, kvpush__transport="cma")
+    src = prefill.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
+    await link(prefill, 2, decode.listen_address[1])
+    for _ in range(3):
+        await prefill.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [0], [0])
+    await wait_for(lambda: entry.pins == 1)  # the standing grant
+    status, _ = await prefill.unlink_clusters([cluster(2, decode.listen_address[1])])
+    assert status == LLMStatusCode.LLM_SUCCESS
+    await wait_for(lambda: entry.pins == 0)  # the writer lives on, but said no copy runs any more
+    decode.cache_manager.deallocate_cache(dst)
+    assert not entry.regions

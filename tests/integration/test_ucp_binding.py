@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -72,3 +73,12 @@ asyncio.run(main())
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.stdout.startswith("0x5010b019"), result.stdout + result.stderr
     assert "libucx-cu12" in result.stdout and "kvpush[ucx]" in result.stdout
+
+
+async def test_the_ucx_transport_choice_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    service = ucx.UcxService(asyncio.get_running_loop())
+    try:
+        assert "UCX_TLS" not in os.environ  # child processes (and other libraries) keep UCX's defaults
+    finally:
+        service.close()
