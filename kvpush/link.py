@@ -298,6 +298,11 @@ class Link:
         return op
 
     @property
+    def own_probe(self) -> cma.Probe | None:
+        """The in-memory probe this side offered for same-host access (None if it offered none)."""
+        return self._probe
+
+    @property
     def shares_addresses_same_host(self) -> bool:
         """True when the peer is on this host and may copy one-sided into this process."""
         return self._share_addresses
@@ -504,24 +509,29 @@ class Link:
                 self._bye.set_result(None)
             self.close("unlinked")
             return
-        if self.onesided is not None and not self.onesided.leases_idle():
-            asyncio.ensure_future(self._ack_when_idle())
-            return
+        if self.onesided is not None:
+            self.onesided.close_leases()  # nothing new starts; what runs is drained before the ack
+            if not self.onesided.leases_idle():
+                asyncio.ensure_future(self._ack_when_idle())
+                return
         self._ack_bye()
 
-    def _ack_bye(self) -> None:
-        ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True, "leases_done": True}))
+    def _ack_bye(self, leases_done: bool = True) -> None:
+        ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True, "leases_done": leases_done}))
         ack.sent.add_done_callback(lambda _: self.close("peer unlinked"))
 
     async def _ack_when_idle(self) -> None:
+        done = True
         if self.onesided is not None:
-            await self.onesided.drain_leases(self.owner.options.sync_kv_timeout_ms / 1000)
-        self._ack_bye()
+            done = await self.onesided.drain_leases(self.owner.options.sync_kv_timeout_ms / 1000)
+        self._ack_bye(done)
 
     async def unlink(self, timeout: float) -> bool:
         """Tell the peer and wait for its acknowledgement (bounded); always closes locally."""
         try:
             if self.state == LinkState.READY:
+                if self.onesided is not None:
+                    self.onesided.close_leases()  # nothing new starts, so the drain below is final
                 done = self.onesided is None or await self.onesided.drain_leases(timeout)
                 self.stream.send(encode_json(Kind.BYE, 0, {"leases_done": done}))
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import logging
 import os
 import select
@@ -65,22 +66,35 @@ class OneSidedSender:
         # (copy, then a one-way WRITE_NOTICE). State per cache id: requested, active or revoked.
         self.leases: dict[int, str] = {}
         self.leased_inflight: Counter[int] = Counter()
-        self.can_lease = mover.capabilities.name == "cma"
+        peer = getattr(mover, "peer", None)
+        self.lease_proof = peer.secret.hex() if peer is not None and getattr(peer, "leases", False) else ""
+        self.can_lease = mover.capabilities.name == "cma" and bool(self.lease_proof)
+        self.closing = False  # unlinking: no new leased copy may start
 
     # -- leases ---------------------------------------------------------------------------------
     def lease_active(self, cache_id: int) -> bool:
         """True when writes to ``cache_id`` may go without asking; asks for a lease the first time."""
         state = self.leases.get(cache_id)
+        if self.closing:
+            return False
         if state is None and self.can_lease:
             self.leases[cache_id] = "requested"
-            self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id}))
+            self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id,
+                                                              "proof": self.lease_proof}))
         return state == "active"
+
+    def close_leases(self) -> None:
+        """Unlinking: from now on no leased copy starts (held ones fail), so a drain is final."""
+        self.closing = True
+        for cache_id, state in self.leases.items():
+            if state in ("requested", "active"):
+                self.leases[cache_id] = "done"
 
     def on_lease(self, body: dict[str, Any]) -> None:
         op, cache_id = body.get("op"), body.get("cache")
         if not isinstance(cache_id, int):
             raise ProtocolError(f"LEASE without a cache id: {body!r}")
-        if op == "grant" and self.leases.get(cache_id) == "requested":
+        if op == "grant" and self.leases.get(cache_id) == "requested" and not self.closing:
             self.leases[cache_id] = "active"
         elif op == "refuse":
             self.leases[cache_id] = "revoked"  # the grant-per-request path goes on working
@@ -111,10 +125,10 @@ class OneSidedSender:
         """Copy a write under an active lease now; the notice follows the bytes."""
         assert op.local_iov is not None and op.remote_iov is not None
         cache_id = op.move_args[0]
-        if self.leases.get(cache_id) != "active":  # revoked while the request was held
+        if self.closing or self.leases.get(cache_id) != "active":  # revoked (or unlinking) while held
             op.release()
-            self.link.complete(op, LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                                                f"the peer released cache {cache_id}"))
+            status = LLMStatusCode.LLM_NOT_YET_LINK if self.closing else LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+            self.link.complete(op, LLMException(status, f"the standing grant on cache {cache_id} ended"))
             return
         self.leased_inflight[cache_id] += 1
         try:
@@ -199,6 +213,7 @@ class OneSidedReceiver:
         self.granted: dict[int, tuple[CacheEntry, int, str]] = {}
         self.leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self.revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
+        self.ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
 
     def on_lease(self, body: dict[str, Any]) -> None:
         op, cache_id = body.get("op"), body.get("cache")
@@ -206,7 +221,11 @@ class OneSidedReceiver:
             raise ProtocolError(f"LEASE without a cache id: {body!r}")
         if op == "request":
             entry = self.link.owner.registry.get(cache_id)
-            same_host_writer = self.link.shares_addresses_same_host
+            probe = self.link.own_probe
+            proof = str(body.get("proof", ""))
+            # only a writer that read our in-memory secret (it can reach this process) gets a lease
+            same_host_writer = (self.link.shares_addresses_same_host and probe is not None
+                                and hmac.compare_digest(proof, probe.secret.hex()))
             if (entry is None or not same_host_writer or cache_id in self.leases
                     or not self.link.owner.options.enable_remote_cache_accessible):
                 self.link.stream.send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
@@ -217,6 +236,8 @@ class OneSidedReceiver:
         elif op == "revoked":
             entry = self.revoking.pop(cache_id, None)
             if entry is None:
+                if cache_id in self.ended:
+                    return  # the revoke crossed a graceful unlink: already let go
                 raise ProtocolError(f"LEASE revoked for cache {cache_id}, which was not being revoked")
             entry.unpin()
         else:
@@ -224,8 +245,9 @@ class OneSidedReceiver:
 
     def end_leases(self) -> None:
         """The writer said no leased copy into this process runs any more (a graceful unlink)."""
-        for entry in list(self.leases.values()) + list(self.revoking.values()):
+        for cache_id, entry in list(self.leases.items()) + list(self.revoking.items()):
             entry.unpin()
+            self.ended.add(cache_id)
         self.leases.clear()
         self.revoking.clear()
 
@@ -241,6 +263,8 @@ class OneSidedReceiver:
         """A leased write landed: check it lies inside the leased cache and count it."""
         transfer = decode_transfer(header, meta)
         entry = self.leases.get(transfer.cache_id) or self.revoking.get(transfer.cache_id)
+        if entry is None and transfer.cache_id in self.ended:
+            raise ProtocolError(f"a leased write to cache {transfer.cache_id} after the writer ended its leases")
         if entry is None:
             raise ProtocolError(f"WRITE_NOTICE for cache {transfer.cache_id}, which this link holds no lease on")
         desc = entry.desc
@@ -302,6 +326,8 @@ class OneSidedReceiver:
         if watch is None:
             self.link.loop.call_later(GRANT_GRACE_S, release)
         else:
+            log.info("link to cluster %s closed with %d grant(s) outstanding: the caches stay mapped until "
+                     "the writer's process exits", self.link.peer_cluster_id, len(held))
             check()
 
 

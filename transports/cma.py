@@ -89,15 +89,20 @@ def process_start_time(pid: int) -> int:
 
 
 class Probe:
-    """A token in this process's memory that a peer reads to prove it can reach us."""
+    """A token in this process's memory that a peer reads to prove it can reach us, and a second
+    secret that never crosses the wire: a peer that echoes it has read it from our memory, which is
+    what a standing grant (lease) requires."""
 
     def __init__(self) -> None:
         self.token = os.urandom(32)
         self.buffer = ctypes.create_string_buffer(self.token, len(self.token))
+        self.secret = os.urandom(32)
+        self.secret_buffer = ctypes.create_string_buffer(self.secret, len(self.secret))
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "start": process_start_time(os.getpid()),
-                "probe_addr": ctypes.addressof(self.buffer), "token": self.token.hex()}
+                "probe_addr": ctypes.addressof(self.buffer), "token": self.token.hex(),
+                "secret_addr": ctypes.addressof(self.secret_buffer), "leases": 1}
 
 
 class CmaPeer:
@@ -129,6 +134,13 @@ class CmaPeer:
             self.read(local, remote)
             if got.tobytes() != token:
                 raise CmaError(errno.EACCES, "probe read returned the wrong token: not the peer's memory")
+            self.leases = int(description.get("leases", 0)) >= 1 and "secret_addr" in description
+            self.secret = b""
+            if self.leases:  # read the peer's in-memory secret: our proof of reach when asking for leases
+                secret = np.zeros(32, np.uint8)
+                self.read(np.array([[secret.ctypes.data, 32]], np.uint64),
+                          np.array([[int(description["secret_addr"]), 32]], np.uint64))
+                self.secret = secret.tobytes()
         except BaseException:
             os.close(self.pidfd)
             raise

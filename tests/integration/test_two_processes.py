@@ -260,3 +260,33 @@ async def test_a_graceful_unlink_lets_leased_caches_go(make_engine: EngineFactor
     await wait_for(lambda: entry.pins == 0)  # the writer lives on, but said no copy runs any more
     decode.cache_manager.deallocate_cache(dst)
     assert not entry.regions
+
+
+async def test_no_leased_copy_starts_once_an_unlink_has_begun(make_engine: EngineFactory) -> None:
+    """A request prepared under a standing grant, released while a graceful unlink is under way (the
+    peer's answer delayed on purpose), must not copy: the peer let the cache go already."""
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
+    prefill = await make_engine(1, kvpush__transport="cma")
+    dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
+    src = prefill.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
+    fill(src, seed=3)
+    entry = decode.registry.get(dst.cache_id)
+    assert entry is not None
+    await link(prefill, 2, decode.listen_address[1])
+    for _ in range(3):
+        await prefill.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [0], [0])
+    sender = prefill.links[2].onesided
+    assert sender is not None
+    await wait_for(lambda: sender.leases.get(dst.cache_id) == "active")
+    pusher = prefill.cache_manager.layer_pusher(BlocksCacheKey(2, 0), src, [0, 1], [5, 6])
+    peer_side = decode.links[1]
+    answer = peer_side._ack_bye
+    peer_side._ack_bye = lambda *args: asyncio.get_running_loop().call_later(0.2, answer, *args)  # type: ignore
+    unlinking = asyncio.create_task(prefill.unlink_clusters([cluster(2, decode.listen_address[1])]))
+    await wait_for(lambda: entry.pins == 0)  # the peer has let the cache go...
+    decode.cache_manager.deallocate_cache(dst)
+    other = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS))  # ...and may reuse the memory
+    with pytest.raises(LLMException):
+        await pusher.push_layer(0)  # ...so nothing may be copied there any more
+    assert not any(t.view(np.uint8).any() for t in other.tensors)
+    assert (await unlinking)[0] == LLMStatusCode.LLM_SUCCESS
