@@ -105,10 +105,10 @@ def scatter_vector(
 ) -> IoVec:
     """The iovec array for ``len(tensor_addrs)`` tensors x runs, tensor-major (the wire order)."""
     bases = np.asarray(tensor_addrs, dtype=np.uint64)
-    iov = np.empty((bases.shape[0] * offsets.shape[0], 2), np.uint64)
-    iov[:, 0] = (bases[:, None] + offsets[None, :].astype(np.uint64)).reshape(-1)
-    iov[:, 1] = np.tile(lengths.astype(np.uint64), bases.shape[0])
-    return iov
+    iov = np.empty((bases.shape[0], offsets.shape[0], 2), np.uint64)
+    iov[:, :, 0] = bases[:, None] + offsets.astype(np.uint64, copy=False)[None, :]  # uint64 + int64 -> float64
+    iov[:, :, 1] = lengths.astype(np.uint64, copy=False)[None, :]
+    return iov.reshape(-1, 2)
 
 
 def layer_tensor_indices(layer: int, tensor_num_per_layer: int) -> range:

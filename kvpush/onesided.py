@@ -104,6 +104,14 @@ class OneSidedSender:
         else:
             raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
 
+    def _notify(self, notice: bytes, cache_id: int) -> None:
+        self.link.stream.send(notice)
+        self._leased_done(cache_id)
+
+    def _leased_done(self, cache_id: int) -> None:
+        self.leased_inflight[cache_id] -= 1
+        self._maybe_revoked(cache_id)
+
     def _maybe_revoked(self, cache_id: int) -> None:
         if self.leases.get(cache_id) == "revoked" and not self.leased_inflight[cache_id]:
             del self.leased_inflight[cache_id]
@@ -177,11 +185,11 @@ class OneSidedSender:
         error = None if op.copy.cancelled() else op.copy.exception()
         failed = op.copy.cancelled() or error is not None
         if op.notice is not None:  # a leased write: tell the receiver what landed (nothing to unpin there)
-            if not failed:
-                self.link.stream.send(op.notice)
             cache_id = op.move_args[0]
-            self.leased_inflight[cache_id] -= 1
-            self._maybe_revoked(cache_id)
+            if failed:
+                self._leased_done(cache_id)
+            else:  # sent right after the caller resumes; the lease counts as busy until it is out
+                self.link.loop.call_soon(self._notify, op.notice, cache_id)
         else:
             self.link.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:

@@ -52,3 +52,9 @@ def test_runs_in_bounds_rejects_overflow_and_past_end() -> None:
     assert not runs_in_bounds(np.array([0, 100]), np.array([100, 29]), 128)
     assert not runs_in_bounds(np.array([2**64 - 8], np.uint64), np.array([16], np.uint64), 2**63)
     assert not runs_in_bounds(np.array([0]), np.array([0]), 128)
+
+
+def test_scatter_vector_keeps_exact_64_bit_addresses_for_any_integer_input() -> None:
+    high = 0x7FFF_FFFF_F000_1234
+    iov = scatter_vector([high], np.array([3], np.int64), np.array([5], np.int64))
+    assert iov.dtype == np.uint64 and iov.tolist() == [[high + 3, 5]]
