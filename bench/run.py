@@ -108,38 +108,39 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
         await manager.push_blocks(key, cache, src, dst)
         transfer_per_layer = (time.perf_counter() - start) / work.layers
         compute = _matmul_for(transfer_per_layer)
-        serial, pipelined, computing, push_layer_us, start_us = [], [], [], [], []
-        computing_pipelined: list[float] = []
+        push_layer_us: list[float] = []
+        start_us: list[float] = []
+        samples: list[dict[str, float]] = []  # one per repetition, serial and pipelined measured back to back
 
         def timed_compute(sink: list[float]) -> None:
             t0 = time.perf_counter()
             compute()
             sink.append(time.perf_counter() - t0)
 
-        total = 3 * reps
+        total = 2 * reps
         for rep in range(reps):
-            begin = time.perf_counter()
-            for _ in range(work.layers):
-                await asyncio.to_thread(compute)
-            computing.append(time.perf_counter() - begin)
-            progress(3 * rep + 1, total)
+            serial_compute: list[float] = []
+            serial_push = 0.0
             begin = time.perf_counter()
             for layer in range(work.layers):  # compute, then push, one layer after the other
-                await asyncio.to_thread(compute)
+                await asyncio.to_thread(timed_compute, serial_compute)
+                t0 = time.perf_counter()
                 await manager.push_blocks(key, cache, src, dst, range(layer, layer + 1), range(layer, layer + 1))
-            serial.append(time.perf_counter() - begin)
-            progress(3 * rep + 2, total)
+                serial_push += time.perf_counter() - t0
+            serial = time.perf_counter() - begin
+            progress(2 * rep + 1, total)
+            pipelined_compute: list[float] = []
             begin = time.perf_counter()
-            spent: list[float] = []
             async with manager.layer_pusher(key, cache, src, dst) as pusher:
                 for layer in range(work.layers):  # compute layer l+1 while layer l is on the wire
-                    await asyncio.to_thread(timed_compute, spent)
+                    await asyncio.to_thread(timed_compute, pipelined_compute)
                     t0 = time.perf_counter()
                     pusher.push_layer(layer)
                     push_layer_us.append((time.perf_counter() - t0) * 1e6)
-            pipelined.append(time.perf_counter() - begin)
-            computing_pipelined.append(sum(spent))
-            progress(3 * rep + 3, total)
+            pipelined = time.perf_counter() - begin
+            progress(2 * rep + 2, total)
+            samples.append({"serial": serial, "pipelined": pipelined, "transfer": serial_push,
+                            "compute": sum(serial_compute), "compute_pipelined": sum(pipelined_compute)})
         # the per-layer Python cost of push_blocks: time spent issuing a layer (plan -> request queued)
         original = CacheManager._start
 
@@ -159,18 +160,27 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
     finally:
         await engine.finalize()
     result = await asyncio.to_thread(target.ask, {"op": "verify"})
-    s, p, c = float(np.median(serial)), float(np.median(pipelined)), float(np.median(computing))
-    cp = float(np.median(computing_pipelined))
-    transfer = max(s - c, 1e-9)
+    def median(key: str) -> float:
+        return float(np.median([sample[key] for sample in samples]))
+
+    def ratio(sample: dict[str, float], what: str) -> float:
+        if what == "hidden":  # the share of the serial transfer time the pipeline saved
+            return (sample["serial"] - sample["pipelined"]) / sample["transfer"]
+        if what == "behind":  # the share of the transfer that ran behind the compute as it actually ran
+            return 1 - (sample["pipelined"] - sample["compute_pipelined"]) / sample["transfer"]
+        return sample["compute_pipelined"] / sample["compute"] - 1  # contention on the compute
+
+    def paired(what: str) -> float:
+        return float(np.median([ratio(sample, what) for sample in samples]))
+
+    s, p = median("serial"), median("pipelined")
     record = {
         "case": f"kvpush-{transport_used}", "workload": "W-LAYER", "transport": transport_used,
         "bytes": work.payload_bytes, "reps": reps, "serial_s": round(s, 4), "pipelined_s": round(p, 4),
-        "compute_s": round(c, 4), "transfer_s": round(transfer, 4),
-        "hidden": round(min(1.0, max(0.0, (s - p) / transfer)), 3),
-        # contention on few cores: how much slower the same compute ran while bytes moved, and how
-        # much of the transfer ran behind that (slowed) compute
-        "compute_inflation": round(cp / c - 1, 3),
-        "transfer_behind_compute": round(min(1.0, max(0.0, 1 - (p - cp) / transfer)), 3),
+        "compute_s": round(median("compute"), 4), "transfer_s": round(median("transfer"), 4),
+        "hidden": round(min(1.0, max(0.0, paired("hidden"))), 3),
+        "compute_inflation": round(paired("inflation"), 3),
+        "transfer_behind_compute": round(min(1.0, max(0.0, paired("behind"))), 3),
         "gbps": round(work.payload_bytes / p / 1e9, 3),
         "push_layer_us": round(float(np.median(push_layer_us)), 1),
         "push_blocks_python_us_per_layer": round(float(np.median(start_us)), 1),
