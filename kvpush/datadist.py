@@ -234,6 +234,8 @@ class LLMDataDist:
         if not self._initialized:
             link.close("engine finalized")
             return False
+        if not link.ready:  # it closed between its handshake and now (the peer left, or misbehaved)
+            return False
         old = self._links.get(link.peer_cluster_id)
         if old is not None and old is not link and old.ready:
             crossed = old.peer_instance == link.peer_instance and old.dialer != link.dialer
@@ -339,7 +341,12 @@ class LLMDataDist:
                         continue
                     if self._adopt(link):
                         return LLMStatusCode.LLM_SUCCESS
-                    return LLMStatusCode.LLM_ALREADY_LINK if self._initialized else LLMStatusCode.LLM_LINK_FAILED
+                    if not self._initialized:
+                        return LLMStatusCode.LLM_LINK_FAILED  # finalized meanwhile
+                    if cluster_id in self._links:  # both ends linked at once: the other link is kept
+                        return LLMStatusCode.LLM_ALREADY_LINK
+                    reasons.append(f"{host}:{port}: the link closed right after its handshake: {link.close_reason}")
+                    continue
         finally:
             self._linking.discard(cluster_id)
         log.warning("link_clusters: cluster %d failed: %s", cluster_id, "; ".join(reasons) or "timed out")

@@ -23,9 +23,9 @@ import numpy as np
 from transports import cma, tcp
 from transports.base import PayloadSink
 
-from . import handshake
+from . import handshake, serving
 from .handshake import HANDSHAKE_KINDS
-from .layout import IoVec, runs_in_bounds, scatter_vector
+from .layout import IoVec, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .onesided import OneSidedReceiver, OneSidedSender
 from .options import EngineOptions
@@ -35,7 +35,6 @@ from .protocol import (
     ProtocolError,
     decode_json,
     decode_status,
-    decode_transfer,
     encode_json,
     encode_status,
     encode_transfer,
@@ -85,7 +84,7 @@ class Link:
         self._request_ids = itertools.count(1)
         self._pending: dict[int, PendingOp] = {}
         self._handshake_inbox: asyncio.Queue[tuple[Kind, dict[str, Any]]] = asyncio.Queue()
-        self._inbound_pins: dict[int, CacheEntry] = {}
+        self.inbound_pins: dict[int, CacheEntry] = {}
         self._keepalive: asyncio.Task[None] | None = None
         self._bye: asyncio.Future[None] = self.loop.create_future()
         self._auth_sent = False
@@ -378,13 +377,13 @@ class Link:
         if self.state == LinkState.CLOSED:
             return None
         if kind == Kind.WRITE:
-            return self._serve_write(header, meta)
+            return serving.serve_write(self, header, meta)
         if kind == Kind.DONE:
             self._on_done(header, meta)
         elif kind == Kind.READ_DATA:
             return self._on_read_data(header, meta)
         elif kind == Kind.READ:
-            self._serve_read(header, meta)
+            serving.serve_read(self, header, meta)
         elif kind == Kind.PING:
             self.stream.send(encode_json(Kind.PONG, 0, decode_json(kind, meta)))
         elif kind == Kind.PONG:
@@ -446,57 +445,6 @@ class Link:
         if header.payload_len != op.expected:
             raise ProtocolError(f"READ_DATA of {header.payload_len} bytes for a request of {op.expected}")
         return op.sink
-
-    def resolve_remote_request(self, header: FrameHeader, meta: bytes) -> tuple[CacheEntry, IoVec] | str:
-        """Check a peer's WRITE/READ against the local registry: the iovec, or why it is refused."""
-        transfer = decode_transfer(header, meta)
-        if not self.owner.options.enable_remote_cache_accessible:
-            return f"{LLMStatusCode.LLM_FEATURE_NOT_ENABLED.value}:remote cache access is disabled"
-        entry = self.owner.registry.get(transfer.cache_id)
-        if entry is None:
-            return f"{LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value}:cache {transfer.cache_id} is not registered"
-        desc = entry.desc
-        if transfer.first_tensor + transfer.num_tensors > desc.num_tensors:
-            return (f"{LLMStatusCode.LLM_PARAM_INVALID.value}:tensors {transfer.first_tensor}.."
-                    f"{transfer.first_tensor + transfer.num_tensors - 1} exceed the cache's {desc.num_tensors}")
-        if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
-            return f"{LLMStatusCode.LLM_PARAM_INVALID.value}:a run lies outside cache {transfer.cache_id}'s tensors"
-        addrs = entry.addrs[transfer.first_tensor:transfer.first_tensor + transfer.num_tensors]
-        return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
-
-    def _serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-        resolved = self.resolve_remote_request(header, meta)
-        if isinstance(resolved, str):
-            code, _, reason = resolved.partition(":")
-            log.warning("refused a write from cluster %s: %s", self.peer_cluster_id, reason)
-            self.stream.send(encode_status(Kind.DONE, header.request_id, int(code), reason))
-            return None
-        entry, iov = resolved
-        entry.pin()
-        request_id = header.request_id
-        self._inbound_pins[request_id] = entry
-
-        def landed() -> None:
-            self._inbound_pins.pop(request_id, None)
-            entry.unpin()
-            self.counters["bytes_received"] += header.payload_len
-            self.stream.send(encode_status(Kind.DONE, request_id, 0))
-
-        return PayloadSink(iov, landed)
-
-    def _serve_read(self, header: FrameHeader, meta: bytes) -> None:
-        resolved = self.resolve_remote_request(header, meta)
-        if isinstance(resolved, str):
-            code, _, reason = resolved.partition(":")
-            log.warning("refused a read from cluster %s: %s", self.peer_cluster_id, reason)
-            self.stream.send(encode_status(Kind.READ_DATA, header.request_id, int(code), reason))
-            return
-        entry, iov = resolved
-        entry.pin()
-        payload_len = int(iov[:, 1].sum())
-        frame = self.stream.send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
-        frame.sent.add_done_callback(lambda _: entry.unpin())
-        self.counters["bytes_served"] += payload_len
 
     # -- closing --------------------------------------------------------------------------------
     def _on_bye(self, body: dict[str, Any]) -> None:
@@ -561,9 +509,9 @@ class Link:
             if op.copy is None:
                 op.release()
             self.complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, error_text))
-        for entry in self._inbound_pins.values():
+        for entry in self.inbound_pins.values():
             entry.unpin()
-        self._inbound_pins.clear()
+        self.inbound_pins.clear()
         self.receiver.close()
         if self.onesided is not None:
             self.onesided.close()

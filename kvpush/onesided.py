@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from transports import cma
 from transports.base import Capabilities
 
+from . import serving
 from .layout import IoVec, runs_in_bounds
 from .memory import CacheEntry
 from .protocol import FrameHeader, Kind, ProtocolError, decode_status, decode_transfer, encode_json, encode_status
@@ -282,7 +283,7 @@ class OneSidedReceiver:
         self.link.counters["bytes_received"] += transfer.payload_len
 
     def on_intent(self, header: FrameHeader, meta: bytes) -> None:
-        resolved = self.link.resolve_remote_request(header, meta)
+        resolved = serving.resolve(self.link, header, meta)
         if isinstance(resolved, str):
             code, _, reason = resolved.partition(":")
             log.warning("refused a one-sided %s from cluster %s: %s", header.kind.name, self.link.peer_cluster_id,
