@@ -110,7 +110,8 @@ def _read_ctl(proc: subprocess.Popen[str]) -> dict[str, Any]:
             return result
 
 
-async def _prefill(args: argparse.Namespace, port: int) -> list[float]:
+async def _prefill(args: argparse.Namespace, port: int) -> tuple[list[float], str]:
+    """Push the request ``args.reps`` times; (seconds per push, the transport the link chose)."""
     async with LLMDataDist(LLMRole.PROMPT, 1, {"llm.SyncKvCacheWaitTime": "10000"}) as engine:
         cache = engine.cache_manager.allocate_blocks_cache(_desc(args, args.blocks), BlocksCacheKey(1, 0))
         _fill(cache.tensors, args.seed)
@@ -126,7 +127,7 @@ async def _prefill(args: argparse.Namespace, port: int) -> list[float]:
             start = time.perf_counter()
             await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), cache, src_blocks, dst_blocks)
             seconds.append(time.perf_counter() - start)
-        return seconds
+        return seconds, engine.links[2].transport
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -135,7 +136,7 @@ def _demo(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = _read_ctl(proc)["port"]
-        seconds = asyncio.run(_prefill(args, port))
+        seconds, transport = asyncio.run(_prefill(args, port))
         assert proc.stdin is not None
         proc.stdin.write(json.dumps({"op": "verify"}) + "\n")
         proc.stdin.flush()
@@ -152,11 +153,12 @@ def _demo(args: argparse.Namespace) -> int:
     report = {"layers": args.layers, "tensors": 2 * args.layers, "blocks_per_tensor": args.blocks,
               "block_bytes": args.block_kib * 1024, "bytes_per_push": payload, "pushes": len(seconds),
               "push_ms_median": round(median * 1000, 2), "gbps_median": round(payload / median / 1e9, 3),
-              "transport": "tcp", **result}
+              "transport": transport, **result}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"kvpush demo: prefill (pid {os.getpid()}) -> decode (pid {proc.pid}) over tcp on 127.0.0.1")
+        print(f"kvpush demo: prefill (pid {os.getpid()}) -> decode (pid {proc.pid}) over {transport} on 127.0.0.1"
+              f"{' (same host: one-sided copies)' if transport == 'cma' else ''}")
         print(f"  request: {args.layers} layers x 2 tensors (K, V), {args.blocks} scattered blocks of "
               f"{args.block_kib} KiB into a {args.dst_blocks}-block pool = {payload / 2**20:.0f} MiB per push")
         print(f"  pushed {len(seconds)} times: median {median * 1000:.1f} ms = {report['gbps_median']:.2f} GB/s "
