@@ -38,13 +38,6 @@ class Runs:
     def bytes_per_tensor(self) -> int:
         return int(self.length.sum())
 
-    def dst_wire(self) -> bytes:
-        """The destination side as the wire carries it: ``n`` little-endian (offset, length) pairs."""
-        return pack_runs(self.dst_offset, self.length)
-
-    def src_wire(self) -> bytes:
-        return pack_runs(self.src_offset, self.length)
-
 
 def pack_runs(offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any]) -> bytes:
     pairs = np.empty((offset.shape[0], 2), RUN_DTYPE)
@@ -109,10 +102,6 @@ def scatter_vector(
     iov[:, :, 0] = bases[:, None] + offsets.astype(np.uint64, copy=False)[None, :]  # uint64 + int64 -> float64
     iov[:, :, 1] = lengths.astype(np.uint64, copy=False)[None, :]
     return iov.reshape(-1, 2)
-
-
-def layer_tensor_indices(layer: int, tensor_num_per_layer: int) -> range:
-    return range(layer * tensor_num_per_layer, (layer + 1) * tensor_num_per_layer)
 
 
 def runs_in_bounds(offsets: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any], limit: int) -> bool:

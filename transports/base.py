@@ -29,7 +29,6 @@ class Capabilities:
     name: str
     one_sided: bool  # bytes land without the receiver's CPU copying them
     same_host_only: bool
-    remote_completion: bool = True
 
 
 class PayloadSink:
