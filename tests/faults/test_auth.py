@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 from conftest import EngineFactory, cluster
+from wire import read_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMStatusCode
-from kvpush.protocol import HEADER_SIZE, Kind, decode_header, encode_json
+from kvpush.protocol import Kind, encode_json
 
 TOKEN = "s3cret-token-4711"
 DESC = CacheDesc(2, (4, 256), DataType.DT_UINT8)
@@ -47,19 +48,8 @@ async def test_wrong_or_missing_token_fails_the_link(make_engine: EngineFactory,
 
 
 def _read_frame(sock: socket.socket) -> tuple[Kind, dict[str, Any]]:
-    header = decode_header(_exact(sock, HEADER_SIZE))
-    meta = _exact(sock, header.meta_len)
+    header, meta = read_frame(sock)
     return header.kind, json.loads(meta) if meta else {}
-
-
-def _exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 async def test_an_impostor_gets_nothing_before_authentication(make_engine: EngineFactory) -> None:

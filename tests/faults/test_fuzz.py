@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire import read_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMDataDist, LLMRole
 from kvpush.layout import pack_runs
@@ -137,29 +138,12 @@ def handshake(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(encode_json(Kind.HELLO, 0, {"version": 1, "cluster_id": 66, "nonce": os.urandom(32).hex(),
                                              "auth": False}))
-    _read(sock)
+    read_frame(sock)
     sock.sendall(encode_json(Kind.AUTH, 0, {"proof": ""}))
-    _read(sock)  # READY
-    _read(sock)  # the engine's cache table
+    read_frame(sock)  # READY
+    read_frame(sock)  # the engine's cache table
     sock.sendall(encode_json(Kind.TABLE, 0, {"version": 0, "caches": []}))
     return sock
-
-
-def _read(sock: socket.socket) -> tuple[Kind, bytes]:
-    header = decode_header(_exact(sock, HEADER_SIZE))
-    meta = _exact(sock, header.meta_len)
-    _exact(sock, header.payload_len)
-    return header.kind, meta
-
-
-def _exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def raw_frame(kind: int, request_id: int, meta: bytes, payload_len: int, payload: bytes,

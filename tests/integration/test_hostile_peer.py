@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import EngineFactory, link
+from wire import read_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
 from kvpush.layout import pack_runs
 from kvpush.protocol import (
-    HEADER_SIZE,
     Kind,
-    decode_header,
     encode_header,
     encode_json,
     encode_transfer,
@@ -53,9 +52,7 @@ class RawPeer:
         self.sock.sendall(data)
 
     def read(self) -> tuple[Kind, Any]:
-        header = decode_header(self._exact(HEADER_SIZE))
-        meta = self._exact(header.meta_len)
-        self._exact(header.payload_len)
+        header, meta = read_frame(self.sock)
         if header.kind in (Kind.DONE, Kind.READ_DATA):
             return header.kind, struct.unpack_from("<I", meta)[0]
         return header.kind, json.loads(meta) if meta else {}
@@ -76,15 +73,6 @@ class RawPeer:
             return True
         except TimeoutError:
             return False
-
-    def _exact(self, count: int) -> bytes:
-        data = bytearray()
-        while len(data) < count:
-            chunk = self.sock.recv(count - len(data))
-            if not chunk:
-                raise ConnectionError("closed")
-            data += chunk
-        return bytes(data)
 
     def close(self) -> None:
         self.sock.close()
