@@ -13,12 +13,14 @@ Completion is event driven: the worker's event fd (``ucp_worker_get_efd``) is wa
 so retries are bounded and continue from a short timer, which is cancelled before the worker is
 destroyed. An idle link costs no CPU.
 
-Building: the C part is compiled against the headers of the UCX actually loaded (cffi API mode), on
-first use, into a cache directory (``KVPUSH_CACHE_DIR``, default ``~/.cache/kvpush``), keyed by the
-UCX location and version and by this file's source, so struct layouts always match. It needs cffi and a C
-compiler. Which UCX: the ``libucx-cu12`` wheel by default (``pip install 'kvpush[ucx]'``; no RDMA
-verbs in it); set ``KVPUSH_UCX_PREFIX=/opt/ucx`` (a prefix with ``include/ucp/api/ucp.h`` and
-``lib/libucp.so``) to use a system UCX built with verbs on an RDMA host.
+Building: the binding's cffi cdefs (``ucp.cdef``) and C source (``ucp_shim.c``) are package data
+next to this module, read at build time. The C part is compiled against the headers of the UCX
+actually loaded (cffi API mode), on first use, into a cache directory (``KVPUSH_CACHE_DIR``, default
+``~/.cache/kvpush``), keyed by the UCX location and version (its ``ucp_version.h``) and by the
+contents of those two files, so struct layouts always match and an edited binding is rebuilt. It
+needs cffi and a C compiler. Which UCX: the ``libucx-cu12`` wheel by default (``pip install
+'kvpush[ucx]'``; no RDMA verbs in it); set ``KVPUSH_UCX_PREFIX=/opt/ucx`` (a prefix with
+``include/ucp/api/ucp.h`` and ``lib/libucp.so``) to use a system UCX built with verbs on an RDMA host.
 """
 
 from __future__ import annotations
@@ -32,185 +34,15 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-CDEF = """
-typedef int... ucs_status_t;
-static const int UCS_OK;
-static const int UCS_ERR_BUSY;
-typedef void *ucs_status_ptr_t;
-typedef struct ucp_context *ucp_context_h;
-typedef struct ucp_worker *ucp_worker_h;
-typedef struct ucp_ep *ucp_ep_h;
-typedef struct ucp_mem *ucp_mem_h;
-typedef struct ucp_rkey *ucp_rkey_h;
-
-const char *ucs_status_string(ucs_status_t status);
-void ucp_get_version(unsigned *major_version, unsigned *minor_version, unsigned *release_number);
-unsigned ucp_worker_progress(ucp_worker_h worker);
-ucs_status_t ucp_worker_arm(ucp_worker_h worker);
-ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h ep, const void *rkey_buffer, ucp_rkey_h *rkey_p);
-void ucp_rkey_destroy(ucp_rkey_h rkey);
-ucs_status_t ucp_mem_unmap(ucp_context_h context, ucp_mem_h memh);
-void ucp_worker_destroy(ucp_worker_h worker);
-void ucp_cleanup(ucp_context_h context_p);
-
-ucs_status_t kvp_open(int multi_thread, const char *tls, ucp_context_h *context, ucp_worker_h *worker, int *efd);
-ucs_status_t kvp_worker_address(ucp_worker_h worker, char *out, size_t *length);
-ucs_status_t kvp_ep_create(ucp_worker_h worker, const void *address, int peer_error_mode, void *arg,
-                           ucp_ep_h *ep);
-void kvp_ep_close(ucp_worker_h worker, ucp_ep_h ep, int force);
-ucs_status_t kvp_mem_map(ucp_context_h context, void *address, size_t length, ucp_mem_h *memh);
-ucs_status_t kvp_rkey_pack(ucp_context_h context, ucp_mem_h memh, char *out, size_t *length);
-intptr_t kvp_rma_batch(ucp_ep_h ep, int is_get, const uint64_t *local_iov, const uint64_t *remote_iov,
-                       const uint32_t *rkey_index, ucp_rkey_h *rkeys, size_t count, void *user_data);
-
-extern "Python" void kvp_py_done(void *user_data, ucs_status_t status);
-extern "Python" void kvp_py_ep_error(void *arg, ucs_status_t status);
-"""
-
-SOURCE = r"""
-#include <string.h>
-#include <stdint.h>
-#include <time.h>
-#include <ucp/api/ucp.h>
-
-static void kvp_py_done(void *user_data, ucs_status_t status);
-static void kvp_py_ep_error(void *arg, ucs_status_t status);
-
-static void kvp_flush_cb(void *request, ucs_status_t status, void *user_data) {
-    kvp_py_done(user_data, status);
-    ucp_request_free(request);
-}
-
-static void kvp_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
-    (void)ep;
-    kvp_py_ep_error(arg, status);
-}
-
-static ucs_status_t kvp_open(int multi_thread, const char *tls, ucp_context_h *context, ucp_worker_h *worker,
-                             int *efd) {
-    ucp_config_t *config;
-    ucs_status_t status = ucp_config_read(NULL, NULL, &config);
-    if (status != UCS_OK) return status;
-    if (tls != NULL) {  /* this context only: the process environment is left alone */
-        status = ucp_config_modify(config, "TLS", tls);
-        if (status != UCS_OK) { ucp_config_release(config); return status; }
-    }
-    ucp_params_t params;
-    memset(&params, 0, sizeof(params));
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
-    status = ucp_init(&params, config, context);
-    ucp_config_release(config);
-    if (status != UCS_OK) return status;
-    ucp_worker_params_t wparams;
-    memset(&wparams, 0, sizeof(wparams));
-    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wparams.thread_mode = multi_thread ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
-    status = ucp_worker_create(*context, &wparams, worker);
-    if (status != UCS_OK) { ucp_cleanup(*context); return status; }
-    status = ucp_worker_get_efd(*worker, efd);
-    if (status != UCS_OK) { ucp_worker_destroy(*worker); ucp_cleanup(*context); }
-    return status;
-}
-
-static ucs_status_t kvp_worker_address(ucp_worker_h worker, char *out, size_t *length) {
-    ucp_address_t *address;
-    size_t size;
-    ucs_status_t status = ucp_worker_get_address(worker, &address, &size);
-    if (status != UCS_OK) return status;
-    if (size > *length) { ucp_worker_release_address(worker, address); return UCS_ERR_BUFFER_TOO_SMALL; }
-    memcpy(out, address, size);
-    *length = size;
-    ucp_worker_release_address(worker, address);
-    return UCS_OK;
-}
-
-static ucs_status_t kvp_ep_create(ucp_worker_h worker, const void *address, int peer_error_mode, void *arg,
-                                  ucp_ep_h *ep) {
-    ucp_ep_params_t params;
-    memset(&params, 0, sizeof(params));
-    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = (const ucp_address_t *)address;
-    params.err_mode = peer_error_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-    params.err_handler.cb = kvp_err_cb;
-    params.err_handler.arg = arg;
-    return ucp_ep_create(worker, &params, ep);
-}
-
-/* Close without waiting for a peer that may be gone: progress for at most 200 ms. */
-static void kvp_ep_close(ucp_worker_h worker, ucp_ep_h ep, int force) {
-    ucp_request_param_t param;
-    memset(&param, 0, sizeof(param));
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
-    if (request == NULL || UCS_PTR_IS_ERR(request)) return;
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    while (ucp_request_check_status(request) == UCS_INPROGRESS) {
-        ucp_worker_progress(worker);
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec) > 200000000L) break;
-    }
-    ucp_request_free(request);  /* done, or left to finish on its own */
-}
-
-static ucs_status_t kvp_mem_map(ucp_context_h context, void *address, size_t length, ucp_mem_h *memh) {
-    ucp_mem_map_params_t params;
-    memset(&params, 0, sizeof(params));
-    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-    params.address = address;
-    params.length = length;
-    return ucp_mem_map(context, &params, memh);
-}
-
-static ucs_status_t kvp_rkey_pack(ucp_context_h context, ucp_mem_h memh, char *out, size_t *length) {
-    void *buffer;
-    size_t size;
-    ucs_status_t status = ucp_rkey_pack(context, memh, &buffer, &size);
-    if (status != UCS_OK) return status;
-    if (size > *length) { ucp_rkey_buffer_release(buffer); return UCS_ERR_BUFFER_TOO_SMALL; }
-    memcpy(out, buffer, size);
-    *length = size;
-    ucp_rkey_buffer_release(buffer);
-    return UCS_OK;
-}
-
-/* One layer: a put (or get) per iovec entry, then one flush whose callback reports completion.
-   Returns 0 when everything completed inline, a negative ucs_status_t on error, 1 when the flush
-   callback will report. Put/get requests are released at once: the flush covers them. */
-static intptr_t kvp_rma_batch(ucp_ep_h ep, int is_get, const uint64_t *local_iov, const uint64_t *remote_iov,
-                              const uint32_t *rkey_index, ucp_rkey_h *rkeys, size_t count, void *user_data) {
-    ucp_request_param_t param;
-    memset(&param, 0, sizeof(param));
-    for (size_t i = 0; i < count; i++) {
-        void *local = (void *)(uintptr_t)local_iov[2 * i];
-        size_t length = (size_t)local_iov[2 * i + 1];
-        uint64_t remote = remote_iov[2 * i];
-        ucp_rkey_h rkey = rkeys[rkey_index[i]];
-        ucs_status_ptr_t request = is_get ? ucp_get_nbx(ep, local, length, remote, rkey, &param)
-                                          : ucp_put_nbx(ep, local, length, remote, rkey, &param);
-        if (UCS_PTR_IS_ERR(request)) return (intptr_t)UCS_PTR_STATUS(request);
-        if (request != NULL) ucp_request_free(request);
-    }
-    ucp_request_param_t flush;
-    memset(&flush, 0, sizeof(flush));
-    flush.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    flush.cb.send = kvp_flush_cb;
-    flush.user_data = user_data;
-    ucs_status_ptr_t request = ucp_ep_flush_nbx(ep, &flush);
-    if (request == NULL) return 0;
-    if (UCS_PTR_IS_ERR(request)) return (intptr_t)UCS_PTR_STATUS(request);
-    return 1;
-}
-"""
+# The binding's cffi cdefs and C source: package data of ``transports``, read at build time.
+_CDEF_FILE, _SOURCE_FILE = "ucp.cdef", "ucp_shim.c"
 
 UCS_OK = 0
 _ARM_RETRIES = 16
@@ -251,6 +83,25 @@ def _locate() -> tuple[str, str, str]:
     return os.path.join(root, "include"), os.path.join(root, "lib"), f"libucx wheel {root}"
 
 
+def _read_binding() -> tuple[str, str]:
+    """(cdefs, C source) of the binding: the package data next to this module."""
+    package = resources.files("transports")
+    try:
+        return (package.joinpath(_CDEF_FILE).read_text(encoding="utf-8"),
+                package.joinpath(_SOURCE_FILE).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UcpUnavailable(f"the UCX binding's source is missing from the kvpush installation: {error}") from None
+
+
+def _ucx_version_header(include: str) -> str:
+    """ucp_version.h of the UCX built against (its API version): part of the cache key."""
+    try:
+        with open(os.path.join(include, "ucp", "api", "ucp_version.h"), encoding="utf-8") as header:
+            return header.read()
+    except OSError:
+        return ""
+
+
 def load() -> tuple[Any, Any]:
     """The compiled binding (ffi, lib), built on first use. Raises UcpUnavailable with the reason."""
     global _loaded, _load_error
@@ -273,7 +124,9 @@ def _build_and_import() -> tuple[Any, Any]:
     except ImportError:
         raise UcpUnavailable("the UCX transport needs the 'cffi' package: pip install 'kvpush[ucx]'") from None
     include, libdir, description = _locate()
-    key = hashlib.sha256("\0".join([CDEF, SOURCE, include, libdir, sys.version, cffi.__version__]).encode())
+    cdef, source = _read_binding()
+    key = hashlib.sha256("\0".join([cdef, source, include, libdir, _ucx_version_header(include), sys.version,
+                                    cffi.__version__]).encode())
     name = f"_kvpush_ucp_{key.hexdigest()[:16]}"
     cache = os.path.join(os.environ.get("KVPUSH_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache",
                                                                          "kvpush")), name)
@@ -282,14 +135,15 @@ def _build_and_import() -> tuple[Any, Any]:
     if not os.path.exists(module_path):
         os.makedirs(cache, exist_ok=True)
         builder = cffi.FFI()
-        builder.cdef(CDEF)
-        builder.set_source(name, SOURCE, include_dirs=[include], library_dirs=[libdir], libraries=["ucp", "ucs"],
+        builder.cdef(cdef)
+        builder.set_source(name, source, include_dirs=[include], library_dirs=[libdir], libraries=["ucp", "ucs"],
                            extra_link_args=[f"-Wl,-rpath,{libdir}"])
         try:
             builder.compile(tmpdir=cache, verbose=False)
         except Exception as error:  # a missing compiler or headers: say so, never crash the engine
             raise UcpUnavailable(f"cannot build the UCX binding against {description}: {error}") from None
-        log.info("built the UCX binding against %s in %s", description, cache)
+        log.info("built the UCX binding from %s against %s in %s", resources.files("transports"), description,
+                 cache)
     spec = importlib.util.spec_from_file_location(name, module_path)
     if spec is None or spec.loader is None:
         raise UcpUnavailable(f"cannot load {module_path}")
