@@ -1,0 +1,130 @@
+"""A tiny Llama-style model made on this machine: no download, deterministic, loads in vLLM's CPU build.
+
+    python tests/vllm/tiny_model.py /tmp/tiny-llama            # or: make_tiny_model(path)
+
+The weights are random (fixed seed) and float32: bf16 changed greedy tokens against fp32 on this
+host, and the P/D tests compare greedy tokens. The tokenizer is a byte-level BPE trained here on
+generated text and saved beside the weights, so ``AutoTokenizer`` and vLLM load the directory as any
+Hugging Face model. Needs ``torch``, ``transformers`` and ``tokenizers`` (vLLM brings all three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+WORDS = (
+    "the a an of to in and is was for on with as by at from that this it be are were or not but "
+    "cache block layer prefill decode push pull token model engine request server client kernel "
+    "memory page tensor head value key attention batch queue stream socket link cluster transfer "
+    "fast slow small large first last next previous every many few some all none one two three "
+    "four five six seven eight nine ten red green blue river mountain city garden window table "
+    "light dark morning evening winter summer north south east west old new quiet loud open close"
+).split()
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Generated sentences with digits and punctuation, so the BPE learns merges beyond the words."""
+    rng = random.Random(seed)
+    text = []
+    for _ in range(lines):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 18))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        sentence = " ".join(words)
+        text.append(sentence[0].upper() + sentence[1:] + rng.choice(".!?;,"))
+    return text
+
+
+def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", model_max_length=1 << 20)
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str],
+    num_layers: int = 2,
+    hidden: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate: int | None = None,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a Llama-style model (config, safetensors weights, tokenizer) into ``path`` and return it.
+
+    Same arguments, same bytes: the weights come from ``torch.manual_seed(seed)`` and the tokenizer
+    from a corpus generated with ``seed``. The model's vocabulary is the tokenizer's (BPE may stop
+    short of ``vocab_size`` on a small corpus), so every id vLLM samples decodes.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size, seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate if intermediate is not None else 4 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # vLLM reads generation defaults from here; keep them to the token ids (no sampling defaults).
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.bos_token_id,
+                                                            "eos_token_id": tokenizer.eos_token_id}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--intermediate", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    out = make_tiny_model(args.path, num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                          num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                          vocab_size=args.vocab, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"{out}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
