@@ -42,8 +42,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import push_bench as pb  # noqa: E402
 from bench.workload import WORKLOADS, Workload  # noqa: E402
-from kvpush import BlocksCacheKey  # noqa: E402
-from kvpush.cache_manager import CacheManager  # noqa: E402
+from kvpush import (
+    BlocksCacheKey,  # noqa: E402
+    transfer,  # noqa: E402
+)
 from transports import cma, ucx  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -142,20 +144,20 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
             samples.append({"serial": serial, "pipelined": pipelined, "transfer": serial_push,
                             "compute": sum(serial_compute), "compute_pipelined": sum(pipelined_compute)})
         # the per-layer Python cost of push_blocks: time spent issuing a layer (plan -> request queued)
-        original = CacheManager._start
+        original = transfer.start_layer
 
-        def timed(self: CacheManager, *args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return original(self, *args)
+                return original(*args, **kwargs)
             finally:
                 start_us.append((time.perf_counter() - t0) * 1e6)
 
-        CacheManager._start = timed  # type: ignore[method-assign]
+        transfer.start_layer = timed
         try:
             await manager.push_blocks(key, cache, src, dst)
         finally:
-            CacheManager._start = original  # type: ignore[method-assign]
+            transfer.start_layer = original
         transport_used = engine.links[2].transport
     finally:
         await engine.finalize()

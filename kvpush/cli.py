@@ -290,11 +290,10 @@ class _ServeEngine(LLMDataDist):
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         super().__init__(role, cluster_id)
         self.closed: list[tuple[Link, str]] = []
+        self.add_link_listener(self._on_link)
 
-    def link_closed(self, link: Link, reason: str) -> None:
-        adopted = link.peer_cluster_id is not None and self.links.get(link.peer_cluster_id) is link
-        super().link_closed(link, reason)
-        if adopted:
+    def _on_link(self, link: Link, reason: str | None) -> None:
+        if reason is not None:
             self.closed.append((link, reason))
 
 
@@ -396,8 +395,7 @@ async def _push(args: argparse.Namespace) -> int:
             await asyncio.wait_for(link.refresh_table(), args.sync_kv_timeout / 1000)
         except TimeoutError:
             return _fail("push", f"cluster {remote_id} at {where} did not send its cache table in time")
-        cache_id = link.remote_by_model.get(args.model_id)
-        remote = None if cache_id is None else link.remote_caches.get(cache_id)
+        remote = link.peer.by_model(args.model_id)
         if remote is None or not remote.is_blocks_cache:
             return _fail("push", f"cluster {remote_id} at {where} has no blocks cache with model_id={args.model_id}")
         if args.blocks > remote.num_blocks:

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from transports import tcp, ucp, ucx
+from transports import registry as transport_registry
+from transports.base import Connection, Listener, TransportError
 
 from .cache_manager import CacheManager
+from .datapath import DataPaths
+from .handshake import Identity
 from .link import Link
 from .memory import CacheRegistry
 from .options import EngineOptions, parse_options
+from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import LLMClusterInfo, LLMRole, check_int
 
@@ -63,18 +66,20 @@ class LLMDataDist:
             raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
         self.role = role
         self.cluster_id = check_int("cluster_id", cluster_id)
-        self.options = EngineOptions()
+        self._options = EngineOptions()
         self.instance = os.urandom(8).hex()  # tells a restarted peer from a second link of the same one
         self.registry = CacheRegistry()
-        self.ucx: ucx.UcxService | None = None
+        self._control = transport_registry.control()
+        self._one_sided = transport_registry.Opened([], [])
         self._pending_options = options
         self._initialized = False
         self._finalized = False
         self._links: dict[int, Link] = {}
         self._linking: set[int] = set()
-        self._listener: socket.socket | None = None
+        self._listener: Listener | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._handshakes: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
+        self._link_listeners: list[Callable[[Link, str | None], None]] = []
         self._cache_manager = CacheManager(self)
 
     def __repr__(self) -> str:
@@ -90,15 +95,20 @@ class LLMDataDist:
         if self._finalized:
             raise LLMException(LLMStatusCode.LLM_ENGINE_FINALIZED, "init: this instance was finalized")
         parsed = parse_options(options if options is not None else self._pending_options)
-        self.options = parsed
-        self.ucx = self._open_ucx(parsed.transport)
-        if self.ucx is not None:
-            self.registry.mapper = self.ucx
+        self._options = parsed
+        try:
+            self._one_sided = transport_registry.open_one_sided(parsed.transport, asyncio.get_running_loop())
+        except TransportError as error:
+            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, str(error.strerror or error)) from None
+        for reason in self._one_sided.unavailable:
+            log.info("%s", reason)
+        self.registry.mapper = next((t.registrar for t in self._one_sided.transports if t.registrar is not None),
+                                    None)
         try:
             if parsed.listen is not None:
                 self._start_listening(*parsed.listen)
         except BaseException:
-            self._close_ucx()
+            self._close_transports()
             raise
         self._initialized = True
         log.info("engine cluster=%d role=%s initialised (listen=%s)", self.cluster_id, self.role.name,
@@ -113,39 +123,26 @@ class LLMDataDist:
         self._finalized = True
         self._initialized = False
         self._stop_listening()
-        for task in list(self._handshakes):
-            task.cancel()
         for link in list(self._links.values()):
             link.close("engine finalized")
         self._links.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.registry.clear()
-        self._close_ucx()
-        await asyncio.sleep(0)
+        self._close_transports()
 
-    def _open_ucx(self, transport: str) -> ucx.UcxService | None:
-        """UCX when asked for, or under ``auto`` when it can use RDMA (over plain TCP kvpush's own
-        TCP path is faster on the hosts measured, so ``auto`` does not pick UCX there)."""
-        if transport not in ("ucx", "auto") or (transport == "auto" and not ucp.rdma_capable()):
-            return None
-        missing = ucx.available()
-        if missing is not None:
-            if transport == "ucx":
-                raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, f"transport 'ucx': {missing}")
-            log.info("UCX not used: %s", missing)
-            return None
-        try:
-            return ucx.UcxService(asyncio.get_running_loop())
-        except ucp.UcpError as error:
-            if transport == "ucx":
-                raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, f"transport 'ucx': {error}") from None
-            log.warning("UCX not used: %s", error)
-            return None
+    def _close_transports(self) -> None:
+        self.registry.mapper = None
+        self._one_sided.close()
 
-    def _close_ucx(self) -> None:
-        if self.ucx is not None:
-            self.registry.mapper = None
-            self.ucx.close()
-            self.ucx = None
+    def _own(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """A task this engine owns: finalize cancels it and waits for it."""
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def __aenter__(self) -> LLMDataDist:
         await self.init()
@@ -155,14 +152,24 @@ class LLMDataDist:
         await self.finalize()
 
     @property
+    def options(self) -> EngineOptions:
+        """The options in force (parsed at ``init``)."""
+        return self._options
+
+    @property
+    def identity(self) -> Identity:
+        """Who this engine is in a handshake."""
+        return Identity(self.cluster_id, int(self.role), self.instance, self._options.auth_token)
+
+    @property
     def listen_address(self) -> tuple[str, int] | None:
         """The ``(host, port)`` actually bound (port 0 asked for any free port), or None when not listening."""
-        return tcp.bound_address(self._listener) if self._listener is not None else None
+        return self._listener.address if self._listener is not None else None
 
     @property
     def cache_manager(self) -> CacheManager:
         """The instance's ``CacheManager`` (registration and transfers). RuntimeError before ``init``."""
-        self._require_init("cache_manager")
+        self.require_init("cache_manager")
         return self._cache_manager
 
     @property
@@ -174,7 +181,13 @@ class LLMDataDist:
         """Per-link counters as plain dicts, keyed by peer cluster id."""
         return {cluster: link.stats() for cluster, link in self._links.items()}
 
-    def _require_init(self, api: str) -> None:
+    def add_link_listener(self, listener: Callable[[Link, str | None], None]) -> None:
+        """Call ``listener(link, None)`` when a link becomes this engine's link to its cluster, and
+        ``listener(link, reason)`` when that link closes (e.g. to report links in a server)."""
+        self._link_listeners.append(listener)
+
+    def require_init(self, api: str) -> None:
+        """RuntimeError before ``init``; LLMException(LLM_ENGINE_FINALIZED) after ``finalize``."""
         if not self._initialized:
             if self._finalized:
                 raise LLMException(LLMStatusCode.LLM_ENGINE_FINALIZED, f"{api}: the engine was finalized")
@@ -183,8 +196,8 @@ class LLMDataDist:
     # -- listening ----------------------------------------------------------------------------------
     def _start_listening(self, host: str, port: int) -> None:
         try:
-            self._listener = tcp.listen(host, port)
-        except OSError as error:
+            self._listener = self._control.listen(host, port)
+        except TransportError as error:
             raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
                                f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         self._accept_task = asyncio.create_task(self._accept_loop(self._listener),
@@ -198,27 +211,28 @@ class LLMDataDist:
             self._listener.close()
             self._listener = None
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    def _paths(self) -> DataPaths:
+        return DataPaths(self._one_sided.transports, self._one_sided.unavailable)
+
+    async def _accept_loop(self, listener: Listener) -> None:
         while True:
             try:
-                sock, address = await loop.sock_accept(listener)
-            except OSError as error:
-                log.warning("accept failed on %s: %s", self.listen_address, error)
+                connection = await listener.accept()
+            except TransportError as error:
+                log.warning("accept failed on %s: %s", listener.address, error)
                 await asyncio.sleep(0.05)
                 continue
-            task = asyncio.create_task(self._accept_one(sock, address))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
+            self._own(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
 
-    async def _accept_one(self, sock: socket.socket, address: Any) -> None:
+    async def _accept_one(self, connection: Connection) -> None:
         try:
-            link = await asyncio.wait_for(Link.establish(self, sock, dialer=False), HANDSHAKE_TIMEOUT_S)
+            link = await asyncio.wait_for(Link.establish(self, connection, self._paths(), dialer=False),
+                                          HANDSHAKE_TIMEOUT_S)
         except TimeoutError:
-            log.warning("refused a link from %s: handshake timed out", address)
+            log.warning("refused a link from %s: handshake timed out", connection.peer)
             return
         except Exception as error:  # whatever a peer sends, the listener goes on
-            log.warning("refused a link from %s: %s", address, error)
+            log.warning("refused a link from %s: %s", connection.peer, error)
             return
         self._adopt(link)
 
@@ -246,20 +260,31 @@ class LLMDataDist:
                      " from both ends at once" if crossed else " (peer restarted)")
             old.close("replaced by a new link to the same cluster")
         self._links[link.peer_cluster_id] = link
+        for listener in self._link_listeners:
+            listener(link, None)
         return True
 
-    # -- LinkOwner ------------------------------------------------------------------------------------
-    def link_closed(self, link: Link, reason: str) -> None:
-        """Called by a link when it closes (internal): it is forgotten, so linking again works."""
+    # -- LinkOwner, EngineServices -----------------------------------------------------------------
+    def link_closed(self, link: Link, reason: str, held: HeldGrants | None) -> None:
+        """Called by a link when it closes: it is forgotten, so linking again works; caches the peer
+        may still be writing into are released when that is safe (a task this engine owns)."""
         if link.peer_cluster_id is not None and self._links.get(link.peer_cluster_id) is link:
             del self._links[link.peer_cluster_id]
+            for listener in self._link_listeners:
+                listener(link, reason)
+        if held is not None:
+            if self._finalized:
+                held.release_now_or_keep()
+            else:
+                self._own(held.release_when_safe(), f"kvpush-grants-{link.peer_cluster_id}")
 
-    def _registry_changed(self) -> None:
-        for link in list(self._links.values()):  # a failing send closes (and unlists) its link
-            link.send_table()
-            link.receiver.revoke_released()
+    def registry_changed(self) -> None:
+        """The registry changed: every peer gets the new table (a failing send closes its link)."""
+        for link in list(self._links.values()):
+            link.registry_changed()
 
-    def _link_for(self, api: str, cluster_id: int) -> Link:
+    def link_for(self, api: str, cluster_id: int) -> Link:
+        """The ready link to ``cluster_id``, else LLMException(LLM_NOT_YET_LINK)."""
         link = self._links.get(cluster_id)
         if link is None or not link.ready:
             raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK, f"{api}: no link to cluster {cluster_id}")
@@ -272,7 +297,7 @@ class LLMDataDist:
         for a link that failed (LLM_LINK_FAILED, LLM_ALREADY_LINK, LLM_PARAM_INVALID). Each link is
         bounded by ``timeout`` ms; cancelling the call closes half-made connections."""
         api = "link_clusters"
-        self._require_init(api)
+        self.require_init(api)
         infos = _check_clusters(api, clusters)
         seconds = _check_timeout(api, timeout)
         seen: set[int] = set()
@@ -314,9 +339,7 @@ class LLMDataDist:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         break
-                    dial = asyncio.ensure_future(self._dial(host, port, cluster_id))
-                    self._handshakes.add(dial)  # finalize() cancels it
-                    dial.add_done_callback(self._handshakes.discard)
+                    dial = self._own(self._dial(host, port, cluster_id), f"kvpush-dial-{cluster_id}")
                     try:
                         done, _ = await asyncio.wait({dial}, timeout=remaining)
                     except asyncio.CancelledError:
@@ -336,7 +359,7 @@ class LLMDataDist:
                             return error.status_code
                         reasons.append(f"{host}:{port}: {error}")
                         continue
-                    except OSError as error:
+                    except TransportError as error:
                         reasons.append(f"{host}:{port}: {error}")
                         continue
                     if self._adopt(link):
@@ -353,8 +376,8 @@ class LLMDataDist:
         return LLMStatusCode.LLM_LINK_FAILED
 
     async def _dial(self, host: str, port: int, cluster_id: int) -> Link:
-        sock = await tcp.connect(host, port)
-        return await Link.establish(self, sock, dialer=True, expect_cluster_id=cluster_id)
+        connection = await self._control.connect(host, port)
+        return await Link.establish(self, connection, self._paths(), dialer=True, expect_cluster_id=cluster_id)
 
     async def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000,
                               force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
@@ -362,7 +385,7 @@ class LLMDataDist:
         not answer within ``timeout`` ms; the local end is closed either way). Force: close only the
         local end. Unlinking a cluster that has no link succeeds."""
         api = "unlink_clusters"
-        self._require_init(api)
+        self.require_init(api)
         infos = _check_clusters(api, clusters)
         seconds = _check_timeout(api, timeout)
         if not isinstance(force, bool):
@@ -385,7 +408,7 @@ class LLMDataDist:
     async def switch_role(self, role: LLMRole, options: dict[str, str] | None = None) -> None:
         """Change the role label. With ``llm.listenIpInfo`` in ``options`` the listener starts (or
         moves) there; without it the listener stops. LLM_EXIST_LINK while any link exists."""
-        self._require_init("switch_role")
+        self.require_init("switch_role")
         if not isinstance(role, LLMRole):
             raise TypeError(f"switch_role: role must be an LLMRole, got {type(role).__name__}")
         if options is not None and not isinstance(options, dict):

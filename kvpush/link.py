@@ -1,34 +1,34 @@
-"""One peer: handshake, keepalive, the peer's cache table, request/response matching, and the
-receiver side of transfers (re-validating every request against the local registry).
+"""One peer: the link's state, its handshake, keepalive, the peer's cache table, outbound requests,
+and a Kind -> handler table for every frame the peer sends.
 
-A link owns one frame stream. Request ids are per link, start at 1 and are never reused, so a
-late reply to an abandoned request can never complete a later one: it finds no pending entry
-and is dropped. When the stream closes, every pending request fails at once and the owner drops
-the link; ``link_clusters`` to that peer then builds a new one.
+A link owns one frame stream (``transports.base.FrameStream``), a ``RequestTable`` of its outstanding
+requests, the ``PeerTable`` of the peer's caches, the ``Inbound`` side that serves the peer's
+requests, and - when this side moves bytes one-sided - a ``OneSidedSender``. When the stream closes,
+every pending request fails at once and the owner drops the link; ``link_clusters`` to that peer
+then builds a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from transports import cma, tcp
-from transports.base import PayloadSink
+from transports.base import Connection, OutgoingFrame, PayloadSink
 
-from . import handshake, serving
-from .handshake import HANDSHAKE_KINDS
+from .datapath import DataPaths
+from .handshake import Handshake, Identity
 from .layout import IoVec, scatter_vector
 from .memory import CacheEntry, CacheRegistry
-from .onesided import OneSidedReceiver, OneSidedSender
+from .onesided import OneSidedSender
 from .options import EngineOptions
+from .peer import PeerTable, RemoteCache
 from .protocol import (
     FrameHeader,
     Kind,
@@ -39,15 +39,13 @@ from .protocol import (
     encode_status,
     encode_transfer,
 )
-from .remote import PendingOp, RemoteCache
+from .requests import PendingOp, RequestTable
+from .serving import LANDED_ABORTED, HeldGrants, Inbound
 from .status import LLMException, LLMStatusCode
-from .types import LLMRole
-
-if TYPE_CHECKING:
-    from transports.ucx import UcxService
 
 log = logging.getLogger(__name__)
 
+Handler = Callable[[FrameHeader, bytes], PayloadSink | None]
 
 
 class LinkState(Enum):
@@ -57,54 +55,74 @@ class LinkState(Enum):
 
 
 class LinkOwner(Protocol):
-    cluster_id: int
-    role: LLMRole
-    instance: str
-    options: EngineOptions
-    registry: CacheRegistry
-    ucx: UcxService | None
+    """What a link needs from its engine."""
 
-    def link_closed(self, link: Link, reason: str) -> None: ...
+    registry: CacheRegistry
+
+    @property
+    def identity(self) -> Identity: ...
+
+    @property
+    def options(self) -> EngineOptions: ...
+
+    def link_closed(self, link: Link, reason: str, held: HeldGrants | None) -> None:
+        """The link closed; ``held``: caches the peer may still be writing into (release when safe)."""
 
 
 class Link:
     """A linked peer. Create with ``await Link.establish(...)``."""
 
-    def __init__(self, owner: LinkOwner, sock: socket.socket, *, dialer: bool) -> None:
+    def __init__(self, owner: LinkOwner, connection: Connection, paths: DataPaths, *, dialer: bool) -> None:
         self.owner = owner
         self.loop = asyncio.get_running_loop()
         self.dialer = dialer
         self.state = LinkState.HANDSHAKE
         self.peer_cluster_id: int | None = None
-        self.peer_role: int | None = None
         self.peer_instance = ""
         self.close_reason = ""
-        self.remote_caches: dict[int, RemoteCache] = {}
-        self.remote_by_model: dict[int, int] = {}
-        self._request_ids = itertools.count(1)
-        self._pending: dict[int, PendingOp] = {}
-        self._handshake_inbox: asyncio.Queue[tuple[Kind, dict[str, Any]]] = asyncio.Queue()
-        self.inbound_pins: dict[int, CacheEntry] = {}
-        self._keepalive: asyncio.Task[None] | None = None
-        self._bye: asyncio.Future[None] = self.loop.create_future()
-        self._auth_sent = False
-        self._probe: cma.Probe | None = None
-        self._peer_offers: dict[str, Any] = {}
-        self._first_table: asyncio.Future[None] = self.loop.create_future()
-        self._share_addresses = False
-        self._share_rkeys = False
-        self.onesided: OneSidedSender | None = None
-        self.receiver = OneSidedReceiver(self)
         self.fallback_reason = ""
         self.rtt_ms: float | None = None
         self.counters: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self.last_error = ""
-        self.stream = tcp.TcpFrameStream(sock, self, self.loop)
+        self.peer = PeerTable()
+        self.paths = paths
+        self.requests = RequestTable(self.loop, self.note_failure)
+        self.onesided: OneSidedSender | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # owned: cancelled when the link closes
+        self._bye: asyncio.Future[None] = self.loop.create_future()
+        self._first_table: asyncio.Future[None] = self.loop.create_future()
+        self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
+        self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
+                               self._send_frame, self.counters, paths.proves_reach, "?")
+        self._handlers: dict[Kind, Handler] = {
+            Kind.WRITE: self.inbound.serve_write,
+            Kind.READ: self._on_read,
+            Kind.DONE: self._on_done,
+            Kind.READ_DATA: self._on_read_data,
+            Kind.PING: self._on_ping,
+            Kind.PONG: self._on_pong,
+            Kind.TABLE: self._on_table,
+            Kind.TABLE_REQUEST: self._on_table_request,
+            Kind.WRITE_INTENT: self._on_intent,
+            Kind.READ_INTENT: self._on_intent,
+            Kind.GRANT: self._on_grant,
+            Kind.LANDED: self._on_landed,
+            Kind.WRITE_NOTICE: self._on_notice,
+            Kind.LEASE: self._on_lease,
+            Kind.BYE: self._on_bye,
+        }
+        self.stream = connection.open(self, self.loop)
 
     def __repr__(self) -> str:
         return (f"<Link peer_cluster={self.peer_cluster_id} transport={self.transport} "
                 f"{self.state.value}{' dialer' if self.dialer else ''}>")
+
+    def _send_control(self, head: bytes) -> OutgoingFrame:
+        return self.stream.send(head)
+
+    def _send_frame(self, head: bytes, payload: IoVec | None = None) -> Any:
+        return self.stream.send(head, payload)
 
     @property
     def transport(self) -> str:
@@ -117,18 +135,24 @@ class Link:
 
     # -- establishment -----------------------------------------------------------------------------
     @classmethod
-    async def establish(cls, owner: LinkOwner, sock: socket.socket, *, dialer: bool,
+    async def establish(cls, owner: LinkOwner, connection: Connection, paths: DataPaths, *, dialer: bool,
                         expect_cluster_id: int | None = None) -> Link:
-        """Run the handshake on a connected socket. Raises LLMException(LLM_LINK_FAILED) with the
-        reason; cancelling (e.g. by the caller's timeout) closes the socket."""
-        link = cls(owner, sock, dialer=dialer)
+        """Run the handshake on a connected channel. Raises LLMException(LLM_LINK_FAILED) with the
+        reason (LLM_FEATURE_NOT_ENABLED when an explicit transport cannot reach the peer);
+        cancelling (e.g. by the caller's timeout) closes the connection."""
+        link = cls(owner, connection, paths, dialer=dialer)
         try:
             if dialer:
-                await handshake.dial(link, expect_cluster_id)
+                result = await link.handshake.dial(expect_cluster_id)
             else:
-                await handshake.accept(link)
-            handshake.choose_data_path(link)
-            link.state = LinkState.READY
+                result = await link.handshake.accept()
+            link.peer_cluster_id, link.peer_instance = result.peer_cluster_id, result.peer_instance
+            link.inbound.rename(str(result.peer_cluster_id))
+            paths.take_peer_offers(result.peer_offers)
+            mover, link.fallback_reason = paths.choose(owner.options.transport, result.peer_cluster_id, link.close)
+            if mover is not None:
+                link.onesided = OneSidedSender(mover, link._send_control, link.requests, link.close, link.loop)
+            link._become_ready()
             link.send_table()
             if dialer:  # linked means the peer's caches are known: no round trip on the first push
                 await link._first_table
@@ -138,11 +162,20 @@ class Link:
         except BaseException:
             link.close("handshake interrupted")
             raise
-        link._keepalive = asyncio.create_task(link._keepalive_loop(), name=f"kvpush-keepalive-{link.peer_cluster_id}")
+        link._own(link._keepalive_loop(), f"kvpush-keepalive-{link.peer_cluster_id}")
         log.info("link to cluster %s ready over %s (%s)%s", link.peer_cluster_id, link.transport,
                  "dialed" if dialer else "accepted",
                  f"; same-host path not used: {link.fallback_reason}" if link.fallback_reason else "")
         return link
+
+    def _become_ready(self) -> None:
+        if self.state == LinkState.HANDSHAKE:
+            self.state = LinkState.READY
+
+    def _own(self, coroutine: Any, name: str) -> None:
+        task = self.loop.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- keepalive ------------------------------------------------------------------------------
     async def _keepalive_loop(self) -> None:
@@ -156,22 +189,18 @@ class Link:
                 return
             self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
 
-    # -- cache table ----------------------------------------------------------------------------
+    # -- cache tables ---------------------------------------------------------------------------
     def send_table(self, request_id: int = 0) -> None:
         if self.state == LinkState.READY:
             registry = self.owner.registry
-            caches = registry.table(self._share_addresses or self._share_rkeys, self._share_rkeys)
+            descriptors = self.paths.share_descriptors
+            caches = registry.table(self.paths.share_addresses or descriptors, descriptors)
             self.stream.send(encode_json(Kind.TABLE, request_id, {"version": registry.version, "caches": caches}))
 
-    def _apply_table(self, body: dict[str, Any]) -> None:
-        caches = body.get("caches")
-        if not isinstance(caches, list):
-            raise ProtocolError("TABLE without a cache list")
-        entries = [RemoteCache.from_wire(item) for item in caches]
-        self.remote_caches = {c.cache_id: c for c in entries}
-        self.remote_by_model = {c.model_id: c.cache_id for c in entries if c.model_id is not None}
-        if not self._first_table.done():
-            self._first_table.set_result(None)
+    def registry_changed(self) -> None:
+        """This engine's registry changed: the peer gets the new table; released caches lose leases."""
+        self.send_table()
+        self.inbound.revoke_released()
 
     async def refresh_table(self) -> None:
         """One round trip for the peer's current cache table (callers bound it with their deadline)."""
@@ -180,17 +209,14 @@ class Link:
         try:
             await asyncio.shield(op.future)
         finally:
-            self._pending.pop(op.request_id, None)
+            self.requests.forget(op)
 
-    # -- requests (local side) ------------------------------------------------------------------
+    # -- outbound requests ----------------------------------------------------------------------
     def _new_op(self, kind: Kind) -> PendingOp:
         if self.state != LinkState.READY:
             raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK,
                                f"link to cluster {self.peer_cluster_id} is {self.state.value}: {self.close_reason}")
-        request_id = next(self._request_ids)
-        op = PendingOp(request_id, kind, self.loop.create_future())
-        self._pending[request_id] = op
-        return op
+        return self.requests.new(kind)
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                     remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], source: IoVec,
@@ -204,9 +230,8 @@ class Link:
         if self._onesided_reaches(remote):
             assert self.onesided is not None
             leased = self.onesided.lease_active(remote.cache_id)
-            op = self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                      remote_offset, length, source, source_entry, budget_ms, held, leased)
-            return op
+            return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
+                                        remote_offset, length, source, source_entry, budget_ms, held, leased)
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
@@ -221,7 +246,7 @@ class Link:
     def _enqueue(self, op: PendingOp) -> None:
         """Queue a prepared frame; from now on its ``sent`` future (not ``abandon``) unpins."""
         assert op.frame is not None
-        release, op._release = op._release, None
+        release = op.take_release()
         self.stream.enqueue(op.frame)
         if release is not None:
             op.frame.sent.add_done_callback(lambda _: release())
@@ -233,18 +258,8 @@ class Link:
         op.held = False
         if op.kind == Kind.WRITE:
             self._enqueue(op)
-        elif op.notice is not None and self.onesided is not None:
-            self.loop.call_soon(self._begin_leased, op)
-        elif op.granted and self.onesided is not None:
-            self.loop.call_soon(self._begin_granted, op)  # posting the copy is the loop's work, not the caller's
-
-    def _begin_leased(self, op: PendingOp) -> None:
-        if self.onesided is not None and op.request_id in self._pending:
-            self.onesided.begin_leased(op)
-
-    def _begin_granted(self, op: PendingOp) -> None:
-        if op.granted and self.onesided is not None and op.request_id in self._pending:
-            self.onesided.begin(op)
+        elif self.onesided is not None:
+            self.onesided.release_held(op)
 
     def start_read(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                    remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], destination: IoVec,
@@ -261,7 +276,7 @@ class Link:
         op.expected = expected
         destination_entry.pin()
         op.future.add_done_callback(lambda _: destination_entry.unpin())
-        op.sink = PayloadSink(destination, lambda: self.complete(op, None))
+        op.sink = PayloadSink(destination, lambda: self.requests.complete(op, None))
         head = encode_transfer(Kind.READ, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                0, budget_ms)
         op.frame = self.stream.send(head)
@@ -270,14 +285,14 @@ class Link:
     def _onesided_reaches(self, remote: RemoteCache) -> bool:
         if self.onesided is None or remote.addrs is None:
             return False
-        return self.onesided.mover.capabilities.name != "ucx" or remote.rkeys is not None
+        return not self.onesided.mover.capabilities.needs_registration or remote.rkeys is not None
 
     def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
                         runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
                         local: IoVec, entry: CacheEntry, budget_ms: int, held: bool = False,
                         leased: bool = False) -> PendingOp:
         """A one-sided request: ask for a grant (intent), or under a lease copy at once and notify."""
-        assert remote.addrs is not None
+        assert remote.addrs is not None and self.onesided is not None
         op = self._new_op(kind)
         op.held = held
         op.local_iov = local
@@ -289,35 +304,17 @@ class Link:
             op.notice = encode_transfer(Kind.WRITE_NOTICE, op.request_id, remote.cache_id, first_tensor,
                                         num_tensors, runs_wire, 0, budget_ms)
             if not held:
-                assert self.onesided is not None
                 self.onesided.begin_leased(op)
             return op
         op.frame = self.stream.send(encode_transfer(kind, op.request_id, remote.cache_id, first_tensor, num_tensors,
                                                     runs_wire, 0, budget_ms))
         return op
 
-    @property
-    def own_probe(self) -> cma.Probe | None:
-        """The in-memory probe this side offered for same-host access (None if it offered none)."""
-        return self._probe
-
-    @property
-    def shares_addresses_same_host(self) -> bool:
-        """True when the peer is on this host and may copy one-sided into this process."""
-        return self._share_addresses
-
-    def peer_offer(self, name: str) -> Any:
-        """What the peer offered at the handshake for one-sided transfers (``cma``, ``ucx``), or None."""
-        return self._peer_offers.get(name)
-
-    def pending(self, request_id: int) -> PendingOp | None:
-        return self._pending.get(request_id)
-
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: an unsent frame is dropped, an incoming payload is discarded
         from now on, and a late reply is ignored. Bytes of a WRITE already on the wire, or of a
         one-sided copy already running, still land (see ``settle``)."""
-        self._pending.pop(op.request_id, None)
+        self.requests.forget(op)
         if op.frame is not None:
             op.frame.abandon()
         if op.sink is not None:
@@ -325,10 +322,9 @@ class Link:
         if op.copy is None:
             op.release()
             if op.granted:  # granted but never moved: let the peer unpin
-                self.stream.send(encode_status(Kind.LANDED, op.request_id, 1))
+                self.stream.send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED))
                 op.granted = False
-        if not op.future.done():
-            op.future.cancel()
+        self.requests.abandon(op)
 
     async def settle(self, ops: list[PendingOp], grace: float) -> None:
         """After abandoning ``ops``: wait until none still reads or writes local memory. One-sided
@@ -345,113 +341,102 @@ class Link:
                 self.close("a layer could not finish leaving after its transfer ended", abort=True)
 
     def note_failure(self, error: LLMException) -> None:
-        """Count a failure the engine raised itself (e.g. a layer's deadline passed)."""
+        """Count a failure (a request's, or one the engine raised itself, e.g. a layer's deadline)."""
         self.failures[error.status_code.name] += 1
         self.last_error = str(error)
 
-    def complete(self, op: PendingOp, error: LLMException | None) -> None:
-        self._pending.pop(op.request_id, None)
-        if op.future.done():
-            return
-        if error is None:
-            op.future.set_result(None)
-        else:
-            self.note_failure(error)
-            op.future.set_exception(error)
-            op.future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
-
     # -- frames from the peer (StreamHandler) ---------------------------------------------------
     def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-        kind = header.kind
         if self.state == LinkState.HANDSHAKE:
-            if kind not in HANDSHAKE_KINDS:
-                raise ProtocolError(f"{kind.name} before the handshake completed")
-            body = decode_json(kind, meta)
-            if kind == Kind.READY:
-                if not (self.dialer and self._auth_sent):
-                    raise ProtocolError("READY before authentication")
-                # The acceptor's next frames (its cache table) may arrive in this same read.
-                self.state = LinkState.READY
-            self._handshake_inbox.put_nowait((kind, body))
+            if self.handshake.deliver(header.kind, decode_json(header.kind, meta)):
+                self._become_ready()  # the acceptor's next frames (its cache table) may be in this same read
             return None
         if self.state == LinkState.CLOSED:
             return None
-        if kind == Kind.WRITE:
-            return serving.serve_write(self, header, meta)
-        if kind == Kind.DONE:
-            self._on_done(header, meta)
-        elif kind == Kind.READ_DATA:
-            return self._on_read_data(header, meta)
-        elif kind == Kind.READ:
-            serving.serve_read(self, header, meta)
-        elif kind == Kind.PING:
-            self.stream.send(encode_json(Kind.PONG, 0, decode_json(kind, meta)))
-        elif kind == Kind.PONG:
-            sent = decode_json(kind, meta).get("t")
-            if isinstance(sent, (int, float)):
-                self.rtt_ms = (time.monotonic() - sent) * 1000
-        elif kind == Kind.TABLE:
-            self._apply_table(decode_json(kind, meta))
-            op = self._pending.get(header.request_id)
-            if op is not None and op.kind == Kind.TABLE_REQUEST:
-                self.complete(op, None)
-        elif kind == Kind.TABLE_REQUEST:
-            self.send_table(header.request_id)
-        elif kind in (Kind.WRITE_INTENT, Kind.READ_INTENT):
-            self.receiver.on_intent(header, meta)
-        elif kind == Kind.GRANT:
-            if self.onesided is None:
-                raise ProtocolError("GRANT on a link that sent no one-sided request")
-            self.onesided.on_grant(header, meta)
-        elif kind == Kind.LANDED:
-            self.receiver.on_landed(header, meta)
-        elif kind == Kind.WRITE_NOTICE:
-            self.receiver.on_notice(header, meta)
-        elif kind == Kind.LEASE:
-            body = decode_json(kind, meta)
-            if body.get("op") in ("request", "revoked"):
-                self.receiver.on_lease(body)
-            elif self.onesided is None:
-                raise ProtocolError("LEASE answer on a link that asked for none")
-            else:
-                self.onesided.on_lease(body)
-        elif kind == Kind.BYE:
-            self._on_bye(decode_json(kind, meta))
+        handler = self._handlers.get(header.kind)
+        if handler is None:
+            raise ProtocolError(f"unexpected {header.kind.name} on a ready link")
+        return handler(header, meta)
+
+    def _on_read(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.serve_read(header, meta)
+
+    def _on_intent(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.on_intent(header, meta)
+
+    def _on_landed(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.on_landed(header, meta)
+
+    def _on_notice(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.on_notice(header, meta)
+
+    def _on_ping(self, header: FrameHeader, meta: bytes) -> None:
+        self.stream.send(encode_json(Kind.PONG, 0, decode_json(header.kind, meta)))
+
+    def _on_pong(self, header: FrameHeader, meta: bytes) -> None:
+        sent = decode_json(header.kind, meta).get("t")
+        if isinstance(sent, (int, float)):
+            self.rtt_ms = (time.monotonic() - sent) * 1000
+
+    def _on_table(self, header: FrameHeader, meta: bytes) -> None:
+        self.peer.apply(decode_json(header.kind, meta))
+        if not self._first_table.done():
+            self._first_table.set_result(None)
+        op = self.requests.get(header.request_id, Kind.TABLE_REQUEST)
+        if op is not None:
+            self.requests.complete(op, None)
+
+    def _on_table_request(self, header: FrameHeader, meta: bytes) -> None:
+        self.send_table(header.request_id)
+
+    def _on_grant(self, header: FrameHeader, meta: bytes) -> None:
+        if self.onesided is None:
+            raise ProtocolError("GRANT on a link that sent no one-sided request")
+        self.onesided.on_grant(header, meta)
+
+    def _on_lease(self, header: FrameHeader, meta: bytes) -> None:
+        body = decode_json(header.kind, meta)
+        if body.get("op") in ("request", "revoked"):
+            self.inbound.on_lease(body)
+        elif self.onesided is None:
+            raise ProtocolError("LEASE answer on a link that asked for none")
         else:
-            raise ProtocolError(f"unexpected {kind.name} on a ready link")
-        return None
+            self.onesided.on_lease(body)
 
     def _on_done(self, header: FrameHeader, meta: bytes) -> None:
         status, message = decode_status(header, meta)
-        op = self._pending.get(header.request_id)
-        if op is None or op.kind != Kind.WRITE:
+        op = self.requests.get(header.request_id, Kind.WRITE)
+        if op is None:
             log.debug("ignoring DONE for request %d (abandoned or unknown)", header.request_id)
             return
         if status == 0:
-            self.complete(op, None)
+            self.requests.complete(op, None)
         else:
-            self.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the write: {message}"))
+            self.requests.complete(op, LLMException(LLMStatusCode.from_wire(status),
+                                                    f"peer refused the write: {message}"))
 
     def _on_read_data(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
         status, message = decode_status(header, meta)
-        op = self._pending.get(header.request_id)
-        if op is None or op.kind != Kind.READ or op.sink is None:
+        op = self.requests.get(header.request_id, Kind.READ)
+        if op is None or op.sink is None:
             return None  # abandoned: the payload is discarded
         if status != 0:
             if header.payload_len:
                 raise ProtocolError("READ_DATA carries both an error and a payload")
-            self.complete(op, LLMException(LLMStatusCode.from_wire(status), f"peer refused the read: {message}"))
+            self.requests.complete(op, LLMException(LLMStatusCode.from_wire(status),
+                                                    f"peer refused the read: {message}"))
             return None
         if header.payload_len != op.expected:
             raise ProtocolError(f"READ_DATA of {header.payload_len} bytes for a request of {op.expected}")
         return op.sink
 
     # -- closing --------------------------------------------------------------------------------
-    def _on_bye(self, body: dict[str, Any]) -> None:
+    def _on_bye(self, header: FrameHeader, meta: bytes) -> None:
         """A graceful unlink. ``leases_done``: the sender of the BYE has no same-host copy into this
         process running any more, so the caches it held standing grants on can be let go now."""
+        body = decode_json(header.kind, meta)
         if body.get("leases_done"):
-            self.receiver.end_leases()
+            self.inbound.end_leases()
         if body.get("ack"):
             if not self._bye.done():
                 self._bye.set_result(None)
@@ -460,22 +445,24 @@ class Link:
         if self.onesided is not None:
             self.onesided.close_leases()  # nothing new starts; what runs is drained before the ack
             if not self.onesided.leases_idle():
-                asyncio.ensure_future(self._ack_when_idle())
+                self._own(self._ack_when_idle(), f"kvpush-bye-{self.peer_cluster_id}")
                 return
-        self._ack_bye()
+        self.ack_bye()
 
-    def _ack_bye(self, leases_done: bool = True) -> None:
+    def ack_bye(self, leases_done: bool = True) -> None:
+        """Answer the peer's graceful unlink; the link closes once the answer is out."""
         ack = self.stream.send(encode_json(Kind.BYE, 0, {"ack": True, "leases_done": leases_done}))
         ack.sent.add_done_callback(lambda _: self.close("peer unlinked"))
 
     async def _ack_when_idle(self) -> None:
-        done = True
-        if self.onesided is not None:
-            done = await self.onesided.drain_leases(self.owner.options.sync_kv_timeout_ms / 1000)
-        self._ack_bye(done)
+        assert self.onesided is not None
+        done = await self.onesided.drain_leases(self.owner.options.sync_kv_timeout_ms / 1000)
+        self.ack_bye(done)
 
     async def unlink(self, timeout: float) -> bool:
-        """Tell the peer and wait for its acknowledgement (bounded); always closes locally."""
+        """Tell the peer and wait for its acknowledgement (bounded); always closes locally.
+
+        Cancellation closes the link at once (force)."""
         try:
             if self.state == LinkState.READY:
                 if self.onesided is not None:
@@ -500,19 +487,13 @@ class Link:
         self.state = LinkState.CLOSED
         self.close_reason = reason
         self.stream.close(reason, abort)
-        if self._keepalive is not None and self._keepalive is not asyncio.current_task():
-            self._keepalive.cancel()
-        error_text = f"link to cluster {self.peer_cluster_id} broke during the transfer: {reason}"
-        for op in list(self._pending.values()):
-            if op.sink is not None:
-                op.sink.cancel()
-            if op.copy is None:
-                op.release()
-            self.complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, error_text))
-        for entry in self.inbound_pins.values():
-            entry.unpin()
-        self.inbound_pins.clear()
-        self.receiver.close()
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+        self.requests.fail_all(LLMStatusCode.LLM_TIMEOUT,
+                               f"link to cluster {self.peer_cluster_id} broke during the transfer: {reason}")
+        held = self.inbound.close(self.paths.watch_writer)
         if self.onesided is not None:
             self.onesided.close()
         for waiter in (self._bye, self._first_table):
@@ -521,13 +502,13 @@ class Link:
                 waiter.exception()
         if was_ready:
             log.info("link to cluster %s closed: %s", self.peer_cluster_id, reason)
-        self.owner.link_closed(self, reason)
+        self.owner.link_closed(self, reason, held)
 
     def on_close(self, reason: str) -> None:
         """The stream went away under us."""
         if self.state != LinkState.CLOSED:
             if self.state == LinkState.HANDSHAKE:
-                self._handshake_inbox.put_nowait((Kind.BYE, {"reason": reason}))
+                self.handshake.stream_closed(reason)
             self.close(reason)
 
     def stats(self) -> dict[str, Any]:
@@ -539,7 +520,7 @@ class Link:
             "bytes_in": self.stream.bytes_in,
             "bytes_out": self.stream.bytes_out,
             "rtt_ms": self.rtt_ms,
-            "pending": len(self._pending),
+            "pending": len(self.requests),
             **dict(self.counters),
             "failures": dict(self.failures),
             "last_error": self.last_error,

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import transfer
+from .link import Link
+from .plan import Plan
+from .requests import PendingOp
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import check_int
-
-if TYPE_CHECKING:
-    from .cache_manager import CacheManager, _Plan
-    from .remote import PendingOp
-    from .validate import LayerStep
+from .validate import LayerStep
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +42,21 @@ class LayerPusher:
     cancelled ``push_blocks`` before the cancellation propagates.
     """
 
-    def __init__(self, manager: CacheManager, plan: _Plan) -> None:
-        self._manager = manager
+    def __init__(self, link: Link, plan: Plan, timeout_ms: int) -> None:
+        self._link = link
         self._plan = plan
         self._steps: dict[int, LayerStep] = {step.dst_layer: step for step in plan.steps}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self.landed: list[int] = []
         self._failure: LLMException | None = None
         self._finished = False
-        self._timeout_ms = manager._engine.options.sync_kv_timeout_ms
+        self._timeout_ms = timeout_ms
         plan.local.pin()  # the source cache stays mapped until the pusher is done
         self._pinned = True
         # Every layer is prepared now (iovecs, frames; one-sided requests are even granted by the
         # peer), so push_layer only lets bytes go: microseconds on the prefill's critical path.
         self._prepared: dict[int, PendingOp] = {
-            layer: manager._start(plan, step, self._timeout_ms, held=True) for layer, step in self._steps.items()}
+            layer: transfer.start_layer(link, plan, step, timeout_ms, held=True) for layer, step in self._steps.items()}
 
     @property
     def num_layers(self) -> int:
@@ -81,7 +81,7 @@ class LayerPusher:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
         op = self._prepared.pop(layer)
-        plan.link.release_held(op)
+        self._link.release_held(op)
         task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
         task.add_done_callback(self._retrieve)
         self._tasks[layer] = task
@@ -93,26 +93,15 @@ class LayerPusher:
             task.exception()  # reported by wait(); never "exception was never retrieved"
 
     async def _finish(self, step: LayerStep, op: PendingOp) -> None:
-        link = self._plan.link
+        link = self._link
         timeout = self._timeout_ms / 1000
         try:
-            done, _ = await asyncio.wait((op.future,), timeout=timeout)
-            if not done:
-                timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT,
-                                         f"push_layer: layer {step.dst_layer} not done within {self._timeout_ms} ms")
-                link.note_failure(timed_out)
-                raise timed_out
-            error = op.future.exception()
-            if isinstance(error, LLMException):
-                raise LLMException(error.status_code, f"push_layer: layer {step.dst_layer}: {error}")
-            if error is not None:
-                raise error
+            await transfer.await_layer("push_layer", link, op, step.dst_layer, self._timeout_ms)
         except asyncio.CancelledError:
-            await self._manager._drain(link, [op], timeout)
+            await transfer.drain(link, [op], timeout)
             raise
         except BaseException as error:
-            link.abandon(op)
-            await link.settle([op], timeout)
+            await transfer.give_up(link, [op], timeout)
             if isinstance(error, LLMException) and self._failure is None:
                 self._failure = error
             raise
@@ -133,7 +122,7 @@ class LayerPusher:
     def _close(self) -> None:
         self._finished = True
         for op in self._prepared.values():  # layers never pushed: nothing of them moves
-            self._plan.link.abandon(op)
+            self._link.abandon(op)
         self._prepared.clear()
         if self._pinned:
             self._pinned = False

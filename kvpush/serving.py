@@ -1,72 +1,290 @@
-"""The receiving side of TCP transfers: every WRITE or READ a peer sends is checked against this
-engine's registry again (cache registered, tensors and every run inside it, remote access allowed)
-before a byte is written or read; a refusal is answered with its status code and logged."""
+"""The inbound side of one link: every transfer frame a peer initiates.
+
+Stream writes and reads (WRITE, READ), one-sided intents (WRITE_INTENT / READ_INTENT -> GRANT, then
+LANDED), standing same-host write grants (LEASE) and the notices of writes made under them
+(WRITE_NOTICE). Every request is checked by one pure function, ``resolve``, against this engine's
+registry (cache registered, tensors and every run inside it, remote access allowed) before a byte is
+written or read; a refusal is answered with its status code and logged.
+
+``Inbound`` is built from what it needs - the registry, whether remote access is allowed, a frame
+sender, the link's counters and what the data paths say about the peer - and knows no link.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from transports.base import PayloadSink
+from transports.base import OutgoingFrame, PayloadSink, PeerWatch
 
 from .layout import IoVec, runs_in_bounds, scatter_vector
-from .memory import CacheEntry
-from .protocol import FrameHeader, Kind, decode_transfer, encode_status
+from .memory import CacheEntry, CacheRegistry
+from .protocol import (
+    FrameHeader,
+    Kind,
+    ProtocolError,
+    TransferMeta,
+    decode_status,
+    decode_transfer,
+    encode_json,
+    encode_status,
+)
 from .status import LLMStatusCode
-
-if TYPE_CHECKING:
-    from .link import Link
 
 log = logging.getLogger(__name__)
 
+LANDED_ABORTED = 1
+# How long a receiver keeps a granted cache pinned after its link broke when the peer is not on this
+# host (UCX): a transfer the sender had already posted runs to its end even when the control stream is gone.
+GRANT_GRACE_S = 2.0
 
-def resolve(link: Link, header: FrameHeader, meta: bytes) -> tuple[CacheEntry, IoVec] | str:
-    """Check a peer's WRITE/READ against the local registry: the iovec, or why it is refused."""
-    transfer = decode_transfer(header, meta)
-    if not link.owner.options.enable_remote_cache_accessible:
-        return f"{LLMStatusCode.LLM_FEATURE_NOT_ENABLED.value}:remote cache access is disabled"
-    entry = link.owner.registry.get(transfer.cache_id)
+Send = Callable[..., OutgoingFrame]
+
+
+class Refusal(Exception):
+    """Why a peer's request is refused: the status code it is answered with and the reason."""
+
+    def __init__(self, status: LLMStatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta) -> tuple[CacheEntry, IoVec]:
+    """Check a peer's transfer against the local registry: the cache and the iovec it addresses, or
+    ``Refusal``. Pure: nothing is pinned, nothing is sent."""
+    if not access_allowed:
+        raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
+    entry = registry.get(transfer.cache_id)
     if entry is None:
-        return f"{LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value}:cache {transfer.cache_id} is not registered"
+        raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
     desc = entry.desc
     if transfer.first_tensor + transfer.num_tensors > desc.num_tensors:
-        return (f"{LLMStatusCode.LLM_PARAM_INVALID.value}:tensors {transfer.first_tensor}.."
-                f"{transfer.first_tensor + transfer.num_tensors - 1} exceed the cache's {desc.num_tensors}")
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                      f"tensors {transfer.first_tensor}..{transfer.first_tensor + transfer.num_tensors - 1} "
+                      f"exceed the cache's {desc.num_tensors}")
     if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
-        return f"{LLMStatusCode.LLM_PARAM_INVALID.value}:a run lies outside cache {transfer.cache_id}'s tensors"
+        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
     addrs = entry.addrs[transfer.first_tensor:transfer.first_tensor + transfer.num_tensors]
     return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
 
-def serve_write(link: Link, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-    resolved = resolve(link, header, meta)
-    if isinstance(resolved, str):
-        code, _, reason = resolved.partition(":")
-        log.warning("refused a write from cluster %s: %s", link.peer_cluster_id, reason)
-        link.stream.send(encode_status(Kind.DONE, header.request_id, int(code), reason))
-        return None
-    entry, iov = resolved
-    entry.pin()
-    request_id = header.request_id
-    link.inbound_pins[request_id] = entry
 
-    def landed() -> None:
-        link.inbound_pins.pop(request_id, None)
+@dataclass
+class HeldGrants:
+    """Caches a closed link still keeps pinned because the peer may still be writing into them:
+    released when the watched peer process exits, or after ``GRANT_GRACE_S`` without a watch. The
+    engine owns the task that runs ``release_when_safe``."""
+
+    peer: str
+    entries: list[CacheEntry]
+    watch: PeerWatch | None
+
+    def release(self) -> None:
+        entries, self.entries = self.entries, []
+        for entry in entries:
+            entry.unpin()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+    async def release_when_safe(self) -> None:
+        """Cancelled (the engine finalized): caches a live same-host writer may still reach stay
+        pinned (they are never unmapped under it); the others are released."""
+        watch = self.watch
+        try:
+            if watch is None:
+                await asyncio.sleep(GRANT_GRACE_S)
+            elif watch.alive():
+                log.info("link to cluster %s closed with %d grant(s) outstanding: the caches stay mapped until "
+                         "the writer's process exits", self.peer, len(self.entries))
+                await _readable(watch.fileno())
+        except asyncio.CancelledError:
+            self.release_now_or_keep()
+            raise
+        self.release()
+
+    def release_now_or_keep(self) -> None:
+        """The engine is finalizing: release what no one can write into any more; caches a live
+        same-host writer may still reach stay pinned for good (never unmapped under it)."""
+        if self.watch is not None and self.watch.alive():
+            log.warning("engine finalized while cluster %s's process may still write into %d cache(s): "
+                        "they stay mapped", self.peer, len(self.entries))
+            self.watch.close()
+            self.watch = None
+            self.entries = []
+            return
+        self.release()
+
+
+async def _readable(fd: int) -> None:
+    """Wait until ``fd`` is readable (a pidfd turns readable when its process exits)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+class Inbound:
+    """Everything a peer asks of this engine's memory on one link."""
+
+    def __init__(self, registry: CacheRegistry, access_allowed: Callable[[], bool], send: Send,
+                 counters: Counter[str], proves_reach: Callable[[str], bool], peer: str) -> None:
+        self._registry = registry
+        self._access_allowed = access_allowed
+        self._send = send
+        self._counters = counters
+        self._proves_reach = proves_reach
+        self._peer = peer
+        self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
+        self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
+        self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
+        self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
+        self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
+
+    def rename(self, peer: str) -> None:
+        self._peer = peer
+
+    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec] | Refusal:
+        try:
+            return resolve(self._registry, self._access_allowed(), decode_transfer(header, meta))
+        except Refusal as refusal:
+            log.warning("refused a %s from cluster %s: %s", what, self._peer, refusal.reason)
+            return refusal
+
+    # -- stream transfers ---------------------------------------------------------------------------
+    def serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+        resolved = self._resolve(header, meta, "write")
+        if isinstance(resolved, Refusal):
+            self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
+            return None
+        entry, iov = resolved
+        entry.pin()
+        request_id = header.request_id
+        self._writes[request_id] = entry
+
+        def landed() -> None:
+            self._writes.pop(request_id, None)
+            entry.unpin()
+            self._counters["bytes_received"] += header.payload_len
+            self._send(encode_status(Kind.DONE, request_id, 0))
+
+        return PayloadSink(iov, landed)
+
+    def serve_read(self, header: FrameHeader, meta: bytes) -> None:
+        resolved = self._resolve(header, meta, "read")
+        if isinstance(resolved, Refusal):
+            self._send(encode_status(Kind.READ_DATA, header.request_id, int(resolved.status), resolved.reason))
+            return
+        entry, iov = resolved
+        entry.pin()
+        payload_len = int(iov[:, 1].sum())
+        frame = self._send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
+        frame.sent.add_done_callback(lambda _: entry.unpin())
+        self._counters["bytes_served"] += payload_len
+
+    # -- one-sided ----------------------------------------------------------------------------------
+    def on_intent(self, header: FrameHeader, meta: bytes) -> None:
+        resolved = self._resolve(header, meta, f"one-sided {header.kind.name}")
+        if isinstance(resolved, Refusal):
+            self._send(encode_status(Kind.GRANT, header.request_id, int(resolved.status), resolved.reason))
+            return
+        entry, iov = resolved
+        entry.pin()
+        counter = "bytes_received" if header.kind == Kind.WRITE_INTENT else "bytes_served"
+        self._granted[header.request_id] = (entry, int(iov[:, 1].sum()), counter)
+        self._send(encode_status(Kind.GRANT, header.request_id, 0))
+
+    def on_landed(self, header: FrameHeader, meta: bytes) -> None:
+        status, _ = decode_status(header, meta)
+        granted = self._granted.pop(header.request_id, None)
+        if granted is None:
+            return
+        entry, size, counter = granted
         entry.unpin()
-        link.counters["bytes_received"] += header.payload_len
-        link.stream.send(encode_status(Kind.DONE, request_id, 0))
+        if status == 0:
+            self._counters[counter] += size
 
-    return PayloadSink(iov, landed)
+    # -- standing grants (same host) ----------------------------------------------------------------
+    def on_lease(self, body: dict[str, Any]) -> None:
+        op, cache_id = body.get("op"), body.get("cache")
+        if not isinstance(cache_id, int):
+            raise ProtocolError(f"LEASE without a cache id: {body!r}")
+        if op == "request":
+            entry = self._registry.get(cache_id)
+            # only a writer that read our in-memory secret (it can reach this process) gets a lease
+            if (entry is None or not self._proves_reach(str(body.get("proof", ""))) or cache_id in self._leases
+                    or not self._access_allowed()):
+                self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
+                return
+            entry.pin()
+            self._leases[cache_id] = entry
+            self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id}))
+        elif op == "revoked":
+            entry = self._revoking.pop(cache_id, None)
+            if entry is None:
+                if cache_id in self._ended:
+                    return  # the revoke crossed a graceful unlink: already let go
+                raise ProtocolError(f"LEASE revoked for cache {cache_id}, which was not being revoked")
+            entry.unpin()
+        else:
+            raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
 
-def serve_read(link: Link, header: FrameHeader, meta: bytes) -> None:
-    resolved = resolve(link, header, meta)
-    if isinstance(resolved, str):
-        code, _, reason = resolved.partition(":")
-        log.warning("refused a read from cluster %s: %s", link.peer_cluster_id, reason)
-        link.stream.send(encode_status(Kind.READ_DATA, header.request_id, int(code), reason))
-        return
-    entry, iov = resolved
-    entry.pin()
-    payload_len = int(iov[:, 1].sum())
-    frame = link.stream.send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
-    frame.sent.add_done_callback(lambda _: entry.unpin())
-    link.counters["bytes_served"] += payload_len
+    def end_leases(self) -> None:
+        """The writer said no leased copy into this process runs any more (a graceful unlink)."""
+        for cache_id, entry in list(self._leases.items()) + list(self._revoking.items()):
+            entry.unpin()
+            self._ended.add(cache_id)
+        self._leases.clear()
+        self._revoking.clear()
+
+    def revoke_released(self) -> None:
+        """Caches unregistered here lose their leases; their memory stays until the writer confirms."""
+        for cache_id, entry in list(self._leases.items()):
+            if entry.removed:
+                del self._leases[cache_id]
+                self._revoking[cache_id] = entry
+                self._send(encode_json(Kind.LEASE, 0, {"op": "revoke", "cache": cache_id}))
+
+    def on_notice(self, header: FrameHeader, meta: bytes) -> None:
+        """A leased write landed: check it lies inside the leased cache and count it."""
+        transfer = decode_transfer(header, meta)
+        entry = self._leases.get(transfer.cache_id) or self._revoking.get(transfer.cache_id)
+        if entry is None and transfer.cache_id in self._ended:
+            raise ProtocolError(f"a leased write to cache {transfer.cache_id} after the writer ended its leases")
+        if entry is None:
+            raise ProtocolError(f"WRITE_NOTICE for cache {transfer.cache_id}, which this link holds no lease on")
+        desc = entry.desc
+        if (transfer.first_tensor + transfer.num_tensors > desc.num_tensors
+                or not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size)):
+            raise ProtocolError(f"a leased write to cache {transfer.cache_id} lay outside it")
+        self._counters["bytes_received"] += transfer.payload_len
+
+    # -- closing ------------------------------------------------------------------------------------
+    def close(self, watch: Callable[[], PeerWatch | None]) -> HeldGrants | None:
+        """The link is gone. Stream writes being received are unpinned (the stream is closed, no
+        byte of them lands any more). A granted one-sided copy may still be queued or running in the
+        peer (or the peer may be stopped just before it), so those pins are handed back as
+        ``HeldGrants`` for the engine to release when that is safe (None: nothing held)."""
+        for entry in self._writes.values():
+            entry.unpin()
+        self._writes.clear()
+        held = [entry for entry, _, _ in self._granted.values()] + list(self._leases.values()) + list(
+            self._revoking.values())
+        self._granted.clear()
+        self._leases.clear()
+        self._revoking.clear()
+        if not held:
+            return None
+        return HeldGrants(self._peer, held, watch())

@@ -1,35 +1,73 @@
-"""The interface between the engine (``kvpush``) and a transport.
+"""Every interface the engine (``kvpush``) calls on a transport, and nothing else.
 
-A link's control channel is a *frame stream*: ordered frames (header, meta, optional payload)
-in both directions. The engine hands a frame's payload over as an iovec over registered memory
-(``kvpush.layout.IoVec``) and receives one into a ``PayloadSink`` it chooses after reading the
-frame's header and meta, so a transport never interprets frames beyond their lengths and never
-copies block bytes through an intermediate buffer.
+Two kinds of transport (NIXL's backend model, ``shared/DESIGN.md``):
 
-The engine, not the transport, validates, times out and reports; a transport moves bytes,
-reports completion, and says when the stream is gone.
+- a **control transport** carries a link's ordered *frame stream* (header, meta, optional payload) in
+  both directions: handshake, cache tables, completions, keepalive, and - for a stream transport such
+  as TCP - the block bytes themselves. The engine hands a frame's payload over as an iovec over
+  registered memory (``kvpush.layout.IoVec``) and receives one into a ``PayloadSink`` it chooses after
+  reading the frame's header and meta, so a transport never interprets frames beyond their lengths and
+  never copies block bytes through an intermediate buffer;
+- a **one-sided transport** moves granted bytes without the receiver's CPU: per engine it may register
+  memory and hand out the *public descriptor* a peer needs (UCX rkeys); per link it makes an *offer*
+  (what a peer needs to reach this process, sent only after authentication), judges a peer's offer,
+  and connects to it, giving a ``Mover`` that posts one layer at a time and completes a future.
+
+The engine, not the transport, validates, times out and reports; a transport moves bytes, reports
+completion, says when the stream is gone, and raises ``TransportError`` (the one error type the
+engine catches) for everything else. ``Capabilities`` are read by the engine: ``transports.registry``
+orders ``auto`` from them and the engine picks its request flow from them.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
     from kvpush.protocol import FrameHeader
 
+HOST_MEMORY = "host"
+DEVICE_MEMORY = "device"  # designed for (a GPU-capable transport declares it), not built
+
+
+class TransportError(OSError):
+    """Anything a transport could not do. ``peer_gone``: the peer process no longer exists (the
+    engine then closes the link instead of reporting a failed copy)."""
+
+    @property
+    def peer_gone(self) -> bool:
+        return False
+
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a transport can do (NIXL-style): used by ``transport="auto"`` and shown per link."""
+    """What a transport can do; every field is read by the engine or the registry.
+
+    - ``one_sided``: bytes land without the receiver's CPU copying them (intent -> grant -> move ->
+      landed); otherwise the bytes travel in the frame stream;
+    - ``same_host_only``: works only between processes of one host (``auto`` tries these first: the
+      cheapest path when it applies);
+    - ``auto_between_hosts``: ``auto`` may open it for peers on other hosts (UCX only with RDMA);
+    - ``needs_registration``: memory must be registered with it and its public descriptors (rkeys)
+      sent to the peer in the cache table;
+    - ``standing_grants``: a writer may hold a standing write grant (lease) on a destination cache;
+    - ``memory_kinds``: what memory it reaches (``"host"``; ``"device"`` is reserved for later).
+    """
 
     name: str
-    one_sided: bool  # bytes land without the receiver's CPU copying them
+    one_sided: bool
     same_host_only: bool
+    auto_between_hosts: bool = True
+    needs_registration: bool = False
+    standing_grants: bool = False
+    memory_kinds: frozenset[str] = field(default_factory=lambda: frozenset({HOST_MEMORY}))
 
+
+# -- the control stream ----------------------------------------------------------------------------
 
 class PayloadSink:
     """Where an incoming payload lands. ``cancel()`` (from the event-loop thread) makes the
@@ -67,10 +105,124 @@ class OutgoingFrame(Protocol):
 
 
 class FrameStream(Protocol):
+    """One link's ordered frames. A frame that has started is always finished (or the stream closed)."""
+
     capabilities: Capabilities
     closed: bool
-    last_receive: float
+    last_receive: float  # time.monotonic() of the last byte received (keepalive)
+    bytes_in: int
+    bytes_out: int
 
-    def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame: ...
+    def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
+        """Queue a frame now (a small frame on an idle stream leaves before this returns)."""
 
-    def close(self, reason: str, abort: bool = False) -> None: ...
+    def prepare(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
+        """A frame ready to ``enqueue`` later; nothing is sent yet."""
+
+    def enqueue(self, frame: OutgoingFrame) -> None:
+        """Queue a prepared frame behind everything sent so far."""
+
+    def close(self, reason: str, abort: bool = False) -> None:
+        """Close; ``abort`` discards bytes still queued in this host's kernel. Idempotent."""
+
+
+class Connection(Protocol):
+    """A connected control channel before it is framed."""
+
+    peer: str  # for logs
+
+    def open(self, handler: StreamHandler, loop: asyncio.AbstractEventLoop) -> FrameStream: ...
+
+    def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    address: tuple[str, int]  # what was actually bound (port 0 picks a free port)
+
+    async def accept(self) -> Connection:
+        """The next incoming connection; ``TransportError`` for a failed accept (the caller goes on)."""
+
+    def close(self) -> None: ...
+
+
+class ControlTransport(Protocol):
+    capabilities: Capabilities
+
+    def listen(self, host: str, port: int) -> Listener:
+        """Raises ``TransportError`` when the address cannot be bound."""
+
+    async def connect(self, host: str, port: int) -> Connection:
+        """No timeout here: the caller bounds it, and cancelling closes the half-made connection.
+        Raises ``TransportError`` when the peer cannot be reached."""
+
+
+# -- one-sided transports --------------------------------------------------------------------------
+
+class Mover(Protocol):
+    """Moves granted bytes of one link. ``start`` posts one layer: ``local`` and ``remote`` iovecs pair
+    up entry by entry; ``rkeys`` are the peer's public descriptors of that cache (None when the
+    transport needs none); the future completes when every byte is in the destination (remote
+    completion) or fails with ``TransportError``."""
+
+    capabilities: Capabilities
+    lease_proof: str  # non-empty when this mover read the peer's in-memory secret (standing grants)
+
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class Offer(Protocol):
+    """What this side offered one peer (per link): ``wire`` is sent after authentication."""
+
+    wire: dict[str, Any]
+
+    def proves_reach(self, proof: str) -> bool:
+        """True when ``proof`` shows the peer read this offer's in-memory secret (it can reach this
+        process), which is what a standing grant requires."""
+
+
+class PeerWatch(Protocol):
+    """A handle on a peer process: after a link broke, grants stay pinned while it may still write.
+    ``fileno()`` turns readable when the process exits (the engine waits on it, no polling)."""
+
+    def alive(self) -> bool: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryRegistrar(Protocol):
+    """Registers memory with a one-sided transport: a handle and the public descriptor a peer needs."""
+
+    def map(self, address: int, length: int) -> tuple[Any, bytes]: ...
+
+    def unmap(self, handle: Any) -> None: ...
+
+
+class OneSidedTransport(Protocol):
+    """One engine's instance of a one-sided transport (opened by ``transports.registry``)."""
+
+    capabilities: Capabilities
+
+    @property
+    def registrar(self) -> MemoryRegistrar | None:
+        """Set when memory must be registered (``capabilities.needs_registration``)."""
+
+    def offer(self) -> Offer | None:
+        """A fresh offer for one new link (None: nothing to offer)."""
+
+    def refusal(self, peer_offer: Any) -> str | None:
+        """Why the peer's offer cannot work from this process (e.g. another host), or None."""
+
+    def connect(self, peer_offer: Any, peer_name: str, on_error: Callable[[str], None]) -> Mover:
+        """A mover to the peer; ``TransportError`` when it cannot be reached. ``on_error`` is called
+        (with a reason) if the transport notices later that the peer is gone."""
+
+    def watch(self, peer_offer: Any) -> PeerWatch | None:
+        """For a same-host peer, a handle that tells when its process has exited (None: the engine
+        keeps grants for a grace period instead)."""
+
+    def close(self) -> None: ...

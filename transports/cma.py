@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import hmac
 import os
 import select
 from concurrent.futures import ThreadPoolExecutor
@@ -34,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .base import Capabilities
+from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
 
-CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True)
+CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True)
 INLINE_COPY_BYTES = 256 << 10
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -56,8 +57,12 @@ except AttributeError:  # not Linux
     AVAILABLE = False
 
 
-class CmaError(OSError):
-    """A copy failed: the peer died, refused (EPERM) or a range was not mapped (EFAULT)."""
+class CmaError(TransportError):
+    """A copy failed: the peer died (ESRCH), refused (EPERM) or a range was not mapped (EFAULT)."""
+
+    @property
+    def peer_gone(self) -> bool:
+        return self.errno == errno.ESRCH
 
 
 def _read_text(path: str) -> str:
@@ -190,6 +195,7 @@ class CmaMover:
 
     def __init__(self, peer: CmaPeer, name: str) -> None:
         self.peer = peer
+        self.lease_proof = peer.secret.hex() if peer.leases else ""
         self._queued = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{name}")
 
@@ -216,5 +222,87 @@ class CmaMover:
         self._queued -= 1
 
     def close(self) -> None:
-        self.executor.submit(self.peer.close)  # after copies in flight, which still use the pidfd
+        try:
+            self.executor.submit(self.peer.close)  # after copies in flight, which still use the pidfd
+        except RuntimeError:  # the interpreter is shutting down: no copy can run any more
+            self.peer.close()
         self.executor.shutdown(wait=False)
+
+
+class CmaOffer:
+    """The probe this process offers one link: a peer that reads it proves it can reach us."""
+
+    def __init__(self) -> None:
+        self.probe = Probe()
+        self.wire: dict[str, Any] = {"host": host_identity(), **self.probe.describe()}
+
+    def proves_reach(self, proof: str) -> bool:
+        return bool(proof) and hmac.compare_digest(proof, self.probe.secret.hex())
+
+
+class PidWatch:
+    """A pidfd on the same-host peer that was granted one-sided access."""
+
+    def __init__(self, pidfd: int) -> None:
+        self.pidfd = pidfd
+        self._poller = select.poll()
+        self._poller.register(pidfd, select.POLLIN)
+
+    def alive(self) -> bool:
+        return self.pidfd >= 0 and not self._poller.poll(0)
+
+    def fileno(self) -> int:
+        return self.pidfd
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class CmaTransport:
+    """The same-host one-sided transport of one engine (``transports.base.OneSidedTransport``)."""
+
+    capabilities = CAPABILITIES
+    registrar = None
+
+    def offer(self) -> Offer | None:
+        return CmaOffer()
+
+    def refusal(self, peer_offer: Any) -> str | None:
+        if not isinstance(peer_offer, dict):
+            return "the peer offered no same-host path"
+        if peer_offer.get("host") != host_identity():
+            return "the peer is on another host (or network/pid namespace)"
+        return None
+
+    def connect(self, peer_offer: Any, peer_name: str, on_error: Any) -> Mover:
+        try:
+            return CmaMover(CmaPeer(peer_offer), peer_name)
+        except CmaError as error:
+            raise CmaError(error.errno, f"the kernel refused cross-memory attach: {error}") from None
+
+    def watch(self, peer_offer: Any) -> PeerWatch | None:
+        """A pidfd of the peer process, if it is still the process that made the offer."""
+        if not isinstance(peer_offer, dict):
+            return None
+        try:
+            pid, start = int(peer_offer["pid"]), int(peer_offer["start"])
+            pidfd = os.pidfd_open(pid)
+        except (KeyError, TypeError, ValueError, OSError):
+            return None
+        if process_start_time(pid) != start:  # already gone and the pid reused
+            os.close(pidfd)
+            return None
+        return PidWatch(pidfd)
+
+    def close(self) -> None:
+        pass
+
+
+def open_transport(loop: asyncio.AbstractEventLoop, explicit: bool) -> tuple[CmaTransport | None, str]:
+    """This engine's same-host transport, or why there is none (an explicit ``cma`` that cannot work
+    is refused per link, where the reason names the peer)."""
+    if not AVAILABLE:
+        return None, "cross-memory attach is not available on this platform"
+    return CmaTransport(), ""

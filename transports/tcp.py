@@ -30,7 +30,16 @@ import numpy as np
 
 from kvpush.protocol import HEADER_SIZE, FrameHeader, ProtocolError, decode_header
 
-from .base import Capabilities, PayloadSink, StreamHandler
+from .base import (
+    Capabilities,
+    Connection,
+    FrameStream,
+    Listener,
+    OutgoingFrame,
+    PayloadSink,
+    StreamHandler,
+    TransportError,
+)
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
@@ -176,8 +185,9 @@ class TcpFrameStream:
         """A frame ready to ``enqueue`` later (nothing is sent yet)."""
         return TcpFrame(head, payload, self.loop)
 
-    def enqueue(self, frame: TcpFrame) -> None:
-        """Queue a prepared frame behind everything sent so far."""
+    def enqueue(self, frame: OutgoingFrame) -> None:
+        """Queue a prepared frame (from this stream's ``prepare``) behind everything sent so far."""
+        assert isinstance(frame, TcpFrame)
         if self.closed:
             if not frame.sent.done():
                 frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
@@ -385,47 +395,84 @@ class TcpFrameStream:
 
 # -- connection set-up -----------------------------------------------------------------------------
 
-def family_of(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+class TcpConnection:
+    """A connected socket, framed by ``open`` (``transports.base.Connection``)."""
 
-
-def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
-    """A non-blocking listening socket (port 0 picks a free port)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def connect(host: str, port: int) -> socket.socket:
-    """Connect (no timeout here: the caller bounds it and cancelling closes the socket)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    last: Exception | None = None
-    for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         try:
-            await loop.sock_connect(sock, address)
-            return sock
-        except BaseException as error:
+            self.peer = str(sock.getpeername())
+        except OSError:
+            self.peer = "?"
+
+    def open(self, handler: StreamHandler, loop: asyncio.AbstractEventLoop) -> FrameStream:
+        return TcpFrameStream(self.sock, handler, loop)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TcpListener:
+    """A non-blocking listening socket (``transports.base.Listener``)."""
+
+    def __init__(self, host: str, port: int, backlog: int = 128) -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as error:
+            raise TransportError(error.errno, error.strerror or str(error)) from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except OSError as error:
             sock.close()
-            if not isinstance(error, OSError):
-                raise
-            last = error
-    raise last if last else OSError(f"no address for {host}:{port}")
+            raise TransportError(error.errno, error.strerror or str(error)) from None
+        self.sock = sock
+        bound: Any = sock.getsockname()
+        self.address = (str(bound[0]), int(bound[1]))
+
+    async def accept(self) -> Connection:
+        try:
+            sock, _ = await asyncio.get_running_loop().sock_accept(self.sock)
+        except OSError as error:
+            raise TransportError(error.errno, f"accept failed: {error.strerror or error}") from None
+        return TcpConnection(sock)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
-def bound_address(sock: socket.socket) -> tuple[str, int]:
-    address: Any = sock.getsockname()
-    return str(address[0]), int(address[1])
+class TcpControl:
+    """TCP as the control transport (``transports.base.ControlTransport``)."""
+
+    capabilities = CAPABILITIES
+
+    def listen(self, host: str, port: int) -> Listener:
+        return TcpListener(host, port)
+
+    async def connect(self, host: str, port: int) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            raise TransportError(error.errno, f"cannot resolve {host}: {error.strerror or error}") from None
+        last: OSError | None = None
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, address)
+                return TcpConnection(sock)
+            except BaseException as error:
+                sock.close()
+                if not isinstance(error, OSError):
+                    raise
+                last = error
+        if last is None:
+            raise TransportError(0, f"no address for {host}:{port}")
+        raise TransportError(last.errno, last.strerror or str(last))

@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import ucp
-from .base import Capabilities
+from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, TransportError
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
 
-CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False)
+# auto_between_hosts is False: over plain TCP kvpush's own TCP path is faster on the hosts measured,
+# so ``auto`` opens UCX only when it can use RDMA (``open_transport``).
+CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False, auto_between_hosts=False,
+                            needs_registration=True)
+
+
+class UcxError(TransportError):
+    """A UCX call failed (the binding's ``UcpError``, or a malformed peer offer)."""
 
 
 def available() -> str | None:
@@ -43,28 +51,56 @@ def available() -> str | None:
     return None
 
 
+class UcxOffer:
+    def __init__(self, address: bytes) -> None:
+        self.wire: dict[str, Any] = {"address": address.hex()}
+
+    def proves_reach(self, proof: str) -> bool:
+        return False  # no standing grants over UCX
+
+
 class UcxService:
-    """One engine's UCX worker and the memory it registered."""
+    """One engine's UCX worker and the memory it registered (``transports.base.OneSidedTransport``)."""
+
+    capabilities = CAPABILITIES
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         own_choice = "UCX_TLS" in os.environ or "KVPUSH_UCX_PREFIX" in os.environ
-        self.worker = ucp.Worker(loop, tls=None if own_choice else "tcp")
+        try:
+            self.worker = ucp.Worker(loop, tls=None if own_choice else "tcp")
+        except ucp.UcpError as error:
+            raise UcxError(str(error)) from None
 
-    def offer(self) -> dict[str, Any]:
-        return {"address": self.worker.address.hex()}
+    @property
+    def registrar(self) -> MemoryRegistrar | None:
+        return self
+
+    def offer(self) -> Offer | None:
+        return UcxOffer(self.worker.address)
+
+    def refusal(self, peer_offer: Any) -> str | None:
+        return None if isinstance(peer_offer, dict) else "the peer offered no UCX endpoint"
 
     def map(self, address: int, length: int) -> tuple[Any, bytes]:
-        return self.worker.map(address, length)
+        try:
+            return self.worker.map(address, length)
+        except ucp.UcpError as error:
+            raise UcxError(str(error)) from None
 
     def unmap(self, memh: Any) -> None:
         self.worker.unmap(memh)
 
-    def connect(self, offer: dict[str, Any], on_error: Any) -> UcxMover:
+    def connect(self, peer_offer: Any, peer_name: str, on_error: Callable[[str], None]) -> Mover:
         try:
-            address = bytes.fromhex(str(offer["address"]))
-        except (KeyError, ValueError):
-            raise ucp.UcpError("ucp_ep_create", -1, "malformed UCX worker address") from None
-        return UcxMover(self.worker.connect(address, on_error))
+            address = bytes.fromhex(str(peer_offer["address"]))
+            return UcxMover(self.worker.connect(address, on_error))
+        except (KeyError, TypeError, ValueError):
+            raise UcxError("UCX could not connect: malformed UCX worker address") from None
+        except ucp.UcpError as error:
+            raise UcxError(f"UCX could not connect: {error}") from None
+
+    def watch(self, peer_offer: Any) -> PeerWatch | None:
+        return None  # not necessarily on this host: grants are kept for a grace period instead
 
     def close(self) -> None:
         self.worker.close()
@@ -74,6 +110,7 @@ class UcxMover:
     """Moves a granted layer over one endpoint (see ``kvpush.onesided``)."""
 
     capabilities = CAPABILITIES
+    lease_proof = ""
 
     def __init__(self, endpoint: ucp.Endpoint) -> None:
         self.endpoint = endpoint
@@ -89,11 +126,32 @@ class UcxMover:
     def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
               rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
         if rkeys is None:
-            raise ucp.UcpError("rma", -1, "the peer sent no rkeys for this cache")
+            raise UcxError("the peer sent no rkeys for this cache")
         count = local.shape[0] // runs_per_tensor
-        handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
-        index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
-        return self.endpoint.rma(is_read, local, remote, index, handles)
+        try:
+            handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
+            index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
+            return self.endpoint.rma(is_read, local, remote, index, handles)
+        except ucp.UcpError as error:
+            raise UcxError(str(error)) from None
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def open_transport(loop: asyncio.AbstractEventLoop, explicit: bool) -> tuple[UcxService | None, str]:
+    """This engine's UCX transport, or why there is none. Under ``auto`` (not ``explicit``) only when
+    UCX can use RDMA. ``explicit`` and unavailable raises ``UcxError`` naming what is missing."""
+    if not explicit and not ucp.rdma_capable():
+        return None, "UCX is not enabled in this engine"
+    missing = available()
+    if missing is not None:
+        if explicit:
+            raise UcxError(f"transport 'ucx': {missing}")
+        return None, f"UCX not used: {missing}"
+    try:
+        return UcxService(loop), ""
+    except UcxError as error:
+        if explicit:
+            raise UcxError(f"transport 'ucx': {error}") from None
+        return None, f"UCX not used: {error}"

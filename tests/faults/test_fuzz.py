@@ -35,7 +35,7 @@ from kvpush.protocol import (
     encode_json,
     encode_transfer,
 )
-from kvpush.remote import RemoteCache
+from kvpush.peer import RemoteCache
 
 LONG = 10_000
 SHORT = 120

@@ -280,8 +280,8 @@ async def test_no_leased_copy_starts_once_an_unlink_has_begun(make_engine: Engin
     await wait_for(lambda: sender.leases.get(dst.cache_id) == "active")
     pusher = prefill.cache_manager.layer_pusher(BlocksCacheKey(2, 0), src, [0, 1], [5, 6])
     peer_side = decode.links[1]
-    answer = peer_side._ack_bye
-    peer_side._ack_bye = lambda *args: asyncio.get_running_loop().call_later(0.2, answer, *args)  # type: ignore
+    answer = peer_side.ack_bye
+    peer_side.ack_bye = lambda *args: asyncio.get_running_loop().call_later(0.2, answer, *args)  # type: ignore
     unlinking = asyncio.create_task(prefill.unlink_clusters([cluster(2, decode.listen_address[1])]))
     await wait_for(lambda: entry.pins == 0)  # the peer has let the cache go...
     decode.cache_manager.deallocate_cache(dst)

@@ -1,25 +1,26 @@
-"""What a link knows about its peer and about its own outstanding requests."""
+"""What this side knows of a peer's caches: its cache table, replaced whole on every TABLE.
+
+Other modules read it through ``PeerTable`` (lookups by model id or cache id, the table version
+counter); only the link that owns it applies new tables.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any
 
-from transports import tcp
-from transports.base import PayloadSink
-
-from .layout import IoVec
-from .protocol import Kind, ProtocolError
+from .protocol import ProtocolError
 from .types import U64_MAX, CacheDesc, DataType
 
 
 @dataclass(frozen=True)
 class RemoteCache:
     """A peer's cache as its table describes it. ``addrs`` (tensor base addresses) is present only
-    on same-host links that may copy one-sided; nothing else about the peer's memory is known."""
+    on links that may move bytes one-sided; ``rkeys`` (the one-sided transport's public descriptors)
+    only when that transport needs registered memory. Nothing else about the peer's memory is known."""
 
     cache_id: int
     model_id: int | None
@@ -68,42 +69,31 @@ class RemoteCache:
         return cache
 
 
-class PendingOp:
-    """A request waiting for its reply. ``future`` resolves with None or an LLMException.
+class PeerTable:
+    """The peer's caches by id and by model id (read-only for everyone but the owning link)."""
 
-    One-sided requests also carry both iovecs, the local cache they pin (``release`` unpins it
-    exactly once) and, once granted, the worker-thread ``copy``."""
-
-    __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "move_args", "held", "granted", "notice", "_release")
-
-    def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
-        self.request_id = request_id
-        self.kind = kind
-        self.future = future
-        self.frame: tcp.TcpFrame | None = None
-        self.sink: PayloadSink | None = None
-        self.expected = 0
-        self.local_iov: IoVec | None = None
-        self.remote_iov: IoVec | None = None
-        self.copy: asyncio.Future[Any] | None = None
-        self.held = False      # prepared (and, one-sided, granted) but waiting for release_held
-        self.granted = False
-        self.notice: bytes | None = None  # set for a write under a lease: the WRITE_NOTICE to send after the copy
-        self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
-        self._release: Callable[[], None] | None = None
-
-    def hold(self, release: Callable[[], None]) -> None:
-        self._release = release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+    def __init__(self) -> None:
+        self._caches: dict[int, RemoteCache] = {}
+        self._by_model: dict[int, int] = {}
+        self.updates = 0  # how many tables were applied
 
     @property
-    def bytes_may_land(self) -> bool:
-        """True when part of this request may already be in (or on its way to) its destination."""
-        if self.copy is not None:
-            return True
-        return self.kind == Kind.WRITE and self.frame is not None and self.frame.started
+    def caches(self) -> Mapping[int, RemoteCache]:
+        return MappingProxyType(self._caches)
+
+    def by_model(self, model_id: int) -> RemoteCache | None:
+        cache_id = self._by_model.get(model_id)
+        return None if cache_id is None else self._caches.get(cache_id)
+
+    def by_id(self, cache_id: int) -> RemoteCache | None:
+        return self._caches.get(cache_id)
+
+    def apply(self, body: dict[str, Any]) -> None:
+        """Replace the table with a TABLE frame's body; ``ProtocolError`` if it is malformed."""
+        caches = body.get("caches")
+        if not isinstance(caches, list):
+            raise ProtocolError("TABLE without a cache list")
+        entries = [RemoteCache.from_wire(item) for item in caches]
+        self._caches = {c.cache_id: c for c in entries}
+        self._by_model = {c.model_id: c.cache_id for c in entries if c.model_id is not None}
+        self.updates += 1

@@ -1,0 +1,204 @@
+"""Pure planning: a transfer call -> a ``Plan`` (what moves where, per layer), in one pass.
+
+Checks run in SPEC order. The part that needs nothing of the peer (types, block lists, N, ranges on
+the local side) is ``check_block_args`` / ``check_cache_args``; the caller then looks up the link,
+the local cache and the peer's cache (which may take one bounded table refresh: I/O, not here) and
+hands both to ``plan_blocks`` / ``plan_cache``, which finish the checks (bounds, compatibility,
+duplicates) and lay the runs out once with numpy. Nothing is validated twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import validate as v
+from .layout import Runs, block_runs, contiguous_runs, pack_runs
+from .memory import CacheEntry
+from .peer import RemoteCache
+from .protocol import Kind
+from .status import param_invalid
+from .types import BlocksCacheKey, Cache, CacheKeyByIdAndIndex, check_int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated transfer: what moves where, computed once per call."""
+
+    api: str
+    kind: Kind  # WRITE (push) or READ (pull)
+    local: CacheEntry
+    remote: RemoteCache
+    local_offset: np.ndarray[Any, Any]
+    remote_offset: np.ndarray[Any, Any]
+    remote_wire: bytes
+    length: np.ndarray[Any, Any]
+    steps: list[v.LayerStep]
+
+
+@dataclass(frozen=True)
+class BlockArgs:
+    """A blocks transfer's arguments, checked as far as they can be without the peer."""
+
+    api: str
+    kind: Kind
+    cluster_id: int
+    model_id: int | None   # the peer's cache by model id (BlocksCacheKey) ...
+    cache_id: int | None   # ... or by cache id (the C++-style forms)
+    local_name: str
+    local_cache: Cache
+    src: np.ndarray[Any, Any]
+    dst: np.ndarray[Any, Any]
+    src_range: range | None
+    dst_range: range | None
+    n: int
+    ranges_given: bool
+
+
+def _names(kind: Kind) -> tuple[str, str]:
+    return ("src_cache", "dst_cache_key") if kind == Kind.WRITE else ("dst_cache", "src_cache_key")
+
+
+def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
+                     dst_blocks: object, src_range_arg: object, dst_range_arg: object, n_arg: object,
+                     remote_cache_id: int | None = None) -> BlockArgs:
+    """SPEC §6 checks 1-5: types, a blocks cache, block counts, N, the local side of the ranges."""
+    push = kind == Kind.WRITE
+    local_name, remote_name = _names(kind)
+    if remote_cache_id is None:
+        v.check_type(api, remote_name, remote_key, BlocksCacheKey)
+    v.check_type(api, local_name, local_cache, Cache)
+    assert isinstance(local_cache, Cache)
+    src = v.check_blocks(api, "src_blocks", src_blocks)
+    dst = v.check_blocks(api, "dst_blocks", dst_blocks)
+    src_range = v.check_layer_range(api, "src_layer_range", src_range_arg)
+    dst_range = v.check_layer_range(api, "dst_layer_range", dst_range_arg)
+    n = v.check_tensor_num_type(api, n_arg)
+    v.check_blocks_cache(api, local_name, local_cache)
+    v.check_block_counts(api, src, dst)
+    ranges_given = src_range is not None or dst_range is not None
+    local_tensors = local_cache.cache_desc.num_tensors
+    v.check_tensor_num(api, n, local_tensors, ranges_given)
+    v.check_layer_range_values(api, "src_layer_range", src_range)
+    v.check_layer_range_values(api, "dst_layer_range", dst_range)
+    v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", src_range if push else dst_range,
+                         local_tensors, n)
+    v.check_range_lengths(api, src_range, dst_range)
+    assert isinstance(remote_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
+    model_id = remote_key.model_id if remote_cache_id is None and isinstance(remote_key, BlocksCacheKey) else None
+    return BlockArgs(api, kind, remote_key.cluster_id, model_id, remote_cache_id, local_name, local_cache, src, dst,
+                     src_range, dst_range, n, ranges_given)
+
+
+def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
+    """SPEC §6 checks 8-10 against the peer's cache, then the layout."""
+    api, push, n = args.api, args.kind == Kind.WRITE, args.n
+    if not remote.is_blocks_cache:
+        raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
+    local_blocks, remote_blocks = (args.src, args.dst) if push else (args.dst, args.src)
+    local_desc = local.desc
+    v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local_desc.num_blocks, "local")
+    v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
+    v.check_compatible(api, local_desc.block_bytes, local_desc.data_type, remote.block_bytes, remote.data_type,
+                       "block size")
+    if args.ranges_given and remote.num_tensors % n:
+        raise param_invalid(f"{api}: tensor_num_per_layer={n} does not divide the remote cache's "
+                            f"{remote.num_tensors} tensors")
+    v.check_range_bounds(api, "dst_layer_range" if push else "src_layer_range",
+                         args.dst_range if push else args.src_range, remote.num_tensors, n)
+    local_tensors = local_desc.num_tensors
+    src_tensors, dst_tensors = (local_tensors, remote.num_tensors) if push else (remote.num_tensors, local_tensors)
+    steps = v.layer_steps(api, src_tensors, dst_tensors, n, args.src_range, args.dst_range)
+    v.check_no_duplicates(api, "dst_blocks", args.dst)
+    return _plan(api, args.kind, local, remote, block_runs(args.src, args.dst, local_desc.block_bytes), steps)
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    """A contiguous-cache transfer's arguments, checked as far as they can be without the peer."""
+
+    api: str
+    kind: Kind
+    cluster_id: int
+    cache_id: int
+    batch_index: int
+    local_name: str
+    local_cache: Cache
+    local_slot: int
+    size: int
+    local_range: range | None
+    remote_range: range | None
+    n: int
+
+
+def check_cache_args(api: str, kind: Kind, remote_key: object, local_cache: object, local_index: object,
+                     remote_range_arg: object, local_range_arg: object, size: object, n_arg: object) -> CacheArgs:
+    push = kind == Kind.WRITE
+    v.check_type(api, "dst_cache_key" if push else "src_cache_key", remote_key, CacheKeyByIdAndIndex)
+    assert isinstance(remote_key, CacheKeyByIdAndIndex)
+    local_name = "src_cache" if push else "dst_cache"
+    v.check_type(api, local_name, local_cache, Cache)
+    assert isinstance(local_cache, Cache)
+    local_slot = check_int("src_batch_index" if push else "batch_index", local_index)
+    size_value = check_int("size", size, -1)
+    local_range = v.check_layer_range(api, "local layer range", local_range_arg)
+    remote_range = v.check_layer_range(api, "remote layer range", remote_range_arg)
+    n = v.check_tensor_num_type(api, n_arg)
+    ranges_given = local_range is not None or remote_range is not None
+    local_desc = local_cache.cache_desc
+    v.check_tensor_num(api, n, local_desc.num_tensors, ranges_given)
+    v.check_layer_range_values(api, "local layer range", local_range)
+    v.check_layer_range_values(api, "remote layer range", remote_range)
+    v.check_range_bounds(api, "local layer range", local_range, local_desc.num_tensors, n)
+    v.check_range_lengths(api, local_range, remote_range)
+    if size_value == 0:
+        raise param_invalid(f"{api}: size must be > 0 or -1")
+    return CacheArgs(api, kind, remote_key.cluster_id, remote_key.cache_id, remote_key.batch_index, local_name,
+                     local_cache, local_slot, size_value, local_range, remote_range, n)
+
+
+def plan_cache(args: CacheArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
+    api, push, n = args.api, args.kind == Kind.WRITE, args.n
+    local_desc = local.desc
+    local_slot_bytes = local_desc.block_bytes
+    remote_slot_bytes = remote.block_bytes
+    if local_desc.data_type != remote.data_type:
+        raise param_invalid(f"{api}: local dtype {local_desc.data_type.name} differs from remote "
+                            f"{remote.data_type.name}")
+    length = min(local_slot_bytes, remote_slot_bytes) if args.size == -1 else args.size
+    if args.size == -1 and local_slot_bytes != remote_slot_bytes:
+        raise param_invalid(f"{api}: slot sizes differ (local {local_slot_bytes}, remote {remote_slot_bytes}); "
+                            f"give size")
+    if length > local_slot_bytes or length > remote_slot_bytes:
+        raise param_invalid(f"{api}: size={length} exceeds a slot (local {local_slot_bytes}, remote "
+                            f"{remote_slot_bytes} bytes)")
+    if args.local_slot >= local_desc.num_blocks:
+        raise param_invalid(f"{api}: local batch index {args.local_slot} is out of range: "
+                            f"{local_desc.num_blocks} slots")
+    if args.batch_index >= remote.num_blocks:
+        raise param_invalid(f"{api}: remote batch_index {args.batch_index} is out of range: "
+                            f"{remote.num_blocks} slots")
+    v.check_range_bounds(api, "remote layer range", args.remote_range, remote.num_tensors, n)
+    local_range, remote_range = args.local_range, args.remote_range
+    src_range, dst_range = (local_range, remote_range) if push else (remote_range, local_range)
+    src_tensors, dst_tensors = ((local_desc.num_tensors, remote.num_tensors) if push
+                                else (remote.num_tensors, local_desc.num_tensors))
+    steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
+    local_offset, remote_offset = args.local_slot * local_slot_bytes, args.batch_index * remote_slot_bytes
+    if push:
+        runs = contiguous_runs(local_offset, remote_offset, length)
+    else:
+        runs = contiguous_runs(remote_offset, local_offset, length)
+    return _plan(api, args.kind, local, remote, runs, steps)
+
+
+def _plan(api: str, kind: Kind, local: CacheEntry, remote: RemoteCache, runs: Runs,
+          steps: list[v.LayerStep]) -> Plan:
+    if kind == Kind.WRITE:
+        local_offset, remote_offset = runs.src_offset, runs.dst_offset
+    else:
+        local_offset, remote_offset = runs.dst_offset, runs.src_offset
+    return Plan(api, kind, local, remote, local_offset, remote_offset, pack_runs(remote_offset, runs.length),
+                runs.length, steps)

@@ -1,0 +1,131 @@
+"""Runs a plan's layers on a link: start, window, one shared per-layer wait, drain, clean-up.
+
+Every layer is one request on the link. ``run`` keeps at most ``WINDOW`` layers in flight; each layer
+must complete within ``sync_kv_timeout`` of becoming the oldest one outstanding, else LLM_TIMEOUT with
+the layers that landed. ``LayerPusher`` (``kvpush.pipeline``) uses the same ``start_layer``,
+``await_layer``, ``drain`` and ``give_up`` on layers it starts itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from .layout import scatter_vector
+from .link import Link
+from .plan import Plan
+from .protocol import Kind
+from .requests import PendingOp
+from .status import LLMException, LLMStatusCode
+from .validate import LayerStep
+
+WINDOW = 2  # layers in flight per transfer: keeps the wire busy across the per-layer round trip
+
+
+def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
+    """Start (or, ``held``, prepare) one layer's request."""
+    local_first = step.src_first if plan.kind == Kind.WRITE else step.dst_first
+    remote_first = step.dst_first if plan.kind == Kind.WRITE else step.src_first
+    iov = scatter_vector(plan.local.addrs[local_first:local_first + step.count], plan.local_offset, plan.length)
+    if plan.kind == Kind.WRITE:
+        return link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
+                                plan.length, iov, plan.local, budget_ms, held)
+    return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
+                           plan.length, iov, plan.local, budget_ms)
+
+
+async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
+                      completed: list[int] | None = None) -> None:
+    """Wait for one layer's request (bounded by ``timeout_ms``); raise its failure as an
+    ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed)."""
+    if not op.future.done():
+        done, _ = await asyncio.wait((op.future,), timeout=timeout_ms / 1000)
+        if not done:
+            timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
+                                     completed or ())
+            link.note_failure(timed_out)
+            raise timed_out
+    error = op.future.exception()
+    if isinstance(error, LLMException):
+        raise LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
+    if error is not None:
+        raise error
+
+
+async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
+    """Move every layer of ``plan``; returns on remote completion of the last one.
+
+    Timeout: LLM_TIMEOUT (with ``completed_layers``) when a layer misses its deadline; layers not yet
+    sent are never sent, and a started one finishes leaving (or the link is closed). Cancellation: no
+    further layer is issued; ``CancelledError`` propagates once no byte of the request can still land."""
+    timeout = timeout_ms / 1000
+    completed: list[int] = []
+    inflight: collections.deque[tuple[LayerStep, PendingOp]] = collections.deque()
+    steps = plan.steps
+    next_step = 0
+    local = plan.local
+    if local.removed:
+        raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"{plan.api}: local cache {local.cache.cache_id} was released")
+    local.pin()  # its memory stays mapped until this call is over, whatever the caller frees meanwhile
+    released: int | None = None  # the first layer not issued because the local cache was released
+    try:
+        while (next_step < len(steps) and released is None) or inflight:
+            while next_step < len(steps) and len(inflight) < WINDOW and released is None:
+                step = steps[next_step]
+                if local.removed:  # stop issuing; layers already in flight still finish
+                    released = step.dst_layer
+                    break
+                try:
+                    inflight.append((step, start_layer(link, plan, step, timeout_ms)))
+                except LLMException as refused:
+                    raise LLMException(refused.status_code, f"{plan.api}: layer {step.dst_layer}: {refused}",
+                                       completed) from None
+                next_step += 1
+            if not inflight:
+                break
+            step, op = inflight[0]
+            await await_layer(plan.api, link, op, step.dst_layer, timeout_ms, completed)
+            inflight.popleft()
+            completed.append(step.dst_layer)
+        if released is not None:
+            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                               f"{plan.api}: local cache {local.cache.cache_id} was released before layer "
+                               f"{released}", completed)
+    except asyncio.CancelledError:
+        await drain(link, [op for _, op in inflight], timeout)
+        raise
+    except BaseException:
+        await give_up(link, [op for _, op in inflight], timeout)
+        raise
+    finally:
+        local.unpin()
+
+
+async def give_up(link: Link, ops: list[PendingOp], timeout: float) -> None:
+    """After a failure: abandon ``ops`` and clean up before reporting - running copies end and
+    started frames finish leaving the source memory (or the link is closed), so nothing reads or
+    writes it after the caller is told."""
+    for op in ops:
+        link.abandon(op)
+    await link.settle(ops, timeout)
+
+
+async def drain(link: Link, ops: list[PendingOp], timeout: float) -> None:
+    """After cancellation: drop what has not started; wait (bounded) for started writes to be
+    confirmed so none of their bytes can land later; close the link if that is impossible."""
+    landing = [op for op in ops if op.bytes_may_land and not op.future.done()]
+    for op in ops:
+        if op not in landing:
+            link.abandon(op)
+    if not landing:
+        return
+    try:
+        _, pending = await asyncio.wait([op.future for op in landing], timeout=timeout)
+    except asyncio.CancelledError:
+        pending = {op.future for op in landing}
+    if pending:
+        link.close("a cancelled transfer could not be drained in time", abort=True)
+    for op in landing:
+        link.abandon(op)
+    await link.settle(landing, timeout)
