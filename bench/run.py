@@ -42,10 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import push_bench as pb  # noqa: E402
 from bench.workload import WORKLOADS, Workload  # noqa: E402
-from kvpush import (
-    BlocksCacheKey,  # noqa: E402
-    transfer,  # noqa: E402
-)
+from kvpush import BlocksCacheKey, transfer  # noqa: E402
 from transports import cma, ucx  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")

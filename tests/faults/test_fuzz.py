@@ -22,6 +22,7 @@ from wire import read_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMDataDist, LLMRole
 from kvpush.layout import pack_runs
+from kvpush.peer import RemoteCache
 from kvpush.protocol import (
     HEADER_SIZE,
     MAGIC,
@@ -35,7 +36,6 @@ from kvpush.protocol import (
     encode_json,
     encode_transfer,
 )
-from kvpush.peer import RemoteCache
 
 LONG = 10_000
 SHORT = 120
