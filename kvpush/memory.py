@@ -194,9 +194,9 @@ class CacheEntry:
     def unpin(self) -> None:
         self.pins -= 1
         if self.pins == 0 and self.removed:
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Drop kvpush's references. Memory kvpush allocated is unmapped when the last view of it
         (including any ``cache.tensors`` a caller kept) is gone, so no view ever dangles."""
         self.cache.tensors = []
@@ -294,7 +294,7 @@ class CacheRegistry:
                 for region in regions:
                     entry.maps.append(self.mapper.map(region.address, region.nbytes))
             except Exception as error:
-                entry._release()
+                entry.release()
                 raise LLMException(LLMStatusCode.LLM_FAILED, f"cannot register the memory with UCX: {error}") from None
         self._entries[cache.cache_id] = entry
         if model_id is not None:
@@ -311,7 +311,7 @@ class CacheRegistry:
             self._by_model.pop(entry.model_id, None)
         entry.removed = True
         if entry.pins == 0:
-            entry._release()
+            entry.release()
         self.version += 1
         return entry
 

@@ -111,7 +111,7 @@ def _check(result: int) -> int:
 class TcpFrame:
     """One queued outgoing frame (see ``transports.base.OutgoingFrame``)."""
 
-    __slots__ = ("head", "cursor", "sent", "_started", "abandoned")
+    __slots__ = ("head", "cursor", "sent", "started", "abandoned")
 
     def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
                  already_sent: int = 0) -> None:
@@ -128,15 +128,11 @@ class TcpFrame:
         if already_sent:
             self.cursor.advance(already_sent)
         self.sent: asyncio.Future[None] = loop.create_future()
-        self._started = False
+        self.started = False  # some of it was written: it is always finished (or the stream closed)
         self.abandoned = False
 
-    @property
-    def started(self) -> bool:
-        return self._started
-
     def abandon(self) -> bool:
-        if self._started:
+        if self.started:
             return False
         self.abandoned = True
         return True
@@ -220,11 +216,11 @@ class TcpFrameStream:
                 frame = TcpFrame.__new__(TcpFrame)
                 frame.sent = self.loop.create_future()
                 frame.sent.set_result(None)
-                frame._started, frame.abandoned = True, False
+                frame.started, frame.abandoned = True, False
                 return frame
         frame = TcpFrame(head, payload, self.loop, sent)
         if sent:
-            frame._started = True
+            frame.started = True
         if self.closed:
             frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
             frame.sent.exception()  # mark retrieved; callers check the link state first
@@ -246,7 +242,7 @@ class TcpFrameStream:
                 if not frame.sent.done():
                     frame.sent.cancel()
                 continue
-            frame._started = True
+            frame.started = True
             cursor = frame.cursor
             address, count = cursor.pointer()
             try:

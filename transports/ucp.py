@@ -208,7 +208,7 @@ class Worker:
         worker = ffi.new("ucp_worker_h *")
         efd = ffi.new("int *")
         tls_arg = ffi.new("char[]", tls.encode()) if tls is not None else ffi.NULL
-        self._check("ucp_init", lib.kvp_open(int(multi_thread), tls_arg, context, worker, efd))
+        self.check("ucp_init", lib.kvp_open(int(multi_thread), tls_arg, context, worker, efd))
         self.context, self.worker, self.efd = context[0], worker[0], int(efd[0])
         self.loop = loop
         self.closed = False
@@ -216,11 +216,11 @@ class Worker:
         self.endpoints: set[Endpoint] = set()
         buffer = ffi.new("char[]", _ADDRESS_MAX)
         length = ffi.new("size_t *", _ADDRESS_MAX)
-        self._check("ucp_worker_get_address", lib.kvp_worker_address(self.worker, buffer, length))
+        self.check("ucp_worker_get_address", lib.kvp_worker_address(self.worker, buffer, length))
         self.address = bytes(ffi.buffer(buffer, length[0]))
         loop.add_reader(self.efd, self.kick)
 
-    def _check(self, what: str, status: int) -> None:
+    def check(self, what: str, status: int) -> None:
         if status != UCS_OK:
             raise UcpError(what, status, self.ffi.string(self.lib.ucs_status_string(status)).decode())
 
@@ -249,11 +249,11 @@ class Worker:
         """Register memory with UCX: (memory handle, packed rkey for peers)."""
         ffi, lib = self.ffi, self.lib
         memh = ffi.new("ucp_mem_h *")
-        self._check("ucp_mem_map", lib.kvp_mem_map(self.context, ffi.cast("void *", address), length, memh))
+        self.check("ucp_mem_map", lib.kvp_mem_map(self.context, ffi.cast("void *", address), length, memh))
         buffer = ffi.new("char[]", _RKEY_MAX)
         size = ffi.new("size_t *", _RKEY_MAX)
         try:
-            self._check("ucp_rkey_pack", lib.kvp_rkey_pack(self.context, memh[0], buffer, size))
+            self.check("ucp_rkey_pack", lib.kvp_rkey_pack(self.context, memh[0], buffer, size))
         except UcpError:
             lib.ucp_mem_unmap(self.context, memh[0])
             raise
@@ -294,7 +294,7 @@ class Endpoint:
         ep = ffi.new("ucp_ep_h *")
         address = ffi.from_buffer(peer_address)
         try:
-            worker._check("ucp_ep_create", lib.kvp_ep_create(worker.worker, address, int(peer_error_mode),
+            worker.check("ucp_ep_create", lib.kvp_ep_create(worker.worker, address, int(peer_error_mode),
                                                              ffi.cast("void *", self._token), ep))
         except UcpError:
             _ep_errors.pop(self._token, None)
@@ -312,7 +312,7 @@ class Endpoint:
     def unpack_rkey(self, packed: bytes) -> Any:
         ffi = self.worker.ffi
         rkey = ffi.new("ucp_rkey_h *")
-        self.worker._check("ucp_ep_rkey_unpack", self.worker.lib.ucp_ep_rkey_unpack(self.ep, ffi.from_buffer(packed),
+        self.worker.check("ucp_ep_rkey_unpack", self.worker.lib.ucp_ep_rkey_unpack(self.ep, ffi.from_buffer(packed),
                                                                                      rkey))
         self._rkeys.append(rkey[0])
         return rkey[0]
