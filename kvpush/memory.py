@@ -249,13 +249,6 @@ class CacheRegistry:
     def get(self, cache_id: int) -> CacheEntry | None:
         return self._entries.get(cache_id)
 
-    def by_model(self, model_id: int) -> CacheEntry | None:
-        cache_id = self._by_model.get(model_id)
-        return None if cache_id is None else self._entries.get(cache_id)
-
-    def entries(self) -> list[CacheEntry]:
-        return list(self._entries.values())
-
     def table(self, with_addresses: bool = False, with_rkeys: bool = False) -> list[dict[str, Any]]:
         return [entry.describe(with_addresses, with_rkeys) for entry in self._entries.values()]
 

@@ -1,0 +1,115 @@
+"""kvpush.onesided: the writer's standing-grant (lease) states and the per-request grant flow, over a
+mover that copies with numpy (no peer process, no socket)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kvpush.onesided import LeaseState, OneSidedSender
+from kvpush.protocol import HEADER_SIZE, Kind, decode_header, decode_json, decode_status, encode_status
+from kvpush.requests import RequestTable
+from kvpush.status import LLMException, LLMStatusCode
+from transports.base import Capabilities
+
+
+class MemcpyMover:
+    """Copies local -> remote iovec entries in this process (what a same-host mover does)."""
+
+    capabilities = Capabilities("memcpy", one_sided=True, same_host_only=True, standing_grants=True)
+    lease_proof = "proof"
+
+    def start(self, is_read: bool, local: Any, remote: Any, cache_id: int, first_tensor: int, rkeys: Any,
+              runs_per_tensor: int) -> asyncio.Future[Any]:
+        import ctypes
+        for (src, length), (dst, _) in zip(local.tolist(), remote.tolist()):
+            ctypes.memmove(src if is_read else dst, dst if is_read else src, length)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+def sender() -> tuple[OneSidedSender, RequestTable, list[tuple[Kind, Any]], list[str]]:
+    loop = asyncio.get_running_loop()
+    sent: list[tuple[Kind, Any]] = []
+    closed: list[str] = []
+    requests = RequestTable(loop, lambda error: None)
+
+    def send(head: bytes) -> Any:
+        header = decode_header(head[:HEADER_SIZE])
+        meta = head[HEADER_SIZE:]
+        sent.append((header.kind, decode_json(header.kind, meta) if header.kind == Kind.LEASE
+                     else decode_status(header, meta) if header.kind == Kind.LANDED else None))
+        return None
+    return OneSidedSender(MemcpyMover(), send, requests, closed.append, loop), requests, sent, closed
+
+
+def iov(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return np.array([[array.ctypes.data, array.nbytes]], np.uint64)
+
+
+async def test_lease_states_request_grant_revoke_done() -> None:
+    one, _, sent, _ = sender()
+    assert not one.lease_active(5)  # asks the first time
+    assert one.leases[5] == LeaseState.REQUESTED == "requested"
+    assert sent == [(Kind.LEASE, {"op": "request", "cache": 5, "proof": "proof"})]
+    one.on_lease({"op": "grant", "cache": 5})
+    assert one.lease_active(5) and one.leases[5] == LeaseState.ACTIVE
+    one.on_lease({"op": "revoke", "cache": 5})  # nothing in flight: confirmed at once
+    assert one.leases[5] == LeaseState.DONE and sent[-1] == (Kind.LEASE, {"op": "revoked", "cache": 5})
+    assert not one.lease_active(5)  # no new request for a cache whose lease ended
+
+
+async def test_a_refused_lease_falls_back_to_per_request_grants() -> None:
+    one, _, _, _ = sender()
+    one.lease_active(3)
+    one.on_lease({"op": "refuse", "cache": 3})
+    assert one.leases[3] == LeaseState.REVOKED and not one.lease_active(3)
+
+
+async def test_a_leased_write_copies_then_notifies_and_unlinking_stops_new_ones() -> None:
+    one, requests, sent, _ = sender()
+    one.lease_active(1)
+    one.on_lease({"op": "grant", "cache": 1})
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    op = requests.new(Kind.WRITE_INTENT)
+    op.local_iov, op.remote_iov, op.move_args, op.notice = iov(src), iov(dst), (1, 0, None, 1), b"notice"
+    sent_before = len(sent)
+    one._send = lambda head: sent.append((Kind.WRITE_NOTICE, head))  # noqa: SLF001 - record the raw notice
+    one.begin_leased(op)
+    await op.future
+    assert np.array_equal(src, dst)
+    assert not one.leases_idle()  # the notice leaves right after the caller resumes
+    await asyncio.sleep(0)
+    assert one.leases_idle() and sent[sent_before:] == [(Kind.WRITE_NOTICE, b"notice")]
+    one.close_leases()
+    assert one.leases[1] == LeaseState.DONE
+    late = requests.new(Kind.WRITE_INTENT)
+    late.local_iov, late.remote_iov, late.move_args, late.notice = iov(src), iov(dst), (1, 0, None, 1), b"n"
+    one.begin_leased(late)
+    try:
+        await late.future
+    except LLMException as error:
+        assert error.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+    else:
+        raise AssertionError("a leased copy started while unlinking")
+    assert await one.drain_leases(0.1)
+
+
+async def test_a_grant_moves_the_bytes_and_landed_follows_an_abandoned_grant_is_answered() -> None:
+    one, requests, sent, _ = sender()
+    src, dst = np.full(32, 7, np.uint8), np.zeros(32, np.uint8)
+    op = requests.new(Kind.WRITE_INTENT)
+    op.local_iov, op.remote_iov, op.move_args = iov(src), iov(dst), (1, 0, None, 1)
+    grant = encode_status(Kind.GRANT, op.request_id, 0)
+    one.on_grant(decode_header(grant[:HEADER_SIZE]), grant[HEADER_SIZE:])
+    await op.future
+    assert np.array_equal(src, dst) and sent[-1] == (Kind.LANDED, (0, ""))
+    stale = encode_status(Kind.GRANT, 99, 0)  # a grant for a request that was abandoned
+    one.on_grant(decode_header(stale[:HEADER_SIZE]), stale[HEADER_SIZE:])
+    assert sent[-1] == (Kind.LANDED, (1, ""))  # let the peer unpin

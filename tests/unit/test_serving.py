@@ -1,0 +1,167 @@
+"""kvpush.serving without sockets: resolve() and its refusals, and the inbound side of one link
+(stream writes, one-sided grants, standing grants) driven with frames built by kvpush.protocol."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpush.layout import pack_runs
+from kvpush.memory import CacheRegistry, allocate_regions
+from kvpush.protocol import (
+    HEADER_SIZE,
+    Kind,
+    ProtocolError,
+    decode_header,
+    decode_json,
+    decode_status,
+    decode_transfer,
+    encode_status,
+    encode_transfer,
+)
+from kvpush.serving import Inbound, Refusal, resolve
+from kvpush.status import LLMStatusCode
+from kvpush.types import CacheDesc, DataType
+
+DESC = CacheDesc(4, (8, 64), DataType.DT_UINT8)  # 4 tensors of 8 blocks x 64 bytes
+
+
+def registry_with_cache() -> tuple[CacheRegistry, int]:
+    registry = CacheRegistry()
+    mapping, regions = allocate_regions(DESC)
+    cache = registry.add(DESC, regions, True, 0, mapping)
+    return registry, cache.cache_id
+
+
+def transfer_frame(kind: Kind, cache_id: int, first: int, count: int, offsets: list[int], lengths: list[int],
+                   request_id: int = 7) -> tuple[Any, bytes]:
+    wire = pack_runs(np.array(offsets, np.uint64), np.array(lengths, np.uint64))
+    payload = count * sum(lengths) if kind == Kind.WRITE else 0
+    frame = encode_transfer(kind, request_id, cache_id, first, count, wire, payload)
+    return decode_header(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]
+
+
+class Sent:
+    """Records what the inbound side sends (a stand-in for the frame stream's send)."""
+
+    class Frame:
+        def __init__(self) -> None:
+            self.sent: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[Kind, Any]] = []
+
+    def __call__(self, head: bytes, payload: Any = None) -> Any:
+        header = decode_header(head[:HEADER_SIZE])
+        meta = head[HEADER_SIZE:]
+        body = decode_json(header.kind, meta) if header.kind == Kind.LEASE else decode_status(header, meta)
+        self.frames.append((header.kind, body))
+        return Sent.Frame()
+
+
+def test_resolve_gives_the_iovec_of_the_addressed_runs() -> None:
+    registry, cache_id = registry_with_cache()
+    header, meta = transfer_frame(Kind.WRITE, cache_id, 2, 2, [64, 320], [128, 64])
+    entry, iov = resolve(registry, True, decode_transfer(header, meta))
+    base = entry.addrs
+    assert iov.tolist() == [[base[2] + 64, 128], [base[2] + 320, 64], [base[3] + 64, 128], [base[3] + 320, 64]]
+    assert entry.pins == 0  # pure: nothing pinned
+
+
+@pytest.mark.parametrize("change,status,words", [
+    ({"access": False}, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "disabled"),
+    ({"cache": 99}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, "not registered"),
+    ({"first": 3}, LLMStatusCode.LLM_PARAM_INVALID, "exceed"),
+    ({"offset": 8 * 64 - 32}, LLMStatusCode.LLM_PARAM_INVALID, "outside"),
+])
+def test_resolve_refuses_what_lies_outside_the_registry(change: dict[str, Any], status: LLMStatusCode,
+                                                        words: str) -> None:
+    registry, cache_id = registry_with_cache()
+    header, meta = transfer_frame(Kind.WRITE, change.get("cache", cache_id), change.get("first", 0), 2,
+                                  [change.get("offset", 0)], [64])
+    with pytest.raises(Refusal) as caught:
+        resolve(registry, change.get("access", True), decode_transfer(header, meta))
+    assert caught.value.status == status and words in caught.value.reason
+
+
+def inbound(registry: CacheRegistry, proves: bool = True) -> tuple[Inbound, Sent, Counter[str]]:
+    sent, counters = Sent(), Counter[str]()
+    return Inbound(registry, lambda: True, sent, counters, lambda proof: proves and proof == "ok", "9"), sent, counters
+
+
+def test_a_stream_write_is_pinned_until_it_landed_then_answered_done() -> None:
+    registry, cache_id = registry_with_cache()
+    side, sent, counters = inbound(registry)
+    header, meta = transfer_frame(Kind.WRITE, cache_id, 0, 2, [0], [64])
+    sink = side.serve_write(header, meta)
+    entry = registry.get(cache_id)
+    assert sink is not None and entry is not None and entry.pins == 1 and sent.frames == []
+    sink.on_done()
+    assert entry.pins == 0 and counters["bytes_received"] == 128
+    assert sent.frames == [(Kind.DONE, (0, ""))]
+
+
+def test_a_refused_write_is_answered_with_its_status_and_nothing_is_pinned() -> None:
+    registry, cache_id = registry_with_cache()
+    side, sent, _ = inbound(registry)
+    header, meta = transfer_frame(Kind.WRITE, cache_id + 1, 0, 1, [0], [64])
+    assert side.serve_write(header, meta) is None
+    assert sent.frames[0][0] == Kind.DONE and sent.frames[0][1][0] == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_a_grant_holds_its_pin_until_landed_and_a_closed_link_hands_the_pins_back() -> None:
+    registry, cache_id = registry_with_cache()
+    side, sent, counters = inbound(registry)
+    entry = registry.get(cache_id)
+    assert entry is not None
+    for request_id in (1, 2):
+        header, meta = transfer_frame(Kind.WRITE_INTENT, cache_id, 0, 1, [0], [64], request_id)
+        side.on_intent(header, meta)
+    assert [kind for kind, _ in sent.frames] == [Kind.GRANT, Kind.GRANT] and entry.pins == 2
+    landed = encode_status(Kind.LANDED, 1, 0)
+    side.on_landed(decode_header(landed[:HEADER_SIZE]), landed[HEADER_SIZE:])
+    assert entry.pins == 1 and counters["bytes_received"] == 64
+    held = side.close(lambda: None)
+    assert held is not None and held.entries == [entry] and entry.pins == 1  # request 2 may still be copying
+    held.release()
+    assert entry.pins == 0
+
+
+def test_standing_grants_need_proof_of_reach_and_are_revoked_on_release() -> None:
+    registry, cache_id = registry_with_cache()
+    side, sent, _ = inbound(registry)
+    side.on_lease({"op": "request", "cache": cache_id, "proof": "wrong"})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id})
+    side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
+    entry = registry.get(cache_id)
+    assert entry is not None
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id}) and entry.pins == 1
+    header, meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 0, 1, [0], [64])
+    side.on_notice(header, meta)  # a leased write inside the cache is counted
+    outside, outside_meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 3, 2, [0], [64])
+    with pytest.raises(ProtocolError):
+        side.on_notice(outside, outside_meta)
+    registry.remove(cache_id)
+    side.revoke_released()
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "revoke", "cache": cache_id}) and entry.pins == 1
+    side.on_lease({"op": "revoked", "cache": cache_id})
+    assert entry.pins == 0 and not entry.regions  # released once the writer confirmed
+    with pytest.raises(ProtocolError):
+        side.on_lease({"op": "revoked", "cache": cache_id})  # not being revoked any more
+
+
+def test_a_graceful_unlink_ends_leases_and_late_frames_for_them_are_tolerated() -> None:
+    registry, cache_id = registry_with_cache()
+    side, _, _ = inbound(registry)
+    side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
+    side.end_leases()
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.pins == 0
+    side.on_lease({"op": "revoked", "cache": cache_id})  # crossed the unlink: fine
+    header, meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 0, 1, [0], [64])
+    with pytest.raises(ProtocolError, match="after the writer ended"):
+        side.on_notice(header, meta)
