@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.cli import _Progress
+from kvpush.cli.output import Progress as _Progress
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
 
