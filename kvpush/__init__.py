@@ -2,6 +2,7 @@
 
 from .cache_manager import CacheManager
 from .datadist import LLMDataDist
+from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
 from .options import LLMConfig
 from .status import LLMException, LLMStatusCode
 from .types import (
@@ -25,6 +26,8 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "DataType",
+    "Delivery",
+    "Inbox",
     "KvCacheExtParam",
     "LLMClusterInfo",
     "LLMConfig",
@@ -32,6 +35,7 @@ __all__ = [
     "LLMException",
     "LLMRole",
     "LLMStatusCode",
+    "MAX_MESSAGE_BYTES",
     "Placement",
     "__version__",
 ]

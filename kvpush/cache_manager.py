@@ -20,6 +20,7 @@ from . import transfer
 from . import validate as v
 from .link import Link
 from .memory import CacheEntry, CacheRegistry, allocate_regions, region_of
+from .notify import NOTIFICATION, check_notify
 from .options import EngineOptions
 from .peer import RemoteCache
 from .pipeline import LayerPusher
@@ -131,7 +132,8 @@ class CacheManager:
     # -- transfers --------------------------------------------------------------------------------
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
                           dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
-                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2,
+                          notify: bytes | None = None) -> None:
         """Write local blocks into the peer's blocks cache named by ``dst_cache_key``.
 
         Returns once every byte of every requested layer is in the peer's memory. Raises before any
@@ -145,11 +147,18 @@ class CacheManager:
         Cancellation: no further layer is issued; the task's ``CancelledError`` propagates once no
         byte of this request can still land (a started layer is drained; if it cannot be drained
         within ``sync_kv_timeout`` the link is closed instead).
+
+        ``notify`` (kvpush, SPEC 10): after every layer landed, these bytes arrive on the peer's
+        ``notifications`` inbox (never for a failed or cancelled push); the call returns once the peer
+        queued them.
         """
         api = "push_blocks"
+        check_notify(api, notify)
         link, plan = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                      src_layer_range, dst_layer_range, tensor_num_per_layer)
+                                        src_layer_range, dst_layer_range, tensor_num_per_layer)
         await self._run(link, plan)
+        if notify is not None:
+            await link.send_message(NOTIFICATION, bytes(notify))
 
     async def pull_blocks(self, src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks: Sequence[int] = (),
                           dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
@@ -210,12 +219,15 @@ class CacheManager:
 
     # -- layer-pipelined pushing ---------------------------------------------------------------------
     def layer_pusher(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int],
-                     dst_blocks: Sequence[int], tensor_num_per_layer: int = 2) -> LayerPusher:
+                     dst_blocks: Sequence[int], tensor_num_per_layer: int = 2,
+                     notify: bytes | None = None) -> LayerPusher:
         """A pusher bound to one request: ``push_layer(l)`` starts layer ``l`` (source layer l into
         destination layer l) as soon as prefill has computed it. Validates everything now, against the
         peer's cache table as this engine knows it (SPEC order; no round trip), and raises like
-        ``push_blocks`` for bad arguments. See ``kvpush.pipeline.LayerPusher``."""
+        ``push_blocks`` for bad arguments. ``notify``: delivered to the peer's ``notifications`` inbox
+        once every layer of the request landed (sent by ``wait()``). See ``kvpush.pipeline.LayerPusher``."""
         api = "layer_pusher"
+        check_notify(api, notify)
         self._engine.require_init(api)
         args = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, None,
                                          None, tensor_num_per_layer)
@@ -225,7 +237,7 @@ class CacheManager:
         if remote is None:
             raise self._not_there(api, link, args.model_id, args.cache_id)
         plan = planning.plan_blocks(args, local, remote)
-        return LayerPusher(link, plan, self._engine.options.sync_kv_timeout_ms)
+        return LayerPusher(link, plan, self._engine.options.sync_kv_timeout_ms, notify)
 
     # -- contiguous caches --------------------------------------------------------------------------
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,

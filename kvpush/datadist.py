@@ -20,6 +20,7 @@ from .datapath import DataPaths
 from .handshake import Identity
 from .link import Link
 from .memory import CacheRegistry
+from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
 from .options import EngineOptions, parse_options
 from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
@@ -80,6 +81,8 @@ class LLMDataDist:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
+        self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
+        self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
 
     def __repr__(self) -> str:
@@ -132,6 +135,8 @@ class LLMDataDist:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.registry.clear()
         self._close_transports()
+        self.messages.close("engine finalized")
+        self.notifications.close("engine finalized")
 
     def _close_transports(self) -> None:
         self.registry.mapper = None
@@ -270,6 +275,8 @@ class LLMDataDist:
         may still be writing into are released when that is safe (a task this engine owns)."""
         if link.peer_cluster_id is not None and self._links.get(link.peer_cluster_id) is link:
             del self._links[link.peer_cluster_id]
+            for inbox in (self.messages, self.notifications):
+                inbox.peer_gone(link.peer_cluster_id, reason)
             for listener in self._link_listeners:
                 listener(link, reason)
         if held is not None:
@@ -277,6 +284,34 @@ class LLMDataDist:
                 held.release_now_or_keep()
             else:
                 self._own(held.release_when_safe(), f"kvpush-grants-{link.peer_cluster_id}")
+
+    def deliver(self, link: Link, channel: int, data: bytes) -> bool:
+        """A peer's message or notification (LinkOwner): queued, or False when the inbox is full."""
+        assert link.peer_cluster_id is not None
+        inbox = self.notifications if channel == NOTIFICATION else self.messages
+        return inbox.put(Delivery(link.peer_cluster_id, data))
+
+    async def send_message(self, cluster_id: int, data: bytes) -> None:
+        """Send a small message (at most ``kvpush.MAX_MESSAGE_BYTES``) to a linked peer; messages to one
+        peer arrive in the order sent. Returns when the peer queued it on its ``messages`` inbox.
+        LLM_NOT_YET_LINK without a link, LLM_PARAM_INVALID when too big, LLM_LINK_BUSY when the peer's
+        inbox is full, LLM_TIMEOUT when the link breaks first. Cancellation stops waiting for the
+        peer's answer; the message may still arrive."""
+        await self._send(MESSAGE, "send_message", cluster_id, data)
+
+    async def send_notification(self, cluster_id: int, data: bytes) -> None:
+        """Like ``send_message``, onto the peer's ``notifications`` inbox. Sent after every transfer
+        that already completed on this link, so the peer sees it after their bytes landed."""
+        await self._send(NOTIFICATION, "send_notification", cluster_id, data)
+
+    async def _send(self, channel: int, api: str, cluster_id: int, data: bytes) -> None:
+        self.require_init(api)
+        check_int("cluster_id", cluster_id)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{api}: data must be bytes, got {type(data).__name__}")
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise param_invalid(f"{api}: {len(data)} bytes exceed the limit of {MAX_MESSAGE_BYTES}")
+        await self.link_for(api, cluster_id).send_message(channel, bytes(data))
 
     def registry_changed(self) -> None:
         """The registry changed: every peer gets the new table (a failing send closes its link)."""

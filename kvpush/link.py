@@ -34,8 +34,10 @@ from .protocol import (
     Kind,
     ProtocolError,
     decode_json,
+    decode_message,
     decode_status,
     encode_json,
+    encode_message,
     encode_status,
     encode_transfer,
 )
@@ -67,6 +69,9 @@ class LinkOwner(Protocol):
 
     def link_closed(self, link: Link, reason: str, held: HeldGrants | None) -> None:
         """The link closed; ``held``: caches the peer may still be writing into (release when safe)."""
+
+    def deliver(self, link: Link, channel: int, data: bytes) -> bool:
+        """A message or notification arrived; False when it cannot be queued (the sender is told)."""
 
 
 class Link:
@@ -111,6 +116,8 @@ class Link:
             Kind.WRITE_NOTICE: self._on_notice,
             Kind.LEASE: self._on_lease,
             Kind.BYE: self._on_bye,
+            Kind.MESSAGE: self._on_message,
+            Kind.MESSAGE_ACK: self._on_message_ack,
         }
         self.stream = connection.open(self, self.loop)
 
@@ -309,6 +316,33 @@ class Link:
         op.frame = self.stream.send(encode_transfer(kind, op.request_id, remote.cache_id, first_tensor, num_tensors,
                                                     runs_wire, 0, budget_ms))
         return op
+
+    async def send_message(self, channel: int, data: bytes) -> None:
+        """Send a message (or a notification) to the peer, in order behind everything sent so far;
+        returns when the peer queued it. LLM_LINK_BUSY when its inbox is full; LLM_TIMEOUT when the
+        link breaks first. Cancellation stops waiting for the answer (the message may still arrive)."""
+        op = self._new_op(Kind.MESSAGE)
+        self.stream.send(encode_message(op.request_id, channel, data))
+        try:
+            await op.future
+        finally:
+            self.requests.forget(op)
+
+    def _on_message(self, header: FrameHeader, meta: bytes) -> None:
+        channel, data = decode_message(meta)
+        if self.owner.deliver(self, channel, data):
+            self.stream.send(encode_status(Kind.MESSAGE_ACK, header.request_id, 0))
+        else:
+            self.stream.send(encode_status(Kind.MESSAGE_ACK, header.request_id, int(LLMStatusCode.LLM_LINK_BUSY),
+                                           "the receiver's inbox is full"))
+
+    def _on_message_ack(self, header: FrameHeader, meta: bytes) -> None:
+        status, message = decode_status(header, meta)
+        op = self.requests.get(header.request_id, Kind.MESSAGE)
+        if op is None:
+            return
+        self.requests.complete(op, None if status == 0 else LLMException(LLMStatusCode.from_wire(status),
+                                                                          f"peer refused the message: {message}"))
 
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: an unsent frame is dropped, an incoming payload is discarded

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import transfer
 from .link import Link
+from .notify import NOTIFICATION
 from .plan import Plan
 from .requests import PendingOp
 from .status import LLMException, LLMStatusCode, param_invalid
@@ -42,8 +43,9 @@ class LayerPusher:
     cancelled ``push_blocks`` before the cancellation propagates.
     """
 
-    def __init__(self, link: Link, plan: Plan, timeout_ms: int) -> None:
+    def __init__(self, link: Link, plan: Plan, timeout_ms: int, notify: bytes | None = None) -> None:
         self._link = link
+        self._notify = None if notify is None else bytes(notify)
         self._plan = plan
         self._steps: dict[int, LayerStep] = {step.dst_layer: step for step in plan.steps}
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -118,6 +120,8 @@ class LayerPusher:
                 if isinstance(result, LLMException):
                     raise LLMException(result.status_code, str(result), sorted(self.landed))
                 raise result
+        if self._notify is not None and len(self.landed) == len(self._steps):
+            await self._link.send_message(NOTIFICATION, self._notify)  # every layer landed
 
     def _close(self) -> None:
         self._finished = True

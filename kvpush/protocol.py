@@ -40,6 +40,9 @@ MAX_JSON_META = 1 << 20
 MAX_RUNS = 1 << 20
 MAX_TRANSFER_META = TRANSFER_META.size + MAX_RUNS * 16
 MAX_STATUS_META = STATUS_META.size + 4096
+MESSAGE_META = struct.Struct("<B")  # the channel: 0 message, 1 notification
+MAX_MESSAGE_DATA = 64 << 10
+MAX_MESSAGE_META = MESSAGE_META.size + MAX_MESSAGE_DATA
 
 
 class ProtocolError(Exception):
@@ -68,6 +71,9 @@ class Kind(IntEnum):
     LEASE = 17
     # a leased write already copied: what landed where, so the receiver validates and counts it
     WRITE_NOTICE = 18
+    # a small message or a transfer's completion notification to the peer (SPEC 10), and its answer
+    MESSAGE = 19
+    MESSAGE_ACK = 20
 
 
 JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
@@ -102,6 +108,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise ProtocolError(f"unknown frame kind {kind_value}") from None
     if kind in JSON_KINDS:
         limit = MAX_JSON_META
+    elif kind == Kind.MESSAGE:
+        limit = MAX_MESSAGE_META
     elif kind in TRANSFER_KINDS:
         limit = MAX_TRANSFER_META
     else:
@@ -199,3 +207,18 @@ def decode_status(header: FrameHeader, meta: bytes | bytearray | memoryview) -> 
         raise ProtocolError(f"{header.kind.name} meta of {len(meta)} bytes is truncated")
     (status,) = STATUS_META.unpack_from(meta)
     return status, bytes(meta[STATUS_META.size:]).decode(errors="replace")
+
+
+def encode_message(request_id: int, channel: int, data: bytes) -> bytes:
+    """A MESSAGE frame: the channel byte, then the data (at most ``MAX_MESSAGE_DATA`` bytes)."""
+    meta = MESSAGE_META.pack(channel) + data
+    return encode_header(Kind.MESSAGE, request_id, len(meta), 0) + meta
+
+
+def decode_message(meta: bytes | bytearray | memoryview) -> tuple[int, bytes]:
+    if len(meta) < MESSAGE_META.size:
+        raise ProtocolError("MESSAGE meta is truncated")
+    (channel,) = MESSAGE_META.unpack_from(meta)
+    if channel not in (0, 1):
+        raise ProtocolError(f"MESSAGE on unknown channel {channel}")
+    return channel, bytes(meta[MESSAGE_META.size:])
