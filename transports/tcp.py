@@ -11,6 +11,9 @@ Send path: frames queue in order; the pump ``writev``s header, meta and payload 
 straight from the source memory, resuming after partial writes, and waits with ``add_writer``
 when the socket is full. A frame that has started is always finished (or the stream closed), so
 the byte stream never holds half a frame.
+
+One idea, TCP (about 470 lines): the stream, its in-place receive state machine and its set-up
+(listener, connect) belong together.
 """
 
 from __future__ import annotations
