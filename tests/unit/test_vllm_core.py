@@ -1,0 +1,1088 @@
+"""kvpush.integrations.vllm_core: the vLLM connector's bookkeeping, without vLLM, torch or sockets.
+
+The books run against a fake clock and fake effects that record what the engine was asked to do.
+A simulated prefill/decode pair (``World``) moves real numbers through the books' pushes, so the
+property tests check the bytes the decode ends up with, under any interleaving of steps, messages
+and completions that hypothesis finds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpush.integrations import vllm_core as core
+from kvpush.integrations.vllm_core import (
+    Abort,
+    BlockIds,
+    ConnectorConfig,
+    ConsumerBook,
+    ConsumerState,
+    Done,
+    FinishedSend,
+    MessageError,
+    Outcome,
+    ParamsError,
+    PeerAddress,
+    ProducerBook,
+    ProducerState,
+    RecvSpec,
+    Scheduled,
+    SchedulerBook,
+    SendStep,
+)
+
+PREFILL = PeerAddress.of("127.0.0.1", 14579)
+DECODE_CLUSTER = 77
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# -- messages --------------------------------------------------------------------------------------
+
+def test_every_message_kind_round_trips() -> None:
+    for message in (
+        BlockIds("t-1", 32, 70, 1, 2, 0, (5, 9)),
+        BlockIds("ü-tid", 16, 1, 0, 1, 0, (0,)),
+        BlockIds("empty", 16, 0, 0, 0, 0, ()),
+        Abort("t-2", "client went away"),
+        Abort("t-2"),
+        Done("t-3", Outcome.LANDED, 12),
+        Done("t-4", Outcome.MISMATCH, 0, "block size 16 vs 32"),
+    ):
+        assert core.decode(core.encode(message)) == message
+
+
+def test_reasons_are_bounded_without_splitting_a_character() -> None:
+    data = core.encode(Done("t", Outcome.FAILED, 0, "é" * 1000))
+    reason = core.decode(data).reason  # type: ignore[union-attr]
+    assert reason == "é" * (core.MAX_REASON_BYTES // 2)
+    assert len(data) < 600
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda d: b"XXXX" + d[4:], "magic"),
+    (lambda d: d[:4] + bytes([core.PROTOCOL_VERSION + 1]) + d[5:], "version 2"),
+    (lambda d: d[:5] + bytes([99]) + d[6:], "kind 99"),
+    (lambda d: d[:-1], "carries"),
+    (lambda d: d + b"\0\0\0\0\0", "carries"),
+    (lambda d: d[:6] + bytes([0]) + d[7:], "transfer id length"),
+    (lambda d: d[:8], "transfer id length"),
+    (lambda d: d[:14], "truncated"),
+    (lambda d: b"", "too short"),
+])
+def test_malformed_block_ids_are_refused_with_the_reason(mutate: Callable[[bytes], bytes], words: str) -> None:
+    data = core.encode(BlockIds("tid", 32, 64, 0, 2, 0, (3, 4)))
+    with pytest.raises(MessageError, match=words):
+        core.decode(mutate(data))
+
+
+def test_decode_refuses_inconsistent_geometry_oversize_and_non_bytes() -> None:
+    bad_total = core.encode(BlockIds("tid", 32, 64, 0, 1, 0, (3, 4)))  # 2 ids in a list of 1
+    with pytest.raises(MessageError, match="geometry"):
+        core.decode(bad_total)
+    with pytest.raises(MessageError, match="exceeds"):
+        core.decode(b"KVPC" + bytes(core.MAX_MESSAGE_BYTES))
+    with pytest.raises(MessageError, match="bytes"):
+        core.decode("text")  # type: ignore[arg-type]
+    done = bytearray(core.encode(Done("t", Outcome.LANDED, 1)))
+    done[-7] = 9  # the outcome byte
+    with pytest.raises(MessageError, match="outcome"):
+        core.decode(bytes(done))
+
+
+def test_encode_refuses_what_cannot_travel() -> None:
+    with pytest.raises(MessageError, match="32 bits"):
+        core.encode(BlockIds("t", 32, 64, 0, 1, 0, (1 << 32,)))
+    with pytest.raises(MessageError, match="exceeds"):
+        core.encode(BlockIds("t", 32, 1 << 20, 0, 20000, 0, tuple(range(20000))))
+    with pytest.raises(MessageError, match="transfer id"):
+        core.encode(Abort("x" * 200))
+    with pytest.raises(TypeError):
+        core.encode("hello")  # type: ignore[arg-type]
+
+
+def test_long_block_lists_split_into_bounded_ordered_parts() -> None:
+    blocks = list(range(100, 40100))
+    frames = core.block_id_messages("tid", 16, 16 * 40000 + 5 * 16, 5, blocks)
+    assert len(frames) == 3 and all(len(f) <= core.MAX_MESSAGE_BYTES for f in frames)
+    parts = [core.decode(f) for f in frames]
+    assert all(isinstance(p, BlockIds) for p in parts)
+    assert [p.offset for p in parts] == [0, parts[0].blocks.__len__(), 2 * len(parts[0].blocks)]  # type: ignore[union-attr]
+    assert [b for p in parts for b in p.blocks] == blocks  # type: ignore[union-attr]
+    assert {p.total for p in parts} == {40000}  # type: ignore[union-attr]
+    assert len(core.block_id_messages("tid", 16, 0, 0, [])) == 1
+    small = core.block_id_messages("tid", 16, 160, 0, list(range(10)), limit=48)  # 3 ids per message
+    assert len(small) == 4 and all(len(f) <= 48 for f in small)
+
+
+# -- configuration, addresses, params --------------------------------------------------------------
+
+def test_config_defaults_and_validation() -> None:
+    config = ConnectorConfig.from_extra_config(None)
+    assert config == ConnectorConfig()
+    config = ConnectorConfig.from_extra_config({"transport": "tcp", "transfer_timeout_s": 5, "port": 20000,
+                                                "engine_options": {"kvpush.keepalive_interval_ms": "100"}})
+    assert (config.transport, config.transfer_timeout_s, config.port) == ("tcp", 5.0, 20000)
+    with pytest.raises(ParamsError, match="unknown key 'trasport'.*transport"):
+        ConnectorConfig.from_extra_config({"trasport": "tcp"})
+    with pytest.raises(ParamsError, match="transfer_timeout_s"):
+        ConnectorConfig.from_extra_config({"transfer_timeout_s": 0})
+    with pytest.raises(ParamsError, match="sync_kv_timeout_ms"):
+        ConnectorConfig.from_extra_config({"sync_kv_timeout_ms": "100"})
+    with pytest.raises(ParamsError, match="port"):
+        ConnectorConfig.from_extra_config({"port": 70000})
+    with pytest.raises(ParamsError, match="auth_token"):
+        ConnectorConfig.from_extra_config({"auth_token": 5})
+    with pytest.raises(ParamsError, match="engine_options"):
+        ConnectorConfig.from_extra_config({"engine_options": {"a": 1}})
+
+
+def test_engine_options_from_config() -> None:
+    config = ConnectorConfig(auth_token="s3cret", sync_kv_timeout_ms=250, transport="cma",
+                             engine_options={"kvpush.transport": "tcp"})
+    assert config.engine_options_for(("127.0.0.1", 14579)) == {
+        "llm.SyncKvCacheWaitTime": "250", "kvpush.transport": "tcp", "kvpush.auth_token": "s3cret",
+        "llm.listenIpInfo": "127.0.0.1:14579"}
+    assert ConnectorConfig().engine_options_for(("::1", 9))["llm.listenIpInfo"] == "[::1]:9"
+    assert "llm.listenIpInfo" not in ConnectorConfig().engine_options_for(None)
+
+
+def test_cluster_ids_are_derived_from_addresses() -> None:
+    assert core.derive_cluster_id("127.0.0.1", 14579) == (0x7F000001 << 16) | 14579
+    assert core.derive_cluster_id("localhost", 14579) == core.derive_cluster_id("127.0.0.1", 14579)
+    assert core.derive_cluster_id("127.0.0.1", 14579) != core.derive_cluster_id("127.0.0.1", 14580)
+    v6 = core.derive_cluster_id("::1", 14579)
+    assert v6 >> 63 == 1 and v6 == core.derive_cluster_id("[::1]", 14579) < 1 << 64
+    assert core.derive_cluster_id("Prefill-0.example", 1) == core.derive_cluster_id("prefill-0.example", 1)
+    assert core.derive_cluster_id("prefill-0.example", 1) >> 63 == 1
+    with pytest.raises(ParamsError):
+        core.derive_cluster_id("127.0.0.1", 0)
+
+
+def test_listen_ports_follow_the_role() -> None:
+    assert core.listen_port(14579, "kv_producer") == 14579
+    assert core.listen_port(14579, "kv_both") == 14579
+    assert core.listen_port(14579, "kv_consumer") == 14580
+    assert core.listen_port(14579, "kv_producer", rank=1) == 14581
+    with pytest.raises(ParamsError, match="kv_role"):
+        core.listen_port(14579, "prefill")
+    with pytest.raises(ParamsError):
+        core.listen_port(65535, "kv_consumer")
+
+
+def test_params_parse_for_both_sides() -> None:
+    decode = core.decode_request_params("tid", "10.0.0.2", 15000)
+    parsed = core.parse_params(decode)
+    expected = PeerAddress("10.0.0.2", 15000, core.derive_cluster_id("10.0.0.2", 15000))
+    assert parsed == core.ConsumerParams("tid", expected)
+    explicit = core.parse_params(core.decode_request_params("tid", "10.0.0.2", 15000, prefill_cluster_id=5))
+    assert isinstance(explicit, core.ConsumerParams) and explicit.remote.cluster_id == 5
+    defaulted = core.parse_params({"do_remote_prefill": True, "transfer_id": "t"}, lambda: PREFILL)
+    assert isinstance(defaulted, core.ConsumerParams) and defaulted.remote == PREFILL
+    assert core.parse_params(core.prefill_request_params("tid")) == core.ProducerParams("tid")
+    assert core.parse_params({"do_remote_decode": True}) == core.ProducerParams(None)
+    assert core.parse_params(None) is None and core.parse_params({"other": 1}) is None
+    for bad, words in [
+        ({"do_remote_prefill": True}, "transfer_id"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": "1"}, "remote_port"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_port": 5}, "remote_host"),
+        ({"do_remote_prefill": True, "transfer_id": 7}, "transfer_id"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": 1,
+          "remote_cluster_id": -1}, "remote_cluster_id"),
+    ]:
+        with pytest.raises(ParamsError, match=words):
+            core.parse_params(bad, lambda: PREFILL)
+    assert len(core.new_transfer_id()) == 32 and core.new_transfer_id() != core.new_transfer_id()
+
+
+# -- scheduler book --------------------------------------------------------------------------------
+
+def consumer_book(block_size: int = 32) -> SchedulerBook:
+    return SchedulerBook(block_size, produce=False, consume=True, default_remote=lambda: PREFILL, name="decode")
+
+
+def producer_book(block_size: int = 32) -> SchedulerBook:
+    return SchedulerBook(block_size, produce=True, consume=False, local=PREFILL, name="prefill")
+
+
+def test_decode_scheduler_claims_the_prompt_once_and_hands_its_blocks_to_the_worker() -> None:
+    book = consumer_book()
+    book.on_new_request("r1", core.decode_request_params("tid", "127.0.0.1", 14579), num_prompt_tokens=70)
+    assert book.matched_tokens("r1", 0) == (70, True)
+    assert book.matched_tokens("r1", 0) == (70, True)  # side-effect free
+    book.after_alloc("r1", [7, 8, 9], num_external_tokens=70)
+    meta = book.build_step([])
+    assert meta.recv == [RecvSpec("r1", "tid", PREFILL, 0, (7, 8, 9), 70)]
+    assert not book.build_step([])  # handed once
+    assert book.matched_tokens("r1", 70) == (0, False)  # after the load, and after a preemption
+    book.after_alloc("r1", [7, 8, 9], num_external_tokens=0)  # vLLM's second call
+    assert not book.build_step([])
+    book.connector_output(finished_recving=["r1"])
+    assert book.request_finished("r1", ok=True) == (False, None)
+    assert not book.build_step([])
+
+
+def test_decode_prefix_hit_sends_only_the_missing_blocks() -> None:
+    book = consumer_book()
+    book.on_new_request("r1", core.decode_request_params("tid", "127.0.0.1", 14579), num_prompt_tokens=70)
+    assert book.matched_tokens("r1", 32) == (38, True)
+    book.after_alloc("r1", [4, 8, 9], num_external_tokens=38)
+    (spec,) = book.build_step([]).recv
+    assert (spec.first_block, spec.blocks, spec.num_tokens, spec.error) == (1, (8, 9), 70, None)
+
+
+def test_decode_allocation_it_cannot_use_is_handed_over_as_an_error_never_dropped() -> None:
+    book = consumer_book()
+    book.on_new_request("short", core.decode_request_params("t1", "127.0.0.1", 14579), num_prompt_tokens=70)
+    book.after_alloc("short", [7, 8], num_external_tokens=70)
+    book.on_new_request("odd", core.decode_request_params("t2", "127.0.0.1", 14579), num_prompt_tokens=70)
+    book.after_alloc("odd", [7, 8, 9], num_external_tokens=60)
+    short, odd = book.build_step([]).recv
+    assert "2 blocks allocated for 70 tokens" in (short.error or "") and short.blocks == (7, 8)
+    assert "not whole blocks" in (odd.error or "")
+
+
+def test_decode_request_finished_while_waiting_is_aborted_in_the_worker() -> None:
+    book = consumer_book()
+    book.on_new_request("r1", core.decode_request_params("tid", "127.0.0.1", 14579), num_prompt_tokens=40)
+    book.after_alloc("r1", [1, 2], 40)
+    book.build_step([])
+    assert book.request_finished("r1", ok=False) == (False, None)  # vLLM itself keeps the blocks
+    assert book.build_step([]).recv_aborted == ["r1"]
+    book.on_new_request("r2", core.decode_request_params("t2", "127.0.0.1", 14579), num_prompt_tokens=40)
+    assert book.request_finished("r2", ok=False) == (False, None)  # never allocated: nothing to abort
+    assert not book.build_step([])
+
+
+def test_unusable_params_and_wrong_roles_are_served_locally() -> None:
+    book = consumer_book()
+    book.on_new_request("bad", {"do_remote_prefill": True}, 40)
+    book.on_new_request("wrong-side", core.prefill_request_params("t"), 40)
+    assert book.matched_tokens("bad", 0) == (0, False)
+    assert book.matched_tokens("wrong-side", 0) == (0, False)
+    assert book.request_finished("wrong-side", True) == (False, None)
+    prefill = producer_book()
+    prefill.on_new_request("wrong-side", core.decode_request_params("t", "h", 1), 40)
+    assert prefill.matched_tokens("wrong-side", 0) == (0, False)
+
+
+def test_prefill_scheduler_describes_each_prompt_step_and_delays_the_free() -> None:
+    book = producer_book()
+    book.on_new_request("p1", core.prefill_request_params("tid"), num_prompt_tokens=100)
+    assert book.matched_tokens("p1", 0) == (0, False)
+    meta = book.build_step([Scheduled("p1", (10, 11), False, 0, 64)])
+    assert meta.send == [SendStep("p1", "tid", (10, 11), 0, 64, 100)]
+    meta = book.build_step([Scheduled("p1", (12, 13), False, 64, 36)])
+    assert meta.send == [SendStep("p1", "tid", (10, 11, 12, 13), 64, 100, 100)]
+    assert not book.build_step([Scheduled("p1", None, False, 100, 1)])  # decode steps: nothing to send
+    assert book.build_step([Scheduled("p1", (20, 21, 22, 23), True, 100, 1)]).send == []
+    delay, params = book.request_finished("p1", ok=True)
+    assert delay is True
+    assert params == core.decode_request_params("tid", PREFILL.host, PREFILL.port, PREFILL.cluster_id)
+    assert book.build_step([]).send_finished == [FinishedSend("p1", "tid", True, True)]
+    assert book.has_pending_push_work()
+    book.connector_output(finished_sending=["p1"])
+    assert not book.has_pending_push_work()
+
+
+def test_prefill_scheduler_resumed_request_gets_its_new_blocks() -> None:
+    book = producer_book()
+    book.on_new_request("p1", core.prefill_request_params("tid"), num_prompt_tokens=100)
+    book.build_step([Scheduled("p1", (10, 11), False, 0, 64)])
+    (step,) = book.build_step([Scheduled("p1", (30, 31, 32, 33), True, 32, 68)]).send
+    assert (step.blocks, step.computed_before, step.computed_after, step.resumed) == ((30, 31, 32, 33), 32, 100, True)
+
+
+def test_prefill_request_never_scheduled_is_not_delayed_and_names_its_own_transfer() -> None:
+    book = producer_book()
+    book.on_new_request("p1", {"do_remote_decode": True}, num_prompt_tokens=10)
+    tid = book.transfer_id("p1")
+    assert tid == "prefill-p1"
+    assert book.request_finished("p1", ok=False) == (False, None)
+    assert book.build_step([]).send_finished == [FinishedSend("p1", tid, False, False)]
+    book.on_new_request("x" * 300, {"do_remote_decode": True}, num_prompt_tokens=10)
+    assert len((book.transfer_id("x" * 300) or "").encode()) <= core.MAX_TRANSFER_ID_BYTES
+
+
+# -- producer book ---------------------------------------------------------------------------------
+
+@dataclass
+class Push:
+    peer: int
+    src: list[int]
+    dst: list[int]
+    pipelined: bool
+    layers: list[int] = field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+
+
+class ProducerFx:
+    def __init__(self) -> None:
+        self.pushes: dict[int, Push] = {}
+        self.notified: list[tuple[int, Any, str]] = []
+        self.replies: list[tuple[int, Any]] = []
+
+    def start_push(self, push_id: int, peer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   pipelined: bool) -> None:
+        assert push_id not in self.pushes
+        self.pushes[push_id] = Push(peer, list(src_blocks), list(dst_blocks), pipelined)
+
+    def push_layer(self, push_id: int, layer: int) -> None:
+        push = self.pushes[push_id]
+        assert push.pipelined and not push.finished and layer not in push.layers
+        push.layers.append(layer)
+
+    def finish_push(self, push_id: int) -> None:
+        self.pushes[push_id].finished = True
+
+    def cancel_push(self, push_id: int) -> None:
+        self.pushes[push_id].cancelled = True
+
+    def notify(self, peer: int, data: bytes, transfer_id: str) -> None:
+        self.notified.append((peer, core.decode(data), transfer_id))
+
+    def reply(self, peer: int, data: bytes) -> None:
+        self.replies.append((peer, core.decode(data)))
+
+
+def producer(layers: int = 2, block_size: int = 32, **config: Any) -> tuple[ProducerBook, ProducerFx, Clock]:
+    fx, clock = ProducerFx(), Clock()
+    return ProducerBook(block_size, layers, ConnectorConfig(**config), clock, fx), fx, clock
+
+
+def ids(transfer_id: str = "tid", blocks: Sequence[int] = (50, 51, 52, 53), num_tokens: int = 100, first: int = 0,
+        block_size: int = 32) -> list[BlockIds]:
+    return [core.decode(f) for f in core.block_id_messages(transfer_id, block_size, num_tokens, first, blocks)]  # type: ignore[misc]
+
+
+def give_ids(book: ProducerBook, peer: int = DECODE_CLUSTER, **kwargs: Any) -> None:
+    for part in ids(**kwargs):
+        book.on_message(peer, part)
+
+
+def run_step(book: ProducerBook, sends: Sequence[SendStep], finished: Sequence[FinishedSend] = (),
+             layers: int = 2) -> None:
+    book.begin_step(sends, finished)
+    for layer in range(layers):
+        book.layer_saved(layer)
+    book.end_step()
+
+
+def test_ids_first_then_every_layer_is_pushed_as_it_is_saved() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    assert book.state_of("tid") == ProducerState.PUSHING and not fx.pushes  # nothing computed yet
+    book.begin_step([SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    (push,) = fx.pushes.values()
+    assert (push.src, push.dst, push.pipelined, push.layers) == ([10, 11, 12, 13], [50, 51, 52, 53], True, [])
+    book.layer_saved(0)
+    assert push.layers == [0] and not push.finished
+    book.layer_saved(1)
+    book.end_step()
+    assert push.layers == [0, 1] and push.finished
+    assert not fx.notified  # not before the bytes landed
+    book.on_push_done(1, None)
+    assert not fx.notified  # and not before vLLM finished the request (it may have more chunks)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert fx.notified == [(DECODE_CLUSTER, Done("tid", Outcome.LANDED, 4), "tid")]
+    assert book.state_of("tid") == ProducerState.NOTIFYING and not book.take_finished_sending()
+    book.on_notified("tid", None)
+    assert book.take_finished_sending() == {"p1"} and book.state_of("tid") is None
+    assert book.ended("tid") == "landed" and len(book) == 0
+
+
+def test_ids_after_the_forward_pass_are_served_by_one_push_of_every_layer() -> None:
+    book, fx, _ = producer()
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert not fx.pushes and book.state_of("tid") == ProducerState.WAITING_IDS
+    give_ids(book, blocks=(60, 61, 62), first=1)  # the decode holds block 0 already
+    (push,) = fx.pushes.values()
+    assert (push.src, push.dst, push.pipelined) == ([11, 12, 13], [60, 61, 62], False)
+    book.on_push_done(1, None)
+    assert fx.notified[-1][1] == Done("tid", Outcome.LANDED, 3)
+    book.on_notified("tid", None)
+    assert book.take_finished_sending() == {"p1"}
+
+
+def test_chunked_prefill_pushes_each_chunk_and_repeats_only_the_partial_tail() -> None:
+    book, fx, _ = producer()
+    give_ids(book, blocks=(50, 51, 52, 53), num_tokens=100)
+    blocks = (10, 11, 12, 13)
+    run_step(book, [SendStep("p1", "tid", blocks, 0, 40, 100)])  # blocks 0 and 1 (partial)
+    run_step(book, [SendStep("p1", "tid", blocks, 40, 80, 100)])  # blocks 1 (rest) and 2 (partial)
+    run_step(book, [SendStep("p1", "tid", blocks, 80, 100, 100)])  # blocks 2 and 3
+    assert [(p.src, p.dst) for p in fx.pushes.values()] == [
+        ([10, 11], [50, 51]), ([11, 12], [51, 52]), ([12, 13], [52, 53])]
+    assert all(p.layers == [0, 1] and p.finished for p in fx.pushes.values())
+    for push_id in list(fx.pushes):
+        book.on_push_done(push_id, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert fx.notified[-1][1].outcome == Outcome.LANDED
+
+
+def test_ids_arriving_mid_prefill_catch_up_whole_blocks_at_once_and_the_rest_with_the_next_chunk() -> None:
+    book, fx, _ = producer()
+    blocks = (10, 11, 12, 13)
+    run_step(book, [SendStep("p1", "tid", blocks, 0, 72, 100)])  # blocks 0, 1 whole; 2 partial
+    give_ids(book)
+    (catch_up,) = fx.pushes.values()
+    assert (catch_up.src, catch_up.pipelined) == ([10, 11], False)  # the partial block waits
+    run_step(book, [SendStep("p1", "tid", blocks, 72, 100, 100)])
+    assert (fx.pushes[2].src, fx.pushes[2].dst, fx.pushes[2].pipelined) == ([12, 13], [52, 53], True)
+    book.on_push_done(2, None)
+    book.on_push_done(1, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert fx.notified[-1][1] == Done("tid", Outcome.LANDED, 4)
+
+
+def test_blocks_the_decode_has_are_not_pushed() -> None:
+    book, fx, _ = producer()
+    give_ids(book, blocks=(52, 53), first=2)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 64, 100)])  # only blocks 0, 1: not wanted
+    assert not fx.pushes
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 64, 100, 100)])
+    assert [(p.src, p.dst) for p in fx.pushes.values()] == [([12, 13], [52, 53])]
+
+
+def test_layers_not_seen_by_save_kv_layer_are_pushed_after_the_forward() -> None:
+    book, fx, _ = producer(layers=3)
+    give_ids(book)
+    book.begin_step([SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    book.layer_saved(1)
+    book.end_step()
+    assert fx.pushes[1].layers == [1, 0, 2] and fx.pushes[1].finished
+
+
+def test_a_failed_push_stops_the_transfer_and_tells_the_decode_after_the_others_drained() -> None:
+    book, fx, _ = producer()
+    blocks = (10, 11, 12, 13)
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", blocks, 0, 40, 100)])
+    run_step(book, [SendStep("p1", "tid", blocks, 40, 80, 100)])
+    book.on_push_done(2, "LLM_TIMEOUT: layer 1 not done")
+    assert fx.pushes[1].cancelled and book.state_of("tid") == ProducerState.DRAINING
+    assert not fx.notified  # push 1 may still land
+    book.on_push_done(1, "cancelled")
+    ((peer, done, _),) = fx.notified
+    assert peer == DECODE_CLUSTER and done.outcome == Outcome.FAILED and "LLM_TIMEOUT" in done.reason
+    run_step(book, [SendStep("p1", "tid", blocks, 80, 100, 100)])
+    assert len(fx.pushes) == 2  # nothing more is pushed
+    book.on_notified("tid", None)
+    assert not book.take_finished_sending()  # the request still runs: its blocks are vLLM's
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert book.take_finished_sending() == {"p1"}
+    assert "LLM_TIMEOUT" in (book.ended("tid") or "")
+
+
+def test_abort_from_the_decode_cancels_and_confirms_when_nothing_can_land() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    book.on_message(DECODE_CLUSTER, Abort("tid", "client disconnected"))
+    assert fx.pushes[1].cancelled and not fx.notified
+    book.on_push_done(1, "cancelled")
+    assert fx.notified[0][1].outcome == Outcome.ABORTED and "client disconnected" in fx.notified[0][1].reason
+    book.on_notified("tid", None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert book.take_finished_sending() == {"p1"}
+
+
+def test_ids_that_never_come_release_the_blocks_after_the_deadline_and_late_ids_are_answered() -> None:
+    book, fx, clock = producer(ids_timeout_s=5)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    clock.advance(4.9)
+    book.poll()
+    assert not book.take_finished_sending()
+    clock.advance(0.2)
+    book.poll()
+    assert book.take_finished_sending() == {"p1"} and not fx.notified
+    give_ids(book)
+    ((peer, answer),) = fx.replies
+    assert peer == DECODE_CLUSTER and answer.outcome == Outcome.UNKNOWN and "no block ids" in answer.reason
+    assert not fx.pushes
+
+
+def test_ids_for_a_request_that_never_comes_are_forgotten_after_the_transfer_deadline() -> None:
+    book, fx, clock = producer(transfer_timeout_s=10)
+    give_ids(book)
+    clock.advance(9)
+    book.poll()
+    assert book.state_of("tid") == ProducerState.PUSHING
+    clock.advance(2)
+    book.poll()
+    assert fx.notified[0][1].outcome == Outcome.UNKNOWN
+    book.on_notified("tid", None)
+    assert book.state_of("tid") is None and not book.take_finished_sending()
+    # the request turning up after all only keeps (and then frees) its blocks; the decode was answered
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert not fx.pushes and book.take_finished_sending() == {"p1"} and len(fx.notified) == 1
+
+
+def test_the_orphan_deadline_stops_once_the_request_is_here() -> None:
+    book, fx, clock = producer(transfer_timeout_s=10)
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 50, 100)])
+    clock.advance(60)
+    book.poll()
+    assert book.state_of("tid") == ProducerState.PUSHING and not fx.notified
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(block_size=16, blocks=tuple(range(7))), "block size 16"),
+    (dict(num_tokens=90, blocks=(1, 2, 3)), "expects 90 prompt tokens"),
+    (dict(blocks=(1, 2, 3)), "do not cover"),
+])
+def test_disagreeing_sides_are_refused_without_a_push(kwargs: dict[str, Any], words: str) -> None:
+    book, fx, _ = producer()
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    give_ids(book, **kwargs)
+    assert not fx.pushes
+    ((_, done, _),) = fx.notified
+    assert done.outcome == Outcome.MISMATCH and words in done.reason
+
+
+def test_a_second_decode_cannot_claim_a_transfer_nor_abort_it() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    give_ids(book, peer=99)
+    book.on_message(99, Abort("tid"))
+    assert [(peer, reply.outcome) for peer, reply in fx.replies] == [(99, Outcome.FAILED)]
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    assert fx.pushes[1].peer == DECODE_CLUSTER and not fx.pushes[1].cancelled
+
+
+def test_an_abort_for_an_unknown_transfer_is_answered() -> None:
+    book, fx, _ = producer()
+    book.on_message(DECODE_CLUSTER, Abort("nope"))
+    assert fx.replies == [(DECODE_CLUSTER, Done("nope", Outcome.UNKNOWN, 0, "no such transfer"))]
+
+
+def test_block_id_parts_out_of_order_are_refused() -> None:
+    book, fx, _ = producer(block_size=1)
+    parts = [core.decode(f) for f in core.block_id_messages("tid", 1, 20000, 0, list(range(20000)))]
+    book.on_message(DECODE_CLUSTER, parts[1])
+    assert fx.notified[0][1].outcome == Outcome.MISMATCH and "out of order" in fx.notified[0][1].reason
+
+
+def test_split_block_ids_are_assembled() -> None:
+    book, fx, _ = producer(block_size=1, layers=1)
+    blocks = list(range(1000, 21000))
+    for frame in core.block_id_messages("tid", 1, 20000, 0, blocks):
+        book.on_message(DECODE_CLUSTER, core.decode(frame))
+    run_step(book, [SendStep("p1", "tid", tuple(range(20000)), 0, 20000, 20000)], layers=1)
+    assert fx.pushes[1].dst == blocks
+
+
+def test_prefill_request_aborted_tells_the_decode_and_frees_at_once() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 40, 100)])
+    book.on_push_done(1, None)
+    run_step(book, [], [FinishedSend("p1", "tid", False, True)])
+    assert fx.notified[0][1].outcome == Outcome.FAILED and "aborted" in fx.notified[0][1].reason
+    book.on_notified("tid", None)
+    assert book.take_finished_sending() == {"p1"}
+
+
+def test_a_request_finished_before_its_prompt_was_computed_fails_the_transfer() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 40, 100)])
+    book.on_push_done(1, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert fx.notified[0][1].outcome == Outcome.FAILED and "40 of 100" in fx.notified[0][1].reason
+
+
+def test_orphan_ids_for_a_request_that_ended_unscheduled_are_answered_and_nothing_is_reported() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [], [FinishedSend("p1", "tid", False, False)])
+    assert fx.notified[0][1].outcome == Outcome.FAILED
+    book.on_notified("tid", None)
+    assert not book.take_finished_sending() and len(book) == 0
+
+
+def test_a_lost_link_ends_the_transfer_and_the_blocks_come_back_when_the_request_finished() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    book.on_link_lost(DECODE_CLUSTER, "keepalive timeout")
+    book.on_push_done(1, "LLM_TIMEOUT: link broke")
+    assert not fx.notified  # nobody to tell
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert book.take_finished_sending() == {"p1"} and "keepalive" in (book.ended("tid") or "")
+
+
+def test_preempted_request_is_pushed_again_from_its_new_blocks() -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 64, 100)])
+    book.on_push_done(1, None)
+    run_step(book, [SendStep("p1", "tid", (30, 31, 32, 33), 32, 100, 100, resumed=True)])
+    assert (fx.pushes[2].src, fx.pushes[2].dst) == ([30, 31, 32, 33], [50, 51, 52, 53])
+
+
+def test_a_delayed_finish_the_book_does_not_know_is_still_reported() -> None:
+    book, _, _ = producer()
+    run_step(book, [], [FinishedSend("ghost", "never-seen", True, True)])
+    assert book.take_finished_sending() == {"ghost"}
+
+
+def test_orphan_ids_are_bounded() -> None:
+    book, fx, _ = producer(max_transfers=2)
+    for tid in ("a", "b", "c"):
+        give_ids(book, transfer_id=tid)
+    assert len(book) == 2 and [(r.transfer_id, r.outcome) for _, r in fx.replies] == [("c", Outcome.FAILED)]
+
+
+def test_a_failed_notification_still_releases_the_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    book, fx, _ = producer()
+    give_ids(book)
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    book.on_push_done(1, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    with caplog.at_level(logging.WARNING):
+        book.on_notified("tid", "LLM_NOT_YET_LINK")
+    assert book.take_finished_sending() == {"p1"} and "will time out" in caplog.text
+
+
+# -- consumer book ---------------------------------------------------------------------------------
+
+class ConsumerFx:
+    def __init__(self) -> None:
+        self.sent: list[tuple[PeerAddress, list[Any], str]] = []
+        self.aborts: list[tuple[int, Any]] = []
+
+    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
+        self.sent.append((remote, [core.decode(f) for f in frames], transfer_id))
+
+    def send_abort(self, peer: int, data: bytes) -> None:
+        self.aborts.append((peer, core.decode(data)))
+
+
+def consumer(**config: Any) -> tuple[ConsumerBook, ConsumerFx, Clock]:
+    fx, clock = ConsumerFx(), Clock()
+    return ConsumerBook(32, ConnectorConfig(**config), clock, fx), fx, clock
+
+
+def spec(req_id: str = "r1", transfer_id: str = "tid", blocks: tuple[int, ...] = (7, 8, 9), first: int = 0,
+         num_tokens: int = 70, error: str | None = None) -> RecvSpec:
+    return RecvSpec(req_id, transfer_id, PREFILL, first, blocks, num_tokens, error)
+
+
+def landed(transfer_id: str = "tid", blocks: int = 3) -> Done:
+    return Done(transfer_id, Outcome.LANDED, blocks)
+
+
+def test_decode_sends_its_ids_and_reports_the_request_only_after_the_landed_notification() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    ((remote, frames, tid),) = fx.sent
+    assert remote == PREFILL and tid == "tid" and frames == [BlockIds("tid", 32, 70, 0, 3, 0, (7, 8, 9))]
+    assert book.state_of("tid") == ConsumerState.SENDING_IDS
+    book.on_ids_sent("tid")
+    assert book.state_of("tid") == ConsumerState.WAITING_LANDED
+    book.poll()
+    assert book.take_finished() == core.Received(set(), set(), set())
+    book.on_message(PREFILL.cluster_id, landed())
+    assert book.take_finished() == core.Received({"r1"}, set(), set())
+    assert book.take_finished() == core.Received(set(), set(), set()) and len(book) == 0
+    book.on_message(PREFILL.cluster_id, landed())  # a duplicate changes nothing
+    assert not book.take_finished().finished
+
+
+def test_a_notification_may_overtake_the_send_result() -> None:
+    book, _, _ = consumer()
+    book.begin_step([spec()])
+    book.on_done(PREFILL.cluster_id, landed())
+    book.on_ids_sent("tid")
+    assert book.take_finished().finished == {"r1"}
+
+
+def test_a_notification_from_another_cluster_or_with_the_wrong_count_never_completes() -> None:
+    book, _, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    book.on_done(12345, landed())
+    assert book.state_of("tid") == ConsumerState.WAITING_LANDED
+    book.on_done(PREFILL.cluster_id, landed(blocks=2))
+    received = book.take_finished()
+    assert received == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+
+
+def test_a_prefill_failure_reports_load_errors() -> None:
+    book, _, _ = consumer()
+    book.begin_step([spec(), spec("r2", "t2", (10, 11))])
+    book.on_ids_sent("tid")
+    book.on_done(PREFILL.cluster_id, Done("tid", Outcome.FAILED, 0, "LLM_TIMEOUT"))
+    assert book.take_finished() == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+    assert book.state_of("t2") == ConsumerState.SENDING_IDS
+
+
+def test_a_timeout_aborts_and_waits_for_the_prefill_to_confirm() -> None:
+    book, fx, clock = consumer(transfer_timeout_s=10, abort_grace_s=2)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    clock.advance(10)
+    book.poll()
+    assert book.state_of("tid") == ConsumerState.FAILING
+    assert fx.aborts == [(PREFILL.cluster_id, Abort("tid", "not landed within 10 s"))]
+    assert not book.take_finished().finished  # bytes may still land: the blocks stay out of use
+    book.on_done(PREFILL.cluster_id, Done("tid", Outcome.ABORTED, 0, "aborted by the decode"))
+    assert book.take_finished() == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+
+
+def test_a_timeout_without_confirmation_frees_after_the_grace() -> None:
+    book, _, clock = consumer(transfer_timeout_s=10, abort_grace_s=2)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    clock.advance(10)
+    book.poll()
+    clock.advance(1.9)
+    book.poll()
+    assert not book.take_finished().finished
+    clock.advance(0.2)
+    book.poll()
+    assert book.take_finished() == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+
+
+def test_kv_that_lands_after_the_timeout_but_before_the_grace_is_used() -> None:
+    book, _, clock = consumer(transfer_timeout_s=10)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    clock.advance(11)
+    book.poll()
+    book.on_done(PREFILL.cluster_id, landed())
+    assert book.take_finished() == core.Received({"r1"}, set(), set())
+
+
+def test_ids_that_never_left_fail_at_the_deadline_without_an_abort() -> None:
+    book, fx, clock = consumer(transfer_timeout_s=1)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", "LLM_LINK_BUSY", retryable=True, delivered_any=False)
+    clock.advance(1)
+    book.poll()
+    assert not fx.aborts and book.take_finished().failed == {"r1"}
+
+
+def test_busy_peers_are_retried_with_backoff_until_the_deadline() -> None:
+    book, fx, clock = consumer(transfer_timeout_s=1)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", "LLM_LINK_BUSY", retryable=True, delivered_any=False)
+    book.poll()
+    assert len(fx.sent) == 1  # not before the backoff
+    clock.advance(0.05)
+    book.poll()
+    assert len(fx.sent) == 2
+    book.on_ids_sent("tid", "LLM_LINK_BUSY", retryable=True, delivered_any=False)
+    clock.advance(0.05)
+    book.poll()
+    assert len(fx.sent) == 2  # the backoff doubled
+    clock.advance(0.06)
+    book.poll()
+    assert len(fx.sent) == 3
+    book.on_ids_sent("tid")
+    book.on_done(PREFILL.cluster_id, landed())
+    assert book.take_finished() == core.Received({"r1"}, set(), set())
+
+
+def test_a_link_that_cannot_be_made_fails_at_once() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", "LLM_LINK_FAILED: connection refused", retryable=False, delivered_any=False)
+    received = book.take_finished()
+    assert received == core.Received({"r1"}, {"r1"}, {7, 8, 9}) and not fx.aborts
+
+
+def test_a_partly_sent_id_list_is_aborted() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", "LLM_LINK_BUSY", retryable=True, delivered_any=True)
+    assert book.state_of("tid") == ConsumerState.FAILING and fx.aborts
+
+
+def test_a_lost_link_fails_the_transfers_from_that_prefill_only() -> None:
+    book, _, _ = consumer()
+    other = PeerAddress.of("127.0.0.1", 20000)
+    book.begin_step([spec(), RecvSpec("r2", "t2", other, 0, (3,), 10)])
+    book.on_ids_sent("tid")
+    book.on_ids_sent("t2")
+    book.on_link_lost(PREFILL.cluster_id, "peer closed")
+    assert book.take_finished() == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+    assert "peer closed" not in book.reason("t2") and book.state_of("t2") == ConsumerState.WAITING_LANDED
+
+
+def test_a_request_finished_while_waiting_is_released_once_the_prefill_confirms() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    book.begin_step([], ["r1"])
+    assert fx.aborts[0][1].transfer_id == "tid" and book.state_of("tid") == ConsumerState.ABORTING
+    assert not book.take_finished().finished
+    book.on_done(PREFILL.cluster_id, Done("tid", Outcome.ABORTED))
+    assert book.take_finished() == core.Received({"r1"}, set(), set())  # released, not a load failure
+
+
+def test_an_abort_before_anything_left_is_immediate() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", "LLM_LINK_BUSY", retryable=True, delivered_any=False)
+    book.begin_step([], ["r1"])
+    assert not fx.aborts and book.take_finished() == core.Received({"r1"}, set(), set())
+
+
+def test_an_abort_of_a_landed_request_just_reports_it() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_done(PREFILL.cluster_id, landed())
+    book.begin_step([], ["r1"])
+    assert not fx.aborts and book.take_finished().finished == {"r1"}
+
+
+def test_an_abort_while_failing_keeps_waiting_then_releases_without_load_errors() -> None:
+    book, fx, clock = consumer(transfer_timeout_s=1, abort_grace_s=1)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid")
+    clock.advance(1)
+    book.poll()
+    book.begin_step([], ["r1"])
+    assert len(fx.aborts) == 1
+    book.on_link_lost(PREFILL.cluster_id)
+    assert book.take_finished() == core.Received({"r1"}, set(), set())
+
+
+def test_specs_that_cannot_be_received_are_reported_failed_at_once() -> None:
+    book, fx, _ = consumer(max_transfers=1)
+    book.begin_step([spec(error="2 blocks allocated for 70 tokens", blocks=(7, 8)), spec("r2", "t2"),
+                     spec("r3", "t2"), spec("r4", "t4")])
+    received = book.take_finished()
+    assert received.finished == received.failed == {"r1", "r3", "r4"}
+    assert received.load_errors == {7, 8, 9}
+    assert [tid for _, _, tid in fx.sent] == ["t2"]
+
+
+# -- a simulated prefill/decode pair ---------------------------------------------------------------
+
+class World:
+    """A prefill and a decode book joined by an in-memory 'link'. Prefill memory holds, per layer and
+    slot, the value its forward pass wrote (token * 10 + layer + 1; 0 = not written yet); a pushed
+    layer copies the source blocks into the decode's memory when ``push_layer`` (or a whole push)
+    starts, as the engine's ordered link would. Pending deliveries and completions are run in an
+    order the test chooses."""
+
+    def __init__(self, block_size: int, layers: int, prompt: int, first_block: int, prefill_cached: int,
+                 chunks: list[int], fail_push: int | None = None) -> None:
+        self.bs, self.layers, self.prompt = block_size, layers, prompt
+        self.clock = Clock()
+        self.config = ConnectorConfig(transfer_timeout_s=30, ids_timeout_s=30, abort_grace_s=5)
+        n_blocks = core.blocks_for(prompt, block_size)
+        self.src_blocks = [100 + 2 * i for i in range(n_blocks)]  # scattered on purpose
+        self.dst_all = [500 + 3 * i for i in range(n_blocks)]
+        self.first_block = first_block
+        self.p_mem = np.zeros((layers, 1000, block_size), np.int64)
+        self.d_mem = np.zeros((layers, 2000, block_size), np.int64)
+        for i in range(first_block):  # the decode's prefix cache holds these already
+            for layer in range(layers):
+                self.d_mem[layer, self.dst_all[i]] = self.expected(i, layer)
+        self.chunks, self.prefill_cached = chunks, prefill_cached
+        self.pending: list[tuple[str, Callable[[], None]]] = []
+        self.fail_push = fail_push
+        self.producer = ProducerBook(block_size, layers, self.config, self.clock, self._PFx(self))
+        self.consumer = ConsumerBook(block_size, self.config, self.clock, self._CFx(self))
+        self.pushes: dict[int, tuple[list[int], list[int]]] = {}
+        self.released: list[str] = []
+        self.received: list[core.Received] = []
+
+    def expected(self, block: int, layer: int) -> np.ndarray[Any, Any]:
+        tokens = np.arange(block * self.bs, (block + 1) * self.bs)
+        return np.where(tokens < self.prompt, tokens * 10 + layer + 1, 0)
+
+    def copy(self, push_id: int, layer: int) -> None:
+        src, dst = self.pushes[push_id]
+        self.d_mem[layer, dst] = self.p_mem[layer, src]
+
+    class _PFx:
+        def __init__(self, world: World) -> None:
+            self.w = world
+
+        def start_push(self, push_id: int, peer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                       pipelined: bool) -> None:
+            self.w.pushes[push_id] = (list(src_blocks), list(dst_blocks))
+            if not pipelined:
+                for layer in range(self.w.layers):
+                    self.w.copy(push_id, layer)
+                self.w.complete(push_id)
+
+        def push_layer(self, push_id: int, layer: int) -> None:
+            self.w.copy(push_id, layer)
+
+        def finish_push(self, push_id: int) -> None:
+            self.w.complete(push_id)
+
+        def cancel_push(self, push_id: int) -> None:
+            pass  # the completion already queued reports it
+
+        def notify(self, peer: int, data: bytes, transfer_id: str) -> None:
+            message = core.decode(data)
+            self.w.pending.append(("notify", lambda: self.w.consumer.on_message(PREFILL.cluster_id, message)))
+            self.w.pending.append(("notified", lambda: self.w.producer.on_notified(transfer_id, None)))
+
+        def reply(self, peer: int, data: bytes) -> None:
+            message = core.decode(data)
+            self.w.pending.append(("reply", lambda: self.w.consumer.on_message(PREFILL.cluster_id, message)))
+
+    class _CFx:
+        def __init__(self, world: World) -> None:
+            self.w = world
+
+        def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
+            def deliver() -> None:
+                for frame in frames:
+                    self.w.producer.on_message(DECODE_CLUSTER, core.decode(frame))
+            self.w.pending.append(("ids", deliver))
+            self.w.pending.append(("ids-sent", lambda: self.w.consumer.on_ids_sent(transfer_id)))
+
+        def send_abort(self, peer: int, data: bytes) -> None:
+            message = core.decode(data)
+            self.w.pending.append(("abort", lambda: self.w.producer.on_message(DECODE_CLUSTER, message)))
+
+    def complete(self, push_id: int) -> None:
+        error = "LLM_TIMEOUT: injected" if push_id == self.fail_push else None
+        self.pending.append(("push-done", lambda: self.producer.on_push_done(push_id, error)))
+
+    def prefill_steps(self) -> list[Callable[[], None]]:
+        steps: list[Callable[[], None]] = []
+        before = self.prefill_cached
+        for size in self.chunks:
+            after = min(before + size, self.prompt)
+            steps.append(self._compute_step(before, after))
+            before = after
+        finish = FinishedSend("p1", "tid", True, True)
+        steps.append(lambda: self._step([], [finish]))
+        return steps
+
+    def _compute_step(self, before: int, after: int) -> Callable[[], None]:
+        send = SendStep("p1", "tid", tuple(self.src_blocks), before, after, self.prompt)
+
+        def step() -> None:
+            if before == self.prefill_cached and before:  # prefill's own prefix cache: already in memory
+                for token in range(before):
+                    for layer in range(self.layers):
+                        self._write(token, layer)
+            self.producer.begin_step([send])
+            for layer in range(self.layers):
+                for token in range(before, after):
+                    self._write(token, layer)
+                self.producer.layer_saved(layer)
+            self.producer.end_step()
+            self._collect()
+        return step
+
+    def _write(self, token: int, layer: int) -> None:
+        self.p_mem[layer, self.src_blocks[token // self.bs], token % self.bs] = token * 10 + layer + 1
+
+    def _step(self, sends: list[SendStep], finished: list[FinishedSend]) -> None:
+        self.producer.begin_step(sends, finished)
+        self.producer.end_step()
+        self._collect()
+
+    def _collect(self) -> None:
+        self.producer.poll()
+        self.consumer.poll()
+        self.released.extend(self.producer.take_finished_sending())
+        received = self.consumer.take_finished()
+        if received.finished:
+            self.received.append(received)
+
+    def start_decode(self) -> None:
+        blocks = tuple(self.dst_all[self.first_block:])
+        self.consumer.begin_step([RecvSpec("d1", "tid", PREFILL, self.first_block, blocks, self.prompt)])
+
+    def run(self, choose: Callable[[int], int]) -> None:
+        """Run prefill steps (in order), the decode's start and every pending delivery or completion, in
+        the order ``choose`` picks, until nothing is left."""
+        steps = self.prefill_steps()
+        decode_started = False
+        for _ in range(10000):
+            options: list[tuple[str, Callable[[], None]]] = list(self.pending)
+            if steps:
+                options.append(("prefill-step", steps[0]))
+            if not decode_started:
+                options.append(("decode", self.start_decode))
+            if not options:
+                return
+            name, action = options[choose(len(options) - 1)]
+            if name == "prefill-step":
+                steps.pop(0)
+            elif name == "decode":
+                decode_started = True
+            else:
+                self.pending.remove((name, action))
+            action()
+            self._collect()
+        raise AssertionError("the simulation did not settle")
+
+
+@st.composite
+def worlds(draw: st.DrawFn, failures: bool = False) -> World:
+    block_size = draw(st.sampled_from([2, 4, 16]))
+    layers = draw(st.integers(1, 3))
+    prompt = draw(st.integers(1, 6 * block_size))
+    n_blocks = core.blocks_for(prompt, block_size)
+    first_block = draw(st.integers(0, n_blocks - 1))  # the decode always needs the last block
+    prefill_cached = draw(st.integers(0, (prompt - 1) // block_size)) * block_size
+    chunks, left = [], prompt - prefill_cached
+    while left > 0:
+        size = draw(st.integers(1, left))
+        chunks.append(size)
+        left -= size
+    fail_push = draw(st.integers(1, 4)) if failures else None
+    return World(block_size, layers, prompt, first_block, prefill_cached, chunks, fail_push)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(), data=st.data())
+def test_any_interleaving_lands_every_token_of_every_layer_exactly_once(world: World, data: st.DataObject) -> None:
+    world.run(lambda top: data.draw(st.integers(0, top)))
+    assert world.received == [core.Received({"d1"}, set(), set())]  # the decode: LANDED, once
+    assert world.released == ["p1"]  # the prefill: blocks released once, after the finish
+    for i, block in enumerate(world.dst_all):
+        for layer in range(world.layers):
+            assert (world.d_mem[layer, block] == world.expected(i, layer)).all(), (i, layer)
+    assert len(world.producer) == len(world.consumer) == 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(failures=True), data=st.data())
+def test_a_failed_push_is_never_reported_as_landed_and_nothing_leaks(world: World, data: st.DataObject) -> None:
+    world.run(lambda top: data.draw(st.integers(0, top)))
+    assert world.released == ["p1"]
+    (received,) = world.received
+    assert received.finished == {"d1"}
+    failed = world.fail_push is not None and world.fail_push in world.pushes
+    if failed:
+        assert received.failed == {"d1"} and received.load_errors == set(world.dst_all[world.first_block:])
+    else:
+        assert received == core.Received({"d1"}, set(), set())
+    assert len(world.producer) == len(world.consumer) == 0
