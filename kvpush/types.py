@@ -20,7 +20,14 @@ if TYPE_CHECKING:
 U64_MAX = (1 << 64) - 1
 
 
-class LLMRole(IntEnum):
+class _NamedIntEnum(IntEnum):
+    """``str()`` is ``"ClassName.MEMBER"``, as LLM-DataDist's enums print; ``int()`` gives the number."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class LLMRole(_NamedIntEnum):
     """A label for an engine; it never restricts who may push or pull."""
 
     PROMPT = 1
@@ -28,12 +35,14 @@ class LLMRole(IntEnum):
     MIX = 3
 
 
-class Placement(IntEnum):
+class Placement(_NamedIntEnum):
+    """Where a cache's memory lives. kvpush moves host memory; see ``CacheDesc``."""
+
     HOST = 0
     DEVICE = 1
 
 
-class DataType(IntEnum):
+class DataType(_NamedIntEnum):
     """LLM-DataDist's data types (same numbers)."""
 
     DT_FLOAT = 0
@@ -91,7 +100,14 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = U64_MAX) -> int:
 
 class CacheDesc:
     """``num_tensors`` tensors of one ``shape`` and ``data_type``; ``shape[0]`` is the block (or
-    batch) dimension. ``size`` is the bytes of one tensor, ``block_bytes`` the bytes of one block."""
+    batch) dimension. ``size`` is the bytes of one tensor, ``block_bytes`` the bytes of one block.
+
+    LLM-DataDist's descriptor fields are kept: ``batch_dim_index`` (which dimension indexes blocks or
+    batch slots, ``batch_dim``; its length is ``batch_size``), ``seq_len_dim_index`` (-1: none) and
+    ``kv_tensor_format`` (a label, e.g. ``"BSH"``), and ``update_dim(i, n)`` changes one dimension.
+    kvpush's transfers address blocks and batch slots along dimension 0, so a cache whose
+    ``batch_dim_index`` is not 0 can be described but is refused where it would be moved.
+    """
 
     def __init__(
         self,
@@ -99,6 +115,9 @@ class CacheDesc:
         shape: Sequence[int],
         data_type: DataType,
         placement: Placement = Placement.HOST,
+        batch_dim_index: int = 0,
+        seq_len_dim_index: int = -1,
+        kv_tensor_format: str | None = None,
     ) -> None:
         self.num_tensors = check_int("num_tensors", num_tensors, 0, 1 << 31)
         if not isinstance(shape, (list, tuple)):
@@ -116,6 +135,41 @@ class CacheDesc:
             else:
                 raise TypeError(f"placement must be a Placement, got {type(placement).__name__}")
         self.placement = placement
+        batch_dim_index = check_int("batch_dim_index", batch_dim_index, -(1 << 31), (1 << 31) - 1)
+        seq_len_dim_index = check_int("seq_len_dim_index", seq_len_dim_index, -(1 << 31), (1 << 31) - 1)
+        # (types.py sits below status.py: a value outside what the descriptor allows is a ValueError here;
+        # kvpush.compat.llm_datadist.CacheDesc raises LLM-DataDist's LLMException(LLM_PARAM_INVALID) first.)
+        if kv_tensor_format is not None and not isinstance(kv_tensor_format, str):
+            raise TypeError(f"kv_tensor_format must be a str or None, got {type(kv_tensor_format).__name__}")
+        if not 0 <= batch_dim_index < max(len(self.shape), 1):
+            raise ValueError(f"batch_dim_index {batch_dim_index} out of range, [0, {len(self.shape)})")
+        if seq_len_dim_index != -1 and not 0 <= seq_len_dim_index < len(self.shape):
+            raise ValueError(f"seq_len_dim_index {seq_len_dim_index} is invalid, should be -1 or in range "
+                             f"[0, {len(self.shape)})")
+        self.batch_dim_index = batch_dim_index
+        self.seq_len_dim_index = seq_len_dim_index
+        self.kv_tensor_format = kv_tensor_format
+
+    @property
+    def batch_dim(self) -> int:
+        """LLM-DataDist's name for ``batch_dim_index``."""
+        return self.batch_dim_index
+
+    @property
+    def batch_size(self) -> int:
+        """Length of the batch (block) dimension: blocks or batch slots per tensor."""
+        return self.shape[self.batch_dim_index] if self.shape else 0
+
+    def update_dim(self, dim_index: int, dim_value: int) -> None:
+        """Set dimension ``dim_index`` to ``dim_value`` (before the descriptor is registered or allocated:
+        a registered cache keeps the size it was registered with)."""
+        index = check_int("dim_index", dim_index, -len(self.shape), len(self.shape) - 1) if self.shape else None
+        if index is None:
+            raise IndexError("update_dim: the shape has no dimensions")
+        value = check_int("dim_value", dim_value, 0, 1 << 48)
+        dims = list(self.shape)
+        dims[index] = value
+        self.shape = tuple(dims)
 
     @property
     def size(self) -> int:
@@ -135,22 +189,28 @@ class CacheDesc:
         """Bytes of one block of one tensor (``size // shape[0]``)."""
         return self.size // self.shape[0] if self.shape and self.shape[0] else 0
 
+    def _layout(self) -> tuple[object, ...]:
+        return (self.num_tensors, self.shape, self.data_type, self.placement, self.batch_dim_index,
+                self.seq_len_dim_index, self.kv_tensor_format)
+
     def __repr__(self) -> str:
+        extra = ""
+        if self.batch_dim_index != 0:
+            extra += f", batch_dim_index={self.batch_dim_index}"
+        if self.seq_len_dim_index != -1:
+            extra += f", seq_len_dim_index={self.seq_len_dim_index}"
+        if self.kv_tensor_format is not None:
+            extra += f", kv_tensor_format={self.kv_tensor_format!r}"
         return (
             f"CacheDesc(num_tensors={self.num_tensors}, shape={list(self.shape)}, "
-            f"data_type={self.data_type.name}, placement={self.placement.name})"
+            f"data_type={self.data_type.name}, placement={self.placement.name}{extra})"
         )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CacheDesc) and (
-            self.num_tensors,
-            self.shape,
-            self.data_type,
-            self.placement,
-        ) == (other.num_tensors, other.shape, other.data_type, other.placement)
+        return isinstance(other, CacheDesc) and self._layout() == other._layout()
 
     def __hash__(self) -> int:
-        return hash((self.num_tensors, self.shape, self.data_type, self.placement))
+        return hash(self._layout())
 
 
 @dataclass(eq=False)
@@ -166,6 +226,21 @@ class Cache:
     def __repr__(self) -> str:
         kind = "blocks" if self.is_blocks_cache else "contiguous"
         return f"Cache(cache_id={self.cache_id}, {kind}, {self.cache_desc!r})"
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
+        """LLM-DataDist's description of host memory the caller owns, not registered with any engine
+        (``cache_id`` -1, a blocks cache): the host side of ``swap_blocks``. ``cache_desc.placement``
+        must be HOST and ``addrs`` one int address per tensor (ValueError otherwise)."""
+        if not isinstance(cache_desc, CacheDesc):
+            raise TypeError(f"cache_desc must be a CacheDesc, got {type(cache_desc).__name__}")
+        if not isinstance(addrs, list) or any(isinstance(a, bool) or not isinstance(a, int) for a in addrs):
+            raise TypeError("addrs must be a list of int")
+        if cache_desc.placement != Placement.HOST:
+            raise ValueError("cache_desc placement must be HOST")
+        if cache_desc.num_tensors != len(addrs):
+            raise ValueError(f"cache_desc num_tensors:{cache_desc.num_tensors} not equal addrs num:{len(addrs)}")
+        return cls(-1, cache_desc, [check_int(f"addrs[{i}]", a) for i, a in enumerate(addrs)], True)
 
 
 class BlocksCacheKey:
@@ -231,12 +306,38 @@ def check_ip(name: str, ip: object) -> str:
 
 
 class LLMClusterInfo:
-    """A peer to link to: its cluster id and the addresses it listens on."""
+    """A peer to link to: its cluster id and the addresses it listens on.
+
+    ``local_ip_info_list`` / ``remote_ip_info_list`` are LLM-DataDist's names for ``local_ip_info`` /
+    ``remote_ip_info`` (the same lists of ``(ip, port)``; kvpush keeps the ip as text, so IPv6 fits).
+    ``remote_role_type`` (an ``LLMRole`` or int) is recorded as LLM-DataDist does; roles never restrict
+    who may push or pull.
+    """
 
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None
+        self._remote_role_type: LLMRole | int | None = None
         self.local_ip_info: list[tuple[str, int]] = []
         self.remote_ip_info: list[tuple[str, int]] = []
+
+    @property
+    def local_ip_info_list(self) -> list[tuple[str, int]]:
+        return self.local_ip_info
+
+    @property
+    def remote_ip_info_list(self) -> list[tuple[str, int]]:
+        return self.remote_ip_info
+
+    @property
+    def remote_role_type(self) -> LLMRole | int | None:
+        """The peer's role as the caller describes it (None until set)."""
+        return self._remote_role_type
+
+    @remote_role_type.setter
+    def remote_role_type(self, value: LLMRole | int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"remote_role_type must be an LLMRole or int, got {type(value).__name__}")
+        self._remote_role_type = value
 
     @property
     def remote_cluster_id(self) -> int | None:
