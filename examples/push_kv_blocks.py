@@ -35,6 +35,7 @@ from kvpush.compat.llm_datadist import (
     LLMDataDist,
     LLMRole,
     LLMStatusCode,
+    Placement,
 )
 
 PROMPT_CLUSTER_ID = 0
@@ -55,7 +56,8 @@ def prompt_values(index: int) -> np.ndarray:
 
 
 def cache_desc() -> CacheDesc:
-    return CacheDesc(NUM_TENSORS, TENSOR_SHAPE, DataType.DT_INT32)
+    # LLM-DataDist's CacheDesc defaults to Placement.DEVICE (NPU memory); this memory is numpy's, on the host
+    return CacheDesc(NUM_TENSORS, TENSOR_SHAPE, DataType.DT_INT32, Placement.HOST)
 
 
 def run_prompt_sample(shared: Shared) -> None:

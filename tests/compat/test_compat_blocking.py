@@ -36,11 +36,12 @@ from kvpush.compat.llm_datadist import (
     LLMException,
     LLMRole,
     LLMStatusCode,
+    Placement,
 )
 
 TENSORS, BLOCKS, ROW = 4, 16, 256  # 2 layers of K, V; int32 rows: 1 KiB blocks
 PEER_BLOCKS = 32
-DESC = CacheDesc(TENSORS, [BLOCKS, ROW], DataType.DT_INT32)
+DESC = CacheDesc(TENSORS, [BLOCKS, ROW], DataType.DT_INT32, Placement.HOST)  # LLM-DataDist's default is DEVICE
 
 
 def arrays(seed: int | None) -> list[np.ndarray[Any, Any]]:
@@ -309,7 +310,7 @@ def test_link_failures_are_returned_not_raised(engines: Callable[..., LLMDataDis
 
 def _mistakes(zeros: list[np.ndarray[Any, Any]]) -> dict[str, tuple[Callable[[Any], Any], bool]]:
     """Wrong calls, each as f(cache_manager-like, cache) -> result; True when it is a transfer (awaited)."""
-    bad_desc = CacheDesc(TENSORS, [BLOCKS, ROW], DataType.DT_INT32)
+    bad_desc = CacheDesc(TENSORS, [BLOCKS, ROW], DataType.DT_INT32, Placement.HOST)
     return {
         "zero address": (lambda cm, cache: cm.register_blocks_cache(bad_desc, [0] * TENSORS), False),
         "bool address": (lambda cm, cache: cm.register_blocks_cache(bad_desc, [True] * TENSORS), False),
@@ -396,8 +397,9 @@ def test_llmconfig_fields_generate_llm_datadist_option_keys_and_take_effect(capl
     config.rdma_traffic_class = 132
     config.rdma_service_level = 4
     options = config.generate_options()
-    assert options == {
-        "ge.exec.deviceId": "0", "llm.listenIpInfo": "127.0.0.1:0", "llm.SyncKvCacheWaitTime": "1500",
+    assert options == {  # exactly what llm_datadist's LlmConfig.generate_options() emits for these fields
+        "ge.exec.deviceId": "0", "ge.session_device_id": "0", "llm.listenIpInfo": "127.0.0.1:0",
+        "llm.SyncKvCacheWaitTime": "1500", "llm.MemoryUtilization": "0.95",
         "llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1", "llm.LocalCommRes": "",
         "llm.MemPoolConfig": '{"memory_size": 1073741824}', "llm.HostMemPoolConfig": '{"memory_size": 1073741824}',
         "llm.LinkTotalTime": "10000", "llm.LinkRetryCount": "2", "llm.RdmaTrafficClass": "132",
@@ -445,9 +447,7 @@ def test_a_dead_loop_thread_fails_calls_instead_of_hanging(engines: Callable[...
         def die() -> None:
             raise SystemExit("simulated crash of the loop thread")
 
-        private_loop = engine._loop  # white box: the only way to kill the private loop thread
-        assert private_loop is not None
-        private_loop._loop.call_soon_threadsafe(die)
+        engine.runner("crash").portal.call_soon(die)  # the only way to kill the private loop thread
         started = time.monotonic()
         worker.join(10)
         assert not worker.is_alive()
@@ -493,12 +493,12 @@ _INTERRUPTED = textwrap.dedent("""
     import sys, time
     import numpy as np
     from kvpush.compat.llm_datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMDataDist,
-                                            LLMRole)
+                                            LLMRole, Placement)
     port = int(sys.argv[1])
     engine = LLMDataDist(LLMRole.PROMPT, 1)
     engine.init({"llm.SyncKvCacheWaitTime": "2000"})
     tensors = [np.ones((16, 256), np.int32) for _ in range(4)]
-    cache = engine.cache_manager.register_blocks_cache(CacheDesc(4, [16, 256], DataType.DT_INT32),
+    cache = engine.cache_manager.register_blocks_cache(CacheDesc(4, [16, 256], DataType.DT_INT32, Placement.HOST),
                                                        [int(t.ctypes.data) for t in tensors], BlocksCacheKey(1, 0))
     info = LLMClusterInfo()
     info.remote_cluster_id = 2
