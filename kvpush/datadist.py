@@ -78,6 +78,10 @@ class LLMDataDist:
         self._initialized = False
         self._finalized = False
         self._links: dict[int, Link] = {}
+        # A second link to the same peer instance, made because both ends linked at once: kept open
+        # (it was reported usable and may carry the peer's transfers) until unlink; used for this
+        # side's transfers only if the first one closes.
+        self._crossed: dict[int, Link] = {}
         self._linking: set[int] = set()
         self._listener: Listener | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -128,9 +132,10 @@ class LLMDataDist:
         self._finalized = True
         self._initialized = False
         self._stop_listening()
-        for link in list(self._links.values()):
+        for link in [*self._links.values(), *self._crossed.values()]:
             link.close("engine finalized")
         self._links.clear()
+        self._crossed.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -243,30 +248,39 @@ class LLMDataDist:
             return
         self._adopt(link)
 
-    def _dialer_cluster(self, link: Link) -> int:
-        assert link.peer_cluster_id is not None
-        return self.cluster_id if link.dialer else link.peer_cluster_id
-
     def _adopt(self, link: Link) -> bool:
-        """Make ``link`` the link to its cluster. A link from a new instance of the peer (it
-        restarted) replaces the old one. When both ends dialed each other at once, both keep the
-        link dialed by the lower cluster id, so they agree without talking. False: not adopted."""
+        """Make ``link`` a link to its cluster. False: not adopted (closed meanwhile, or finalized).
+
+        - A link from a new instance of the peer (it restarted) replaces every older link to it.
+        - Both ends linked each other (at once, or one while the other's handshake was under way):
+          the first link stays this side's link and the crossing one is kept beside it; neither is
+          torn down, both carry transfers both ways, and unlink ends both.
+        - A link in the same direction as one we have from the same instance means the peer lost
+          that one (it would have reused it otherwise): it replaces it."""
         assert link.peer_cluster_id is not None
+        cluster_id = link.peer_cluster_id
         if not self._initialized:
             link.close("engine finalized")
             return False
         if not link.ready:  # it closed between its handshake and now (the peer left, or misbehaved)
             return False
-        old = self._links.get(link.peer_cluster_id)
-        if old is not None and old is not link and old.ready:
-            crossed = old.peer_instance == link.peer_instance and old.dialer != link.dialer
-            if crossed and self._dialer_cluster(old) < self._dialer_cluster(link):
-                link.close("both ends linked at once; keeping the other link")
-                return False
-            log.info("cluster %d linked again%s; closing its previous link", link.peer_cluster_id,
-                     " from both ends at once" if crossed else " (peer restarted)")
+        existing = [old for old in (self._links.get(cluster_id), self._crossed.get(cluster_id))
+                    if old is not None and old is not link and old.ready]
+        if any(old.peer_instance != link.peer_instance for old in existing):
+            log.info("cluster %d linked again (peer restarted); closing its previous link", cluster_id)
+            for old in existing:
+                old.close("replaced by a link from a new instance of the same cluster")
+            existing = []
+        for old in [old for old in existing if old.dialer == link.dialer]:
+            log.info("cluster %d linked again in the same direction; closing the link it left", cluster_id)
             old.close("replaced by a new link to the same cluster")
-        self._links[link.peer_cluster_id] = link
+            existing.remove(old)
+        primary = self._links.get(cluster_id)
+        if primary is not None and primary.ready and primary in existing:
+            log.info("cluster %d linked from both ends; keeping both links", cluster_id)
+            self._crossed[cluster_id] = link
+            return True
+        self._links[cluster_id] = link
         for listener in self._link_listeners:
             listener(link, None)
         return True
@@ -275,12 +289,22 @@ class LLMDataDist:
     def link_closed(self, link: Link, reason: str, held: HeldGrants | None) -> None:
         """Called by a link when it closes: it is forgotten, so linking again works; caches the peer
         may still be writing into are released when that is safe (a task this engine owns)."""
-        if link.peer_cluster_id is not None and self._links.get(link.peer_cluster_id) is link:
-            del self._links[link.peer_cluster_id]
+        cluster_id = link.peer_cluster_id
+        if cluster_id is not None and self._crossed.get(cluster_id) is link:
+            del self._crossed[cluster_id]
+        elif cluster_id is not None and self._links.get(cluster_id) is link:
+            spare = self._crossed.pop(cluster_id, None)
+            if spare is not None and spare.ready:  # the crossing link goes on carrying this side's transfers
+                self._links[cluster_id] = spare
+                return self._keep_grants(link, held)
+            del self._links[cluster_id]
             for inbox in (self.messages, self.notifications):
-                inbox.peer_gone(link.peer_cluster_id, reason)
+                inbox.peer_gone(cluster_id, reason)
             for listener in self._link_listeners:
                 listener(link, reason)
+        self._keep_grants(link, held)
+
+    def _keep_grants(self, link: Link, held: HeldGrants | None) -> None:
         if held is not None:
             if self._finalized:
                 held.release_now_or_keep()
@@ -317,7 +341,7 @@ class LLMDataDist:
 
     def registry_changed(self) -> None:
         """The registry changed: every peer gets the new table (a failing send closes its link)."""
-        for link in list(self._links.values()):
+        for link in [*self._links.values(), *self._crossed.values()]:  # a failing send closes its link
             link.registry_changed()
 
     def link_for(self, api: str, cluster_id: int) -> Link:
@@ -362,8 +386,10 @@ class LLMDataDist:
         if cluster_id == self.cluster_id:
             log.warning("link_clusters: cluster %d is this engine itself", cluster_id)
             return LLMStatusCode.LLM_PARAM_INVALID
-        if cluster_id in self._links:
-            return LLMStatusCode.LLM_ALREADY_LINK
+        existing = self._links.get(cluster_id)
+        if existing is not None and existing.ready:
+            # linked by the peer: usable both ways, as if this call had made it (SPEC 3)
+            return LLMStatusCode.LLM_ALREADY_LINK if existing.dialer else LLMStatusCode.LLM_SUCCESS
         if cluster_id in self._linking:
             return LLMStatusCode.LLM_PROCESSING_LINK
         self._linking.add(cluster_id)
@@ -403,8 +429,6 @@ class LLMDataDist:
                         return LLMStatusCode.LLM_SUCCESS
                     if not self._initialized:
                         return LLMStatusCode.LLM_LINK_FAILED  # finalized meanwhile
-                    if cluster_id in self._links:  # both ends linked at once: the other link is kept
-                        return LLMStatusCode.LLM_ALREADY_LINK
                     reasons.append(f"{host}:{port}: the link closed right after its handshake: {link.close_reason}")
                     continue
         finally:
@@ -430,14 +454,16 @@ class LLMDataDist:
 
         async def unlink(info: LLMClusterInfo) -> LLMStatusCode:
             assert info.remote_cluster_id is not None
-            link = self._links.get(info.remote_cluster_id)
-            if link is None:
+            links = [link for link in (self._crossed.get(info.remote_cluster_id),
+                                       self._links.get(info.remote_cluster_id)) if link is not None]
+            if not links:
                 return LLMStatusCode.LLM_SUCCESS
             if force:
-                link.close("force unlinked")
+                for link in links:
+                    link.close("force unlinked")
                 return LLMStatusCode.LLM_SUCCESS
-            ok = await link.unlink(seconds)
-            return LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_UNLINK_FAILED
+            results = await asyncio.gather(*(link.unlink(seconds) for link in links))
+            return LLMStatusCode.LLM_SUCCESS if all(results) else LLMStatusCode.LLM_UNLINK_FAILED
 
         codes = list(await asyncio.gather(*(unlink(info) for info in infos)))
         return _overall(codes), codes

@@ -100,6 +100,7 @@ class Link:
         self.onesided: OneSidedSender | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # owned: cancelled when the link closes
         self._bye: asyncio.Future[None] = self.loop.create_future()
+        self._unlinking = False  # this side sent BYE and waits for the answer
         self._first_table: asyncio.Future[None] = self.loop.create_future()
         self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
         self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
@@ -480,6 +481,11 @@ class Link:
                 self._bye.set_result(None)
             self.close("unlinked")
             return
+        if self._unlinking:  # both ends unlink at once: the peer's BYE answers ours (our leases are drained)
+            if not self._bye.done():
+                self._bye.set_result(None)
+            self.stream.send(encode_json(Kind.BYE, 0, {"ack": True, "leases_done": True}))
+            return
         if self.onesided is not None:
             self.onesided.close_leases()  # nothing new starts; what runs is drained before the ack
             if not self.onesided.leases_idle():
@@ -506,6 +512,7 @@ class Link:
                 if self.onesided is not None:
                     self.onesided.close_leases()  # nothing new starts, so the drain below is final
                 done = self.onesided is None or await self.onesided.drain_leases(timeout)
+                self._unlinking = True
                 self.stream.send(encode_json(Kind.BYE, 0, {"leases_done": done}))
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True

@@ -131,7 +131,7 @@ async def test_two_engines_in_one_process(make_engine: EngineFactory) -> None:
     assert np.array_equal(raw(a)[:, 5], raw(b)[:, 2])
     assert np.array_equal(raw(b)[:, 0], raw(a)[:, 3])
     status, codes = await right.link_clusters([cluster(1, left.listen_address[1])])
-    assert codes == [LLMStatusCode.LLM_ALREADY_LINK]
+    assert codes == [LLMStatusCode.LLM_SUCCESS]  # SPEC 3: linked by the peer is linked (was ALREADY_LINK)
     stats = left.link_stats()[2]
     assert stats["transport"] == "cma"  # same host: one-sided, even within one process
     assert stats["write_requests"] == 2 and stats["bytes_served"] == 4 * 4096
