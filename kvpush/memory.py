@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +82,72 @@ def _checked(region: Region, name: str, desc: CacheDesc) -> Region:
     return region
 
 
+_ACCELERATOR_RUNTIMES = ("libcuda.so", "libcudart.so", "libascendcl.so", "libamdhip64.so")
+_device_noted = False
+
+
+def _maps() -> list[tuple[int, int, str, str]]:
+    """This process's mappings: (start, end, permissions, path) from /proc/self/maps."""
+    rows = []
+    try:
+        with open("/proc/self/maps") as handle:
+            for line in handle:
+                fields = line.split(maxsplit=5)
+                start, _, end = fields[0].partition("-")
+                rows.append((int(start, 16), int(end, 16), fields[1], fields[5].strip() if len(fields) > 5 else ""))
+    except OSError:
+        pass
+    return rows
+
+
+def mapped_writable(address: int, nbytes: int) -> bool:
+    """True when ``[address, address + nbytes)`` is mapped readable and writable in this process."""
+    position, end = address, address + nbytes
+    for start, stop, perms, _ in sorted(_maps()):
+        if stop <= position or start > position:
+            continue
+        if not (perms.startswith("rw")):
+            return False
+        position = stop
+        if position >= end:
+            return True
+    return position >= end
+
+
+def accelerator_runtime() -> str | None:
+    """The accelerator runtime library loaded in this process, if any (then DEVICE means device memory)."""
+    for _, _, _, path in _maps():
+        name = os.path.basename(path)
+        if any(name.startswith(runtime) for runtime in _ACCELERATOR_RUNTIMES):
+            return name
+    return None
+
+
+def check_placement(desc: CacheDesc, regions: list[Region]) -> None:
+    """DEVICE placement on a host without an accelerator runtime is host memory (LLM-DataDist's
+    samples register their NPU tensors as DEVICE; on a CPU host those are host tensors): accepted once
+    every tensor is verified to be mapped, writable host memory of this process; the cache keeps the
+    placement the program gave. With a runtime loaded it really is device memory, which no transport
+    here reaches yet (LLM_FEATURE_NOT_ENABLED)."""
+    global _device_noted
+    if desc.placement != Placement.DEVICE:
+        return
+    runtime = accelerator_runtime()
+    if runtime is not None:
+        raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                           f"placement DEVICE with {runtime} loaded: device memory needs a GPU-capable transport, "
+                           f"which kvpush does not have yet")
+    for index, region in enumerate(regions):
+        if not mapped_writable(region.address, region.nbytes):
+            raise param_invalid(f"addrs[{index}]=0x{region.address:x} ({region.nbytes} bytes) is not mapped, "
+                                f"writable host memory of this process (placement DEVICE on a host without an "
+                                f"accelerator runtime means host memory)")
+    if not _device_noted:
+        _device_noted = True
+        log.info("placement DEVICE: no accelerator runtime in this process, so DEVICE caches are host memory "
+                 "(verified mapped); they are registered as such and keep the placement they were given")
+
+
 def region_of(obj: object, name: str, desc: CacheDesc) -> Region:
     """One tensor's memory, checked against ``desc``. Raises TypeError / ValueError /
     LLMException(LLM_PARAM_INVALID or LLM_FEATURE_NOT_ENABLED)."""
@@ -90,7 +157,11 @@ def region_of(obj: object, name: str, desc: CacheDesc) -> Region:
         address = int(obj)
         if address < 0 or address > U64_MAX:
             raise ValueError(f"{name}={address} is not a valid address")
-        return _checked(Region(address, desc.size, None), name, desc)
+        region = _checked(Region(address, desc.size, None), name, desc)
+        if not mapped_writable(address, desc.size):  # a wrong address is an error here, never a crash later
+            raise param_invalid(f"{name}=0x{address:x} ({desc.size} bytes) is not mapped, writable memory of "
+                                f"this process")
+        return region
     array: np.ndarray[Any, Any]
     if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
         device = getattr(obj, "__dlpack_device__", lambda: (_DLPACK_CPU, 0))()
@@ -260,10 +331,7 @@ class CacheRegistry:
         model_id: int | None,
         mapping: mmap.mmap | None = None,
     ) -> Cache:
-        if desc.placement != Placement.HOST:
-            raise LLMException(
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "placement DEVICE: no transport here reaches device memory"
-            )
+        check_placement(desc, regions)
         if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
             raise param_invalid(f"{desc!r} describes no memory (num_tensors and every dim must be >= 1)")
         if model_id is not None and model_id in self._by_model:
