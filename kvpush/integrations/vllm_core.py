@@ -31,18 +31,16 @@ import ipaddress
 import logging
 import struct
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import kvpush
+from kvpush import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-#: the engine's bound for one peer message (kvpush.MAX_MESSAGE_BYTES once the engine exports it)
-MAX_MESSAGE_BYTES: int = int(getattr(kvpush, "MAX_MESSAGE_BYTES", 64 * 1024))
 MAX_TRANSFER_ID_BYTES = 128
 MAX_REASON_BYTES = 512
 MAX_BLOCKS_PER_TRANSFER = 1 << 24
@@ -672,7 +670,8 @@ class ProducerEffects(Protocol):
         """Send ``data`` on the peer's notification inbox, after every transfer that already ended."""
 
     def reply(self, peer: int, data: bytes) -> None:
-        """Best-effort message to the peer (answers to messages about unknown transfers)."""
+        """Best-effort answer to the peer, on its notification inbox (about transfers this side does
+        not have)."""
 
 
 class ConsumerEffects(Protocol):
@@ -750,6 +749,8 @@ class ProducerBook:
         self._next_push = 1
         self._finished_sending: set[str] = set()
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> how it ended
+        #: pushes_pipelined / pushes_after_forward / blocks_pushed / landed / failed / released
+        self.stats: Counter[str] = Counter()
 
     # -- introspection -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -907,6 +908,8 @@ class ProducerBook:
         self._push_owner[push_id] = t
         if pipelined:
             self._step_layers[push_id] = set()
+        self.stats["pushes_pipelined" if pipelined else "pushes_after_forward"] += 1
+        self.stats["blocks_pushed"] += len(src)
         self.effects.start_push(push_id, t.peer, src, dst, pipelined)
         return push_id
 
@@ -1031,6 +1034,8 @@ class ProducerBook:
 
     def _release(self, t: _Outgoing) -> None:
         del self._transfers[t.transfer_id]
+        self.stats["released"] += 1
+        self.stats["landed" if t.failure is None else "failed"] += 1
         if t.finished and t.delayed and t.req_id is not None:
             self._finished_sending.add(t.req_id)
         self._ended[t.transfer_id] = "landed" if t.failure is None else t.failure
@@ -1100,6 +1105,8 @@ class ConsumerBook:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
+        #: ids_sent / landed / failed / aborted
+        self.stats: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -1230,6 +1237,7 @@ class ConsumerBook:
             self._give_up(t, str(error), self.clock())
             return
         t.sending = True
+        self.stats["ids_sent"] += 1
         self.effects.send_ids(spec.remote, frames, spec.transfer_id)
 
     def _give_up(self, t: _Incoming, reason: str, now: float) -> None:
@@ -1258,6 +1266,7 @@ class ConsumerBook:
 
     def _end(self, t: _Incoming, state: ConsumerState) -> None:
         t.state = state
+        self.stats[state.name.lower()] += 1
         del self._transfers[t.spec.transfer_id]
         self._by_req.pop(t.spec.req_id, None)
         self._finished.add(t.spec.req_id)
@@ -1267,6 +1276,7 @@ class ConsumerBook:
         log.debug("transfer %s (request %s): %s", t.spec.transfer_id, t.spec.req_id, state.value)
 
     def _report_now(self, spec: RecvSpec, reason: str) -> None:
+        self.stats["failed"] += 1
         log.warning("request %s (transfer %s): %s", spec.req_id, spec.transfer_id, reason)
         self._finished.add(spec.req_id)
         self._failed.add(spec.req_id)

@@ -68,12 +68,15 @@ def make_tiny_model(
     vocab_size: int = 2048,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    weight_seed: int | None = None,
 ) -> Path:
     """Write a Llama-style model (config, safetensors weights, tokenizer) into ``path`` and return it.
 
     Same arguments, same bytes: the weights come from ``torch.manual_seed(seed)`` and the tokenizer
-    from a corpus generated with ``seed``. The model's vocabulary is the tokenizer's (BPE may stop
-    short of ``vocab_size`` on a small corpus), so every id vLLM samples decodes.
+    from a corpus generated with ``seed`` (``weight_seed``, if given, seeds the weights alone: another
+    model with the same tokenizer and KV geometry, for negative controls). The model's vocabulary is
+    the tokenizer's (BPE may stop short of ``vocab_size`` on a small corpus), so every id vLLM
+    samples decodes.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -95,7 +98,7 @@ def make_tiny_model(
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if weight_seed is None else weight_seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -116,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight-seed", type=int, default=None)
     args = parser.parse_args(argv)
     started = time.monotonic()
     out = make_tiny_model(args.path, num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                           num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                          vocab_size=args.vocab, seed=args.seed)
+                          vocab_size=args.vocab, seed=args.seed, weight_seed=args.weight_seed)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"{out}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
     return 0
