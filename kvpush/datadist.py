@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 MAX_CLUSTERS_PER_CALL = 16
 HANDSHAKE_TIMEOUT_S = 5.0
+# Connections in handshake at once. Past it the oldest one is dropped to make room: a flood of idle or
+# slow connections can never keep a real peer out (its handshake takes a few round trips, a flood would
+# have to open this many connections within them), and each one holds at most a handshake frame.
+MAX_PENDING_HANDSHAKES = 64
 
 
 def _check_timeout(api: str, timeout: object) -> float:
@@ -87,6 +91,8 @@ class LLMDataDist:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
+        self._accepting: dict[asyncio.Task[Any], Connection] = {}  # in handshake, oldest first
+        self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
         self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
@@ -234,7 +240,21 @@ class LLMDataDist:
                 log.warning("accept failed on %s: %s", listener.address, error)
                 await asyncio.sleep(0.05)
                 continue
-            self._own(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
+            while len(self._accepting) >= self.max_pending_handshakes:
+                oldest = next(iter(self._accepting))
+                dropped = self._accepting.pop(oldest)
+                log.warning("too many connections in handshake (%d): dropping the oldest, from %s",
+                            len(self._accepting) + 1, dropped.peer)
+                oldest.cancel()
+                dropped.close()
+            task = self._own(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
+            self._accepting[task] = connection
+            task.add_done_callback(self._accept_done)
+
+    def _accept_done(self, task: asyncio.Task[Any]) -> None:
+        connection = self._accepting.pop(task, None)
+        if task.cancelled() and connection is not None:
+            connection.close()  # dropped before its handshake ran: nothing else owns the socket
 
     async def _accept_one(self, connection: Connection) -> None:
         try:

@@ -27,6 +27,10 @@ from .status import LLMException, LLMStatusCode
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
+# The largest handshake frame meta accepted (HELLO, AUTH and READY with offers are well under 2 KiB):
+# before the handshake is over a stranger can make the engine hold only this much per connection.
+HANDSHAKE_META_LIMIT = 8 << 10
+_MAX_QUEUED = 4  # a conforming peer never has more than one handshake frame outstanding
 HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.BYE})
 
 
@@ -79,6 +83,8 @@ class Handshake:
             raise ProtocolError(f"{kind.name} before the handshake completed")
         if kind == Kind.READY and not (self.dialer and self._auth_sent):
             raise ProtocolError("READY before authentication")
+        if self._inbox.qsize() >= _MAX_QUEUED:
+            raise ProtocolError("handshake frames sent out of turn")
         self._inbox.put_nowait((kind, body))
         return kind == Kind.READY
 

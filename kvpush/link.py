@@ -27,7 +27,7 @@ import numpy as np
 from transports.base import Connection, OutgoingFrame, PayloadSink
 
 from .datapath import DataPaths
-from .handshake import Handshake, Identity
+from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
 from .layout import IoVec, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .onesided import OneSidedSender
@@ -104,7 +104,8 @@ class Link:
         self._first_table: asyncio.Future[None] = self.loop.create_future()
         self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
         self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
-                               self._send_frame, self.counters, paths.proves_reach, "?")
+                               self._send_frame, self.counters, paths.proves_reach, "?", self.loop, self.close,
+                               lambda: owner.options.sync_kv_timeout_ms)
         self._handlers: dict[Kind, Handler] = {
             Kind.WRITE: self.inbound.serve_write,
             Kind.READ: self._on_read,
@@ -125,6 +126,7 @@ class Link:
             Kind.MESSAGE_ACK: self._on_message_ack,
         }
         self.stream = connection.open(self, self.loop)
+        self.stream.meta_limit = HANDSHAKE_META_LIMIT  # lifted once the link is ready
 
     def __repr__(self) -> str:
         return (f"<Link peer_cluster={self.peer_cluster_id} transport={self.transport} "
@@ -183,6 +185,7 @@ class Link:
     def _become_ready(self) -> None:
         if self.state == LinkState.HANDSHAKE:
             self.state = LinkState.READY
+            self.stream.meta_limit = None
 
     def _own(self, coroutine: Any, name: str) -> None:
         task = self.loop.create_task(coroutine, name=name)

@@ -43,6 +43,10 @@ LANDED_ABORTED = 1
 GRANT_GRACE_S = 2.0
 
 Send = Callable[..., OutgoingFrame]
+# Incoming requests one link may have in flight here (stream writes being received plus one-sided
+# grants not yet landed); past it a request is refused with LLM_LINK_BUSY. Far above what the engine's
+# own senders use (two layers per transfer), it bounds what one peer can pin.
+MAX_INCOMING_IN_FLIGHT = 1024
 
 
 class Refusal(Exception):
@@ -140,8 +144,14 @@ class Inbound:
     """Everything a peer asks of this engine's memory on one link."""
 
     def __init__(self, registry: CacheRegistry, access_allowed: Callable[[], bool], send: Send,
-                 counters: Counter[str], proves_reach: Callable[[str], bool], peer: str) -> None:
+                 counters: Counter[str], proves_reach: Callable[[str], bool], peer: str,
+                 loop: asyncio.AbstractEventLoop, close_link: Callable[[str], None],
+                 limit_ms: Callable[[], int]) -> None:
         self._registry = registry
+        self._loop = loop
+        self._close_link = close_link
+        self._limit_ms = limit_ms
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # per incoming write or grant
         self._access_allowed = access_allowed
         self._send = send
         self._counters = counters
@@ -156,12 +166,38 @@ class Inbound:
     def rename(self, peer: str) -> None:
         self._peer = peer
 
-    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec] | Refusal:
+    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec, int] | Refusal:
+        """The cache, the iovec and the receiver-side deadline (s) of a peer's request, or the refusal."""
+        transfer = decode_transfer(header, meta)
         try:
-            return resolve(self._registry, self._access_allowed(), decode_transfer(header, meta))
+            if len(self._writes) + len(self._granted) >= MAX_INCOMING_IN_FLIGHT:
+                raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
+                              f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
+            entry, iov = resolve(self._registry, self._access_allowed(), transfer)
         except Refusal as refusal:
             log.warning("refused a %s from cluster %s: %s", what, self._peer, refusal.reason)
             return refusal
+        return entry, iov, transfer.budget_ms
+
+    def _watch(self, request_id: int, budget_ms: int, what: str) -> None:
+        """Every incoming transfer ends in time: the sender's budget for it, capped by this engine's
+        own ``sync_kv_timeout`` (each doubled, plus a second, since the sender's clock starts when the
+        layer is its oldest in flight). Past it the link is closed, which unpins what it held."""
+        own = self._limit_ms()
+        limit_ms = min(budget_ms, own) if budget_ms > 0 else own
+        seconds = 2 * limit_ms / 1000 + 1.0
+        self._deadlines[request_id] = self._loop.call_later(seconds, self._expired, request_id, what, seconds)
+
+    def _done(self, request_id: int) -> None:
+        timer = self._deadlines.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _expired(self, request_id: int, what: str, seconds: float) -> None:
+        self._deadlines.pop(request_id, None)
+        reason = f"an incoming {what} (request {request_id}) did not complete within {seconds:.1f} s"
+        log.warning("closing the link to cluster %s: %s", self._peer, reason)
+        self._close_link(reason)
 
     # -- stream transfers ---------------------------------------------------------------------------
     def serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
@@ -169,12 +205,14 @@ class Inbound:
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
             return None
-        entry, iov = resolved
+        entry, iov, budget_ms = resolved
         entry.pin()
         request_id = header.request_id
         self._writes[request_id] = entry
+        self._watch(request_id, budget_ms, "write")
 
         def landed() -> None:
+            self._done(request_id)
             self._writes.pop(request_id, None)
             entry.unpin()
             self._counters["bytes_received"] += header.payload_len
@@ -187,7 +225,7 @@ class Inbound:
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.READ_DATA, header.request_id, int(resolved.status), resolved.reason))
             return
-        entry, iov = resolved
+        entry, iov, _ = resolved
         entry.pin()
         payload_len = int(iov[:, 1].sum())
         frame = self._send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
@@ -200,10 +238,11 @@ class Inbound:
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.GRANT, header.request_id, int(resolved.status), resolved.reason))
             return
-        entry, iov = resolved
+        entry, iov, budget_ms = resolved
         entry.pin()
         counter = "bytes_received" if header.kind == Kind.WRITE_INTENT else "bytes_served"
         self._granted[header.request_id] = (entry, int(iov[:, 1].sum()), counter)
+        self._watch(header.request_id, budget_ms, "one-sided transfer")
         self._send(encode_status(Kind.GRANT, header.request_id, 0))
 
     def on_landed(self, header: FrameHeader, meta: bytes) -> None:
@@ -211,6 +250,7 @@ class Inbound:
         granted = self._granted.pop(header.request_id, None)
         if granted is None:
             return
+        self._done(header.request_id)
         entry, size, counter = granted
         entry.unpin()
         if status == 0:
@@ -277,6 +317,9 @@ class Inbound:
         byte of them lands any more). A granted one-sided copy may still be queued or running in the
         peer (or the peer may be stopped just before it), so those pins are handed back as
         ``HeldGrants`` for the engine to release when that is safe (None: nothing held)."""
+        for timer in self._deadlines.values():
+            timer.cancel()
+        self._deadlines.clear()
         for entry in self._writes.values():
             entry.unpin()
         self._writes.clear()

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -69,6 +70,11 @@ async def _serve() -> None:
             return {}
         if op == "links":
             return {"links": sorted(engine.links)}
+        if op == "pins":  # how many transfers, grants or leases hold the cache
+            entry = engine.registry.get(caches[cmd["name"]].cache_id)
+            return {"pins": None if entry is None else entry.pins}
+        if op == "cpu":  # CPU seconds this process has used
+            return {"seconds": time.process_time()}
         if op == "link":
             info = LLMClusterInfo()
             info.remote_cluster_id = cmd["cluster_id"]

@@ -112,6 +112,10 @@ class FrameStream(Protocol):
     last_receive: float  # time.monotonic() of the last byte received (keepalive)
     bytes_in: int
     bytes_out: int
+    # The largest frame meta accepted now (None: the protocol's own limits). A frame announcing more is
+    # a protocol violation that closes the stream at once, before anything is allocated for it: before
+    # a peer is authenticated it can make the engine hold only this much.
+    meta_limit: int | None
 
     def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
         """Queue a frame now (a small frame on an idle stream leaves before this returns)."""

@@ -159,6 +159,7 @@ class TcpFrameStream:
         self.last_receive = time.monotonic()
         self.bytes_in = 0
         self.bytes_out = 0
+        self.meta_limit: int | None = None
         self._queue: collections.deque[TcpFrame] = collections.deque()
         self._writer_armed = False
         self._pump_scheduled = False
@@ -307,6 +308,9 @@ class TcpFrameStream:
             if self._got == HEADER_SIZE:
                 self._got = 0
                 self._frame = decode_header(self._header)
+                if self.meta_limit is not None and self._frame.meta_len > self.meta_limit:
+                    raise ProtocolError(f"{self._frame.kind.name} announces {self._frame.meta_len} bytes of meta; "
+                                        f"at most {self.meta_limit} are accepted now")
                 self._meta = bytearray(self._frame.meta_len)
                 if self._frame.meta_len == 0:
                     self._frame_ready()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections import Counter
 from typing import Any
@@ -28,6 +29,11 @@ from kvpush.status import LLMStatusCode
 from kvpush.types import CacheDesc, DataType
 
 DESC = CacheDesc(4, (8, 64), DataType.DT_UINT8)  # 4 tensors of 8 blocks x 64 bytes
+LOOP = asyncio.new_event_loop()  # never run: the inbound side's deadline timers are only scheduled on it
+
+
+def teardown_module() -> None:
+    LOOP.close()
 
 
 def registry_with_cache() -> tuple[CacheRegistry, int]:
@@ -90,7 +96,10 @@ def test_resolve_refuses_what_lies_outside_the_registry(change: dict[str, Any], 
 
 def inbound(registry: CacheRegistry, proves: bool = True) -> tuple[Inbound, Sent, Counter[str]]:
     sent, counters = Sent(), Counter[str]()
-    return Inbound(registry, lambda: True, sent, counters, lambda proof: proves and proof == "ok", "9"), sent, counters
+    closed: list[str] = []
+    side = Inbound(registry, lambda: True, sent, counters, lambda proof: proves and proof == "ok", "9",
+                   LOOP, closed.append, lambda: 1000)
+    return side, sent, counters
 
 
 def test_a_stream_write_is_pinned_until_it_landed_then_answered_done() -> None:
@@ -165,3 +174,31 @@ def test_a_graceful_unlink_ends_leases_and_late_frames_for_them_are_tolerated() 
     header, meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 0, 1, [0], [64])
     with pytest.raises(ProtocolError, match="after the writer ended"):
         side.on_notice(header, meta)
+
+
+async def test_an_incoming_write_that_never_finishes_closes_the_link_and_unpins() -> None:
+    registry, cache_id = registry_with_cache()
+    sent, closed = Sent(), []
+    side = Inbound(registry, lambda: True, sent, Counter(), lambda proof: False, "9", asyncio.get_running_loop(),
+                   closed.append, lambda: 100)  # own limit 100 ms -> deadline 2 * 0.1 + 1 s
+    header, meta = transfer_frame(Kind.WRITE, cache_id, 0, 1, [0], [64])
+    assert side.serve_write(header, meta) is not None
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.pins == 1
+    await asyncio.sleep(1.4)
+    assert len(closed) == 1 and "did not complete within 1.2 s" in closed[0]
+    side.close(lambda: None)  # what the link does when it closes
+    assert entry.pins == 0
+
+
+def test_too_many_requests_in_flight_are_refused_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpush.serving as serving
+    monkeypatch.setattr(serving, "MAX_INCOMING_IN_FLIGHT", 2)
+    registry, cache_id = registry_with_cache()
+    side, sent, _ = inbound(registry)
+    for request_id in (1, 2, 3):
+        header, meta = transfer_frame(Kind.WRITE_INTENT, cache_id, 0, 1, [0], [64], request_id)
+        side.on_intent(header, meta)
+    statuses = [body[0] for kind, body in sent.frames if kind == Kind.GRANT]
+    assert statuses == [0, 0, LLMStatusCode.LLM_LINK_BUSY]
+    side.close(lambda: None)
