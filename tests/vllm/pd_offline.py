@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -42,21 +43,25 @@ def prompts() -> list[list[int]]:
 ENGINE = dict(max_num_batched_tokens=128, max_num_seqs=8, enable_prefix_caching=True)
 
 
-def kv_config(role: str, kv_port: int, transport: str) -> dict[str, Any]:
+def kv_config(role: str, kv_port: int, transport: str, failure_policy: str = "fail") -> dict[str, Any]:
     return {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm",
-            "kv_role": role, "kv_port": kv_port,
+            "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": failure_policy,
             "kv_connector_extra_config": {"transport": transport, "transfer_timeout_s": 30, "ids_timeout_s": 30}}
 
 
 def run_engine(args: argparse.Namespace) -> int:
     engine_env(omp_core=args.core)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("kvpush").addHandler(handler)
+    logging.getLogger("kvpush").setLevel(logging.INFO)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvpush.integrations import vllm_core
 
     role = {"prefill": "kv_producer", "decode": "kv_consumer", "single": None}[args.role]
-    config = kv_config(role, args.kv_port, args.transport) if role else None
+    config = kv_config(role, args.kv_port, args.transport, args.failure_policy) if role else None
     started = time.monotonic()
     llm = LLM(**engine_kwargs(args.model, config, **ENGINE))
     ready = time.monotonic() - started
@@ -110,7 +115,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1")
-    options = ["--max-tokens", str(args.max_tokens), "--transport", args.transport, "--run", str(os.getpid())]
+    options = ["--max-tokens", str(args.max_tokens), "--transport", args.transport, "--run", str(os.getpid()),
+               "--failure-policy", args.failure_policy]
     port = free_port()
 
     def engine(role: str, core: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -139,21 +145,33 @@ def orchestrate(args: argparse.Namespace) -> int:
         while not (work / "prefill.ready").exists() and prefill.poll() is None:
             time.sleep(0.1)
         decode = engine("decode", "1", "--ready", str(work / "decode.ready"))
+        if args.kill_prefill_after is not None:  # the decode's ids went out; the prefill dies before pushing
+            while not (work / "decode.ready").exists() and decode.poll() is None:
+                time.sleep(0.05)
+            time.sleep(args.kill_prefill_after)
+            prefill.kill()
+            print(f"killed the prefill {args.kill_prefill_after} s after the decode started generating")
     else:
-        # the prefill computes first; the decode's ids arrive after its forward pass
+        # the prefill computes first; the decode's ids arrive after its forward pass (both engines are up
+        # first, so process start-up does not count against the prefill's ids_timeout_s)
         prefill = engine("prefill", "0", "--ready", str(work / "prefill.ready"), "--generated",
-                         str(work / "prefill.generated"))
+                         str(work / "prefill.generated"), "--wait-for", str(work / "decode.ready"))
         while not (work / "prefill.ready").exists() and prefill.poll() is None:
             time.sleep(0.1)
-        decode = engine("decode", "1", "--wait-for", str(work / "prefill.generated"))
+        decode = engine("decode", "1", "--ready", str(work / "decode.ready"), "--wait-for",
+                        str(work / "prefill.generated"))
     codes = [decode.wait(timeout=300), prefill.wait(timeout=120)]
     wall = time.monotonic() - started
+    if args.kill_prefill_after is not None:
+        codes[1] = 0
+        (work / "prefill.json").write_text(json.dumps({"startup_s": None, "released_s": None, "stats": "killed"}))
     if any(codes):
         print(f"engines exited with {codes}; see {work}/prefill.log and decode.log")
         return 1
     reference = json.loads(reference_file.read_text())["outputs"]
     decoded = json.loads((work / "decode.json").read_text())
     prefilled = json.loads((work / "prefill.json").read_text())
+    print(f"decode generate() took {decoded['generate_s']} s (failure policy {args.failure_policy})")
     print(f"order {args.order}, transport {args.transport}: decode start-up {decoded['startup_s']} s, "
           f"prefill start-up {prefilled['startup_s']} s, wall {wall:.1f} s, prefill released its blocks "
           f"{prefilled['released_s']} s after its generate() began")
@@ -161,11 +179,17 @@ def orchestrate(args: argparse.Namespace) -> int:
     print("| prompt tokens | tokens equal | cached tokens | decode finish |")
     print("|---|---|---|---|")
     good = True
+    rows = []
     for ref, out in zip(reference, decoded["outputs"]):
         equal = ref["tokens"] == out["tokens"]
-        cached_all = out["cached"] == out["prompt"]
+        # vLLM recomputes a prompt's last token itself; a one-token prompt is all recomputed (0 cached)
+        cached_all = out["cached"] >= out["prompt"] - (1 if out["prompt"] == 1 else 0)
         good = good and equal and cached_all
+        rows.append({"prompt": out["prompt"], "equal": equal, "cached": out["cached"], "finish": out["finish"]})
         print(f"| {out['prompt']} | {'yes' if equal else 'NO'} | {out['cached']} | {out['finish']} |")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps({"rows": rows, "good": good, "wall_s": round(wall, 2),
+                                                  "decode": decoded, "prefill": prefilled}))
     return 0 if good else 1
 
 
@@ -186,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-for", default=None)
     parser.add_argument("--generated", default=None)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--summary", default=None, help="write the comparison as JSON here")
+    parser.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail",
+                        help="the decode's kv_load_failure_policy")
+    parser.add_argument("--kill-prefill-after", type=float, default=None,
+                        help="decode-first only: kill the prefill this many seconds after the decode is ready")
     parser.add_argument("--run", default="0")
     args = parser.parse_args(argv)
     return run_engine(args) if args.role else orchestrate(args)

