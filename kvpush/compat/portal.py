@@ -72,7 +72,8 @@ class Portal:
         self.name = name
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
-        self._closing = False
+        self._closing = False  # no new work accepted (set by close() or the loop thread dying)
+        self._draining = False  # _shutdown started on the loop: a start() that runs now is refused
         self._shut_down = False
         self._tasks: dict[concurrent.futures.Future[Any], asyncio.Task[Any]] = {}  # loop thread only
         # callers' futures whose task has not ended yet -> set when it has (or never started)
@@ -125,6 +126,7 @@ class Portal:
     async def _shutdown(self, grace: float) -> None:
         """Let tracked tasks finish for ``grace`` seconds, cancel the rest and every other task on the loop,
         and wait until all of them unwound; then async generators and the default executor."""
+        self._draining = True  # every call submitted before close() was started by now (FIFO callbacks)
         current = asyncio.current_task()
         tracked = [task for task in self._tasks.values() if task is not current]
         if tracked and grace > 0:
@@ -153,9 +155,9 @@ class Portal:
         settled = threading.Event()
 
         def start() -> None:  # on the loop thread
-            if self._closing or future.cancelled():
+            if self._draining or future.cancelled():
                 coro.close()
-                self._settle(future, PortalClosedError(f"portal {self.name} is closed") if self._closing else None)
+                self._settle(future, PortalClosedError(f"portal {self.name} is closed") if self._draining else None)
                 return
             task = self._loop.create_task(coro)
             self._tasks[future] = task
