@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from flows.harness import free_port, run
+
+pytest.importorskip("torch", reason="the sample ports use torch CPU tensors (test extra: torch==2.13.0)")
+from flows.harness import free_port, run  # noqa: E402
 
 from kvpush.compat.llm_datadist import Placement
 
