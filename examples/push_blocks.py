@@ -59,9 +59,10 @@ def init_llm_datadist(role: LLMRole, cluster_id: int) -> LLMDataDist:
 
 
 def cache_desc() -> CacheDesc:
-    # The sample uses Placement.DEVICE (NPU memory); kvpush moves host memory.
+    # As in the sample: Placement.DEVICE. On a host without an accelerator, memory registered as DEVICE is
+    # host memory (kvpush checks it is mapped), here numpy's.
     return CacheDesc(num_tensors=NUM_TENSORS, shape=[BLOCKS_NUM, KV_SHAPE], data_type=DataType.DT_FLOAT,
-                     placement=Placement.HOST)
+                     placement=Placement.DEVICE)
 
 
 def run_prompt_sample(shared: Shared) -> None:

@@ -56,7 +56,7 @@ def prompt_values(index: int) -> np.ndarray:
 
 
 def cache_desc() -> CacheDesc:
-    # LLM-DataDist's CacheDesc defaults to Placement.DEVICE (NPU memory); this memory is numpy's, on the host
+    # LLM-DataDist's CacheDesc defaults to Placement.DEVICE; this memory is numpy's, so say HOST
     return CacheDesc(NUM_TENSORS, TENSOR_SHAPE, DataType.DT_INT32, Placement.HOST)
 
 

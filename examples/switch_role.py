@@ -62,9 +62,9 @@ def init_llm_datadist(role: LLMRole, cluster_id: int) -> LLMDataDist:
 
 
 def register(datadist: LLMDataDist, tensors: list[np.ndarray], cluster_id: int) -> Cache:
-    # the sample says Placement.DEVICE (NPU memory); these tensors are numpy's, on the host
+    # Placement.DEVICE as in the sample: on a host without an accelerator that is host memory (numpy's here)
     desc = CacheDesc(num_tensors=NUM_TENSORS, shape=[BLOCKS_NUM, KV_SHAPE], data_type=DataType.DT_FLOAT,
-                     placement=Placement.HOST)
+                     placement=Placement.DEVICE)
     addrs = [int(tensor.ctypes.data) for tensor in tensors]  # int(tensor.data_ptr()) with torch
     cache = datadist.cache_manager.register_blocks_cache(desc, addrs, BlocksCacheKey(cluster_id, 0))
     log.info("register_blocks_cache success, cache_id=%d", cache.cache_id)
