@@ -9,7 +9,7 @@ duplicates) and lay the runs out once with numpy. Nothing is validated twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,8 @@ from .peer import RemoteCache
 from .protocol import Kind
 from .status import param_invalid
 from .types import BlocksCacheKey, Cache, CacheKeyByIdAndIndex, check_int
+
+_EMPTY: np.ndarray[Any, Any] = np.zeros(0, np.uint64)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,37 @@ class BlockArgs:
     dst_range: range | None
     n: int
     ranges_given: bool
+    small: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # both lists, when short and plain
+
+
+SMALL = 16  # block lists up to this long are checked and laid out in plain Python: numpy's per-call cost
+# dominates for them (measured: 99 -> ~25 us for a 1-block push); anything unusual takes the numpy path,
+# which raises the documented error.
+
+
+def _plain(blocks: object) -> tuple[int, ...] | None:
+    """``blocks`` as a tuple when it is a short list/tuple of plain non-negative ints below 2^63."""
+    if type(blocks) not in (list, tuple) or len(blocks) > SMALL:  # type: ignore[arg-type]
+        return None
+    items: tuple[int, ...] = tuple(blocks)  # type: ignore[arg-type]
+    for item in items:
+        if type(item) is not int or not 0 <= item < (1 << 63):
+            return None
+    return items
+
+
+def _small_runs(src: tuple[int, ...], dst: tuple[int, ...], block_bytes: int) -> Runs:
+    """``layout.block_runs`` for a short list: pairs ordered by source, neighbours merged."""
+    pairs = sorted(zip(src, dst), key=lambda pair: pair[0]) if len(src) > 1 else list(zip(src, dst))
+    starts: list[list[int]] = []
+    for s, d in pairs:
+        if starts and s == starts[-1][0] + starts[-1][2] and d == starts[-1][1] + starts[-1][2]:
+            starts[-1][2] += 1
+        else:
+            starts.append([s, d, 1])
+    return Runs(np.array([r[0] * block_bytes for r in starts], np.uint64),
+                np.array([r[1] * block_bytes for r in starts], np.uint64),
+                np.array([r[2] * block_bytes for r in starts], np.uint64))
 
 
 def _names(kind: Kind) -> tuple[str, str]:
@@ -71,13 +104,21 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
         v.check_type(api, remote_name, remote_key, BlocksCacheKey)
     v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache)
-    src = v.check_blocks(api, "src_blocks", src_blocks)
-    dst = v.check_blocks(api, "dst_blocks", dst_blocks)
+    small_src, small_dst = _plain(src_blocks), _plain(dst_blocks)
+    small = (small_src, small_dst) if small_src is not None and small_dst is not None else None
+    if small is not None:
+        src, dst = _EMPTY, _EMPTY  # not needed on the small path (made on demand if a check fails)
+        if not small[1] or len(small[0]) != len(small[1]):
+            src, dst = np.array(small[0], np.uint64), np.array(small[1], np.uint64)
+    else:
+        src = v.check_blocks(api, "src_blocks", src_blocks)
+        dst = v.check_blocks(api, "dst_blocks", dst_blocks)
     src_range = v.check_layer_range(api, "src_layer_range", src_range_arg)
     dst_range = v.check_layer_range(api, "dst_layer_range", dst_range_arg)
     n = v.check_tensor_num_type(api, n_arg)
     v.check_blocks_cache(api, local_name, local_cache)
-    v.check_block_counts(api, src, dst)
+    if small is None or src is not _EMPTY:
+        v.check_block_counts(api, src, dst)
     ranges_given = src_range is not None or dst_range is not None
     local_tensors = local_cache.cache_desc.num_tensors
     v.check_tensor_num(api, n, local_tensors, ranges_given)
@@ -89,7 +130,7 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     assert isinstance(remote_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
     model_id = remote_key.model_id if remote_cache_id is None and isinstance(remote_key, BlocksCacheKey) else None
     return BlockArgs(api, kind, remote_key.cluster_id, model_id, remote_cache_id, local_name, local_cache, src, dst,
-                     src_range, dst_range, n, ranges_given)
+                     src_range, dst_range, n, ranges_given, small)
 
 
 def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
@@ -97,6 +138,13 @@ def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache) -> Plan
     api, push, n = args.api, args.kind == Kind.WRITE, args.n
     if not remote.is_blocks_cache:
         raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
+    if args.small is not None:
+        plan = _plan_small(args, args.small, local, remote)
+        if plan is not None:
+            return plan
+        # something is wrong: the general path below raises the documented error
+        args = replace(args, src=np.array(args.small[0], np.uint64), dst=np.array(args.small[1], np.uint64),
+                       small=None)
     local_blocks, remote_blocks = (args.src, args.dst) if push else (args.dst, args.src)
     local_desc = local.desc
     v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local_desc.num_blocks, "local")
@@ -113,6 +161,33 @@ def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache) -> Plan
     steps = v.layer_steps(api, src_tensors, dst_tensors, n, args.src_range, args.dst_range)
     v.check_no_duplicates(api, "dst_blocks", args.dst)
     return _plan(api, args.kind, local, remote, block_runs(args.src, args.dst, local_desc.block_bytes), steps)
+
+
+def _plan_small(args: BlockArgs, small: tuple[tuple[int, ...], tuple[int, ...]], local: CacheEntry,
+                remote: RemoteCache) -> Plan | None:
+    """The plan of a short, plain block list, or None when any check would fail (the caller then
+    runs the general checks, which raise the documented error)."""
+    push, n = args.kind == Kind.WRITE, args.n
+    src, dst = small
+    local_blocks, remote_blocks = (src, dst) if push else (dst, src)
+    local_desc = local.desc
+    if max(local_blocks) >= local_desc.num_blocks or max(remote_blocks) >= remote.num_blocks:
+        return None
+    if local_desc.block_bytes != remote.block_bytes or local_desc.data_type != remote.data_type:
+        return None
+    if args.ranges_given and remote.num_tensors % n:
+        return None
+    remote_range = args.dst_range if push else args.src_range
+    if remote_range is not None and remote_range.stop > remote.num_tensors // n:
+        return None
+    if len(set(dst)) != len(dst):
+        return None
+    local_tensors = local_desc.num_tensors
+    src_tensors, dst_tensors = (local_tensors, remote.num_tensors) if push else (remote.num_tensors, local_tensors)
+    if args.src_range is None and args.dst_range is None and src_tensors != dst_tensors:
+        return None
+    steps = v.layer_steps(args.api, src_tensors, dst_tensors, n, args.src_range, args.dst_range)
+    return _plan(args.api, args.kind, local, remote, _small_runs(src, dst, local_desc.block_bytes), steps)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ HEADER_SIZE = HEADER.size
 TRANSFER_META = struct.Struct("<QIIIi")
 STATUS_META = struct.Struct("<I")
 
+SMALL_RUNS = 16  # transfers with at most this many runs are decoded into plain ints too
 MAX_JSON_META = 1 << 20
 MAX_RUNS = 1 << 20
 MAX_TRANSFER_META = TRANSFER_META.size + MAX_RUNS * 16
@@ -154,6 +155,7 @@ class TransferMeta:
     offsets: np.ndarray[Any, Any]
     lengths: np.ndarray[Any, Any]
     budget_ms: int = 0
+    runs: tuple[tuple[int, int], ...] | None = None  # the same runs as Python ints, for short requests
 
     @property
     def payload_len(self) -> int:
@@ -184,6 +186,14 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
         raise ProtocolError(f"{header.kind.name} meta length {len(meta)} does not match {n_runs} runs")
     if n_runs == 0 or num_tensors == 0:
         raise ProtocolError(f"{header.kind.name} addresses no bytes")
+    if n_runs <= SMALL_RUNS:  # a few runs (decode-time pushes): plain ints cost less than numpy calls
+        flat = struct.unpack_from(f"<{2 * n_runs}Q", meta, TRANSFER_META.size)
+        runs = tuple(zip(flat[0::2], flat[1::2]))
+        expected = num_tensors * sum(flat[1::2])
+        if header.kind == Kind.WRITE and expected != header.payload_len:
+            raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
+        return TransferMeta(cache_id, first_tensor, num_tensors, np.array(flat[0::2], np.uint64),
+                            np.array(flat[1::2], np.uint64), budget_ms, runs)
     pairs = np.frombuffer(meta, RUN_DTYPE, count=2 * n_runs, offset=TRANSFER_META.size).reshape(-1, 2)
     offsets = pairs[:, 0].astype(np.uint64)
     lengths = pairs[:, 1].astype(np.uint64)

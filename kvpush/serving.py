@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from transports.base import OutgoingFrame, PayloadSink, PeerWatch
 
 from .layout import IoVec, runs_in_bounds, scatter_vector
@@ -67,13 +69,20 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     if entry is None:
         raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
     desc = entry.desc
-    if transfer.first_tensor + transfer.num_tensors > desc.num_tensors:
+    first, count = transfer.first_tensor, transfer.num_tensors
+    if first + count > desc.num_tensors:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"tensors {transfer.first_tensor}..{transfer.first_tensor + transfer.num_tensors - 1} "
-                      f"exceed the cache's {desc.num_tensors}")
+                      f"tensors {first}..{first + count - 1} exceed the cache's {desc.num_tensors}")
+    if transfer.runs is not None:  # a few runs: checked and laid out with plain ints
+        limit = desc.size
+        if not all(length > 0 and offset + length <= limit for offset, length in transfer.runs):
+            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
+        bases = entry.cache.tensor_addrs[first:first + count]
+        return entry, np.array([(base + offset, length) for base in bases for offset, length in transfer.runs],
+                               np.uint64).reshape(-1, 2)
     if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
-    addrs = entry.addrs[transfer.first_tensor:transfer.first_tensor + transfer.num_tensors]
+    addrs = entry.addrs[first:first + count]
     return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
 
 
