@@ -38,7 +38,7 @@ DEFAULT_LINK_TOTAL_TIME_MS = 120_000
 MAX_COMM_NAME = 128
 MAX_NODES = 4
 _DIAL_TIMEOUT_MS = 3000
-_RETRY_S = 0.1
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 1.0  # a peer that does not listen yet is retried, backing off to 1 s
 
 
 def check_link_args(comm_name: object, cluster_rank_info: object, rank_table: object) -> None:
@@ -179,6 +179,7 @@ async def establish(engine: Any, comm: Comm, waiter: LinkWaiter, total_ms: int) 
 
     async def dial(peer: int) -> None:
         info = cluster_info(peer, comm.peers[peer])
+        pause = _RETRY_FIRST_S
         while True:
             remaining_ms = int((deadline - loop.time()) * 1000)
             if remaining_ms <= 0:
@@ -188,7 +189,8 @@ async def establish(engine: Any, comm: Comm, waiter: LinkWaiter, total_ms: int) 
                 comm.linked.add(peer)
                 return
             log.debug("link %s: cluster %d not reachable yet (%s); retrying", comm.name, peer, codes[0].name)
-            await asyncio.sleep(_RETRY_S)
+            await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))
+            pause = min(pause * 2, _RETRY_MAX_S)
 
     async def accept(peer: int) -> None:
         if not await waiter.wait(peer, engine.links, max(deadline - loop.time(), 0.0)):

@@ -289,7 +289,12 @@ async def run_transfer(cache_manager: Callable[[], kvpush.CacheManager],
                        plan: TransferPlan) -> dict[int, LLMStatusCode]:
     """Drive the transfer on the engine's loop: synchronise each layer (on a thread of its own, so a
     synchronizer that blocks never blocks the loop), start it on every route that covers it, then wait
-    for all. Results are keyed by destination cluster, as LLM-DataDist keys them."""
+    for all. Results are keyed by destination cluster, as LLM-DataDist keys them.
+
+    The synchronizer's thread is told to stop when the transfer ends and does at its next layer; one
+    blocked in the caller's ``synchronize_layer`` stays blocked (a daemon thread, as LLM-DataDist's own
+    transfer thread is), but nothing it returns afterwards starts a layer. Cancelling this coroutine
+    (``finalize``) cancels the layers in flight, each cleaning up as a cancelled push does."""
     results: dict[int, LLMStatusCode] = {}
     routes: list[Route] = []
     cm = cache_manager()
