@@ -73,15 +73,20 @@ class LLMException(RuntimeError):
       ``LLMException("pull failed", status_code=LLMStatusCode.LLM_TIMEOUT)``); ``str()`` is the message,
       and the code defaults to LLM_SUCCESS exactly as there.
 
-    A first positional argument that is an ``int`` (an ``LLMStatusCode`` or its number) selects the
-    first form; anything else, or ``status_code=`` given as a keyword, the second.
+    A first positional argument that is an ``int`` (an ``LLMStatusCode`` or its number), or
+    ``message=`` given as a keyword, selects the first form; anything else the second.
     """
 
     status_code: LLMStatusCode
     completed_layers: list[int]
 
-    def __init__(self, *args: object, status_code: int | None = None,
+    def __init__(self, *args: object, status_code: int | None = None, message: str | None = None,
                  completed_layers: Sequence[int] = ()) -> None:
+        if message is not None:  # kvpush's form with the message by keyword
+            if len(args) > 1:
+                raise TypeError("LLMException: message given twice")
+            code = args[0] if args else (LLMStatusCode.LLM_FAILED if status_code is None else status_code)
+            args, status_code = (code, message), None
         if status_code is None and args and isinstance(args[0], int) and not isinstance(args[0], bool):
             code = LLMStatusCode(args[0])
             message = str(args[1]) if len(args) > 1 else ""

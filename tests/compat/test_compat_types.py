@@ -126,6 +126,9 @@ def test_llm_exception_both_ways_of_making_one() -> None:
     ours = LLMException(LLMStatusCode.LLM_TIMEOUT, "push_blocks: slow", [0, 1])
     assert str(ours) == "[LLM_TIMEOUT] push_blocks: slow" and ours.completed_layers == [0, 1]
     assert LLMException(LLMStatusCode.LLM_PARAM_INVALID).status_code == LLMStatusCode.LLM_PARAM_INVALID
+    by_keyword = LLMException(status_code=LLMStatusCode.LLM_TIMEOUT, message="slow", completed_layers=[3])
+    assert (str(by_keyword), by_keyword.completed_layers) == ("[LLM_TIMEOUT] slow", [3])
+    assert str(LLMException(LLMStatusCode.LLM_TIMEOUT, message="slow")) == "[LLM_TIMEOUT] slow"
     for error in (theirs, ours):
         copy = pickle.loads(pickle.dumps(error))
         assert (type(copy), str(copy), copy.status_code, copy.completed_layers) == (
