@@ -21,6 +21,7 @@ import numpy as np
 IoVec = np.ndarray[Any, np.dtype[np.uint64]]
 
 RUN_DTYPE = np.dtype("<u8")
+_FEW = 16
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ def scatter_vector(
     lengths: np.ndarray[Any, Any],
 ) -> IoVec:
     """The iovec array for ``len(tensor_addrs)`` tensors x runs, tensor-major (the wire order)."""
+    if offsets.shape[0] * len(tensor_addrs) <= _FEW:  # a few entries: plain ints beat numpy's per-call cost
+        bases_list = tensor_addrs.tolist() if isinstance(tensor_addrs, np.ndarray) else list(tensor_addrs)
+        pairs = list(zip(offsets.tolist(), lengths.tolist()))
+        return np.array([(base + offset, length) for base in bases_list for offset, length in pairs],
+                        np.uint64).reshape(-1, 2)
     bases = np.asarray(tensor_addrs, dtype=np.uint64)
     iov = np.empty((bases.shape[0], offsets.shape[0], 2), np.uint64)
     iov[:, :, 0] = bases[:, None] + offsets.astype(np.uint64, copy=False)[None, :]  # uint64 + int64 -> float64

@@ -235,11 +235,14 @@ class Link:
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                     remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], source: IoVec,
-                    source_entry: CacheEntry, budget_ms: int, held: bool = False) -> PendingOp:
+                    source_entry: CacheEntry, budget_ms: int, held: bool = False,
+                    payload_len: int | None = None) -> PendingOp:
         """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the
         bytes. The source cache stays pinned until its bytes left. ``held``: prepare everything (a
-        one-sided request is even granted) but move no byte until ``release_held``."""
-        payload_len = int(source[:, 1].sum())
+        one-sided request is even granted) but move no byte until ``release_held``. ``payload_len``:
+        the layer's bytes, when the caller knows them."""
+        if payload_len is None:
+            payload_len = int(source[:, 1].sum())
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
         if self._onesided_reaches(remote):
@@ -252,7 +255,7 @@ class Link:
                                payload_len, budget_ms)
         source_entry.pin()
         op.hold(source_entry.unpin)
-        op.frame = self.stream.prepare(head, source)
+        op.frame = self.stream.prepare(head, source, payload_len)
         op.held = held
         if not held:
             self._enqueue(op)

@@ -38,6 +38,7 @@ class Plan:
     remote_wire: bytes
     length: np.ndarray[Any, Any]
     steps: list[v.LayerStep]
+    bytes_per_tensor: int = 0  # one layer moves ``step.count * bytes_per_tensor`` bytes
 
 
 @dataclass(frozen=True)
@@ -276,4 +277,4 @@ def _plan(api: str, kind: Kind, local: CacheEntry, remote: RemoteCache, runs: Ru
     else:
         local_offset, remote_offset = runs.dst_offset, runs.src_offset
     return Plan(api, kind, local, remote, local_offset, remote_offset, pack_runs(remote_offset, runs.length),
-                runs.length, steps)
+                runs.length, steps, int(runs.length.sum()))

@@ -227,7 +227,7 @@ class Inbound:
             self._counters["bytes_received"] += header.payload_len
             self._send(encode_status(Kind.DONE, request_id, 0))
 
-        return PayloadSink(iov, landed)
+        return PayloadSink(iov, landed, header.payload_len)  # decode_transfer checked it against the runs
 
     def serve_read(self, header: FrameHeader, meta: bytes) -> None:
         resolved = self._resolve(header, meta, "read")

@@ -29,7 +29,7 @@ def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: b
     iov = scatter_vector(plan.local.addrs[local_first:local_first + step.count], plan.local_offset, plan.length)
     if plan.kind == Kind.WRITE:
         return link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
-                                plan.length, iov, plan.local, budget_ms, held)
+                                plan.length, iov, plan.local, budget_ms, held, step.count * plan.bytes_per_tensor)
     return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
                            plan.length, iov, plan.local, budget_ms)
 

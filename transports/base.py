@@ -71,14 +71,17 @@ class Capabilities:
 
 class PayloadSink:
     """Where an incoming payload lands. ``cancel()`` (from the event-loop thread) makes the
-    transport discard the rest of the payload: no byte lands in ``iov`` after it returns."""
+    transport discard the rest of the payload: no byte lands in ``iov`` after it returns. The
+    transport owns ``iov`` from now on (it may rewrite entries as it progresses); ``nbytes`` is its
+    total (computed from it when not given)."""
 
-    __slots__ = ("iov", "on_done", "cancelled")
+    __slots__ = ("iov", "on_done", "cancelled", "nbytes")
 
-    def __init__(self, iov: IoVec, on_done: Callable[[], None]) -> None:
+    def __init__(self, iov: IoVec, on_done: Callable[[], None], nbytes: int | None = None) -> None:
         self.iov = iov
         self.on_done = on_done
         self.cancelled = False
+        self.nbytes = int(iov[:, 1].sum()) if nbytes is None else nbytes
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -120,8 +123,9 @@ class FrameStream(Protocol):
     def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
         """Queue a frame now (a small frame on an idle stream leaves before this returns)."""
 
-    def prepare(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
-        """A frame ready to ``enqueue`` later; nothing is sent yet."""
+    def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> OutgoingFrame:
+        """A frame ready to ``enqueue`` later; nothing is sent yet. ``nbytes``: the payload's total,
+        when the caller knows it."""
 
     def enqueue(self, frame: OutgoingFrame) -> None:
         """Queue a prepared frame behind everything sent so far."""

@@ -117,7 +117,7 @@ class TcpFrame:
     __slots__ = ("head", "cursor", "sent", "started", "abandoned")
 
     def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
-                 already_sent: int = 0) -> None:
+                 already_sent: int = 0, nbytes: int | None = None) -> None:
         self.head = np.frombuffer(head, np.uint8)
         rows = 1 + (0 if payload is None else payload.shape[0])
         vec = np.empty((rows, 2), np.uint64)
@@ -126,7 +126,7 @@ class TcpFrame:
         total = len(head)
         if payload is not None:
             vec[1:] = payload
-            total += int(payload[:, 1].sum())
+            total += int(payload[:, 1].sum()) if nbytes is None else nbytes
         self.cursor = _Cursor(vec, owned=True, total=total)
         if already_sent:
             self.cursor.advance(already_sent)
@@ -181,9 +181,9 @@ class TcpFrameStream:
         return f"<TcpFrameStream peer={peer} {'closed' if self.closed else 'open'}>"
 
     # -- sending --------------------------------------------------------------------------------
-    def prepare(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
+    def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> TcpFrame:
         """A frame ready to ``enqueue`` later (nothing is sent yet)."""
-        return TcpFrame(head, payload, self.loop)
+        return TcpFrame(head, payload, self.loop, nbytes=nbytes)
 
     def enqueue(self, frame: OutgoingFrame) -> None:
         """Queue a prepared frame (from this stream's ``prepare``) behind everything sent so far."""
@@ -334,10 +334,11 @@ class TcpFrameStream:
         self._sink = sink
         self._cursor = None
         if sink is not None:
-            cursor = _Cursor(sink.iov, total=frame.payload_len)
-            if int(sink.iov[:, 1].sum()) != frame.payload_len:
-                raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {cursor.total}")
-            self._cursor = cursor
+            if sink.nbytes != frame.payload_len:
+                raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {sink.nbytes}")
+            iov = sink.iov
+            owned = iov.dtype == np.uint64 and iov.flags.c_contiguous  # the sink's iov is ours to advance
+            self._cursor = _Cursor(iov, owned=owned, total=sink.nbytes)
 
     def _read_payload(self) -> int:
         sink, cursor = self._sink, self._cursor
