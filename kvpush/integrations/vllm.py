@@ -9,24 +9,16 @@ decode instance (``kv_consumer``) dials the prefill named in a request's ``kv_tr
 decode server started with vLLM's defaults on one host find each other. ``kv_connector_extra_config``
 takes ``vllm_core.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines).
 
-This module is the thin part: it translates vLLM's hooks into calls on the vLLM-free books of
-``vllm_core`` and runs every kvpush call on one private event-loop thread (``_Engine``). The books
-are driven only from vLLM's thread; the loop thread hands results back through a queue that every
-hook drains first. Only host (CPU) KV caches are supported: a CUDA cache is refused with the reason.
+This module is the thin part: it translates vLLM's hooks into calls on the scheduler book of
+``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``EngineBridge``, which runs
+every kvpush call on one private event-loop thread); both are vLLM-free. Only host (CPU) KV caches
+are supported: a CUDA cache is refused with the reason.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import logging
-import os
-import queue
-import secrets
-import threading
-import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
     KVConnectorBase_V1,
@@ -35,19 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorTransferResults,
 )
 
-from kvpush import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-
 from . import vllm_core as core
+from .vllm_worker import ConnectorSettings, WorkerSide, scheduled_requests
 
 try:  # where vLLM's metrics say external hits come from (0.32: CacheHitSource.P2P)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found, unused-ignore]
@@ -55,24 +36,6 @@ try:  # where vLLM's metrics say external hits come from (0.32: CacheHitSource.P
     _P2P: Any = CacheHitSource.P2P
 except ImportError:  # pragma: no cover - a vLLM without the enum
     _P2P = None
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-MODEL_ID = 0  # the one blocks cache of an instance: BlocksCacheKey(cluster_id, MODEL_ID)
-_DTYPES = {"torch.float32": DataType.DT_FLOAT, "torch.float16": DataType.DT_FLOAT16,
-           "torch.bfloat16": DataType.DT_BF16}
-_RETRYABLE = (LLMStatusCode.LLM_LINK_BUSY, LLMStatusCode.LLM_PROCESSING_LINK)
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, LLMException):
-        return f"{error.status_code.name}: {error}"
-    if isinstance(error, asyncio.CancelledError):
-        return "cancelled"
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return f"{type(error).__name__}: {error}"
 
 
 class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
@@ -85,355 +48,6 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
         s = self.step
         return (f"KvpushMetadata(recv={len(s.recv)}, recv_aborted={len(s.recv_aborted)}, send={len(s.send)}, "
                 f"send_finished={len(s.send_finished)})")
-
-
-# -- the event-loop thread -------------------------------------------------------------------------
-
-class _LoopThread:
-    """A private asyncio loop on a daemon thread: ``run`` (blocking), ``submit`` (a future),
-    ``call_soon`` (fire and return). Stands in for ``kvpush.compat.portal.Portal``, which the import
-    contracts do not let integrations use yet."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout)
-
-
-# -- every kvpush call, in one place ---------------------------------------------------------------
-
-class _Push:
-    def __init__(self, pipelined: bool) -> None:
-        self.pipelined = pipelined
-        self.pusher: Any = None
-        self.error: str | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.closed = False  # no more layers: finished or cancelled
-
-
-class _Engine:
-    """The worker's kvpush engine and every call the connector makes on it.
-
-    The effect methods (``send_ids`` .. ``reply``) are called from vLLM's thread, never block, and
-    run on the loop thread in call order; results and inbound messages become events on
-    ``events`` (tuples, see ``_Worker.drain``). Sends to one peer keep their order (ids before an
-    abort) because each waits its turn on that peer's lock.
-    """
-
-    def __init__(self, cluster_id: int, listen: tuple[str, int] | None, config: core.ConnectorConfig,
-                 role: LLMRole, events: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-        self.cluster_id = cluster_id
-        self.listen = listen
-        self.config = config
-        self.events = events
-        self.thread = _LoopThread(f"kvpush-{cluster_id}")
-        self.dd = LLMDataDist(role, cluster_id)
-        self.cache: Cache | None = None
-        self._pushes: dict[int, _Push] = {}
-        self._peer_locks: dict[int, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
-
-    # -- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        self.thread.run(self._start(), timeout=30)
-
-    async def _start(self) -> None:
-        await self.dd.init(self.config.engine_options_for(self.listen))
-        self.dd.add_link_listener(self._on_link)
-        self._spawn(self._read(self.dd.messages))
-        self._spawn(self._read(self.dd.notifications))
-        log.info("kvpush engine cluster %d ready (listening on %s)", self.cluster_id,
-                 self.dd.listen_address or "nothing: dials only")
-
-    def register(self, desc: CacheDesc, tensors: Sequence[Any]) -> Cache:
-        async def register() -> Cache:
-            return self.dd.cache_manager.register_blocks_cache(desc, list(tensors),
-                                                               BlocksCacheKey(self.cluster_id, MODEL_ID))
-        self.cache = self.thread.run(register(), timeout=30)
-        return self.cache
-
-    def close(self) -> None:
-        async def finalize() -> None:
-            await self.dd.finalize()
-        try:
-            self.thread.run(finalize(), timeout=10)
-        except Exception as error:  # noqa: BLE001 - shutting down: log, never raise into vLLM's shutdown
-            log.warning("kvpush engine cluster %d: finalize: %s", self.cluster_id, _describe(error))
-        self.thread.close()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _read(self, inbox: Any) -> None:
-        try:
-            async for delivery in inbox:
-                self.events.put(("inbound", delivery.peer_cluster_id, delivery.data))
-        except LLMException:
-            return  # finalized
-
-    def _on_link(self, link: Any, reason: str | None) -> None:
-        peer = getattr(link, "peer_cluster_id", None)
-        if reason is not None and peer is not None:
-            self.events.put(("link_lost", peer, reason))
-
-    def _lock(self, peer: int) -> asyncio.Lock:
-        lock = self._peer_locks.get(peer)
-        if lock is None:
-            lock = self._peer_locks[peer] = asyncio.Lock()
-        return lock
-
-    # -- decode side -------------------------------------------------------------------------------
-    def send_ids(self, remote: core.PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
-        self.thread.call_soon(self._spawn, self._send_ids(remote, list(frames), transfer_id))
-
-    async def _send_ids(self, remote: core.PeerAddress, frames: list[bytes], transfer_id: str) -> None:
-        async with self._lock(remote.cluster_id):
-            problem = await self._ensure_link(remote)
-            if problem is not None:
-                self.events.put(("ids_sent", transfer_id, problem[0], problem[1], False))
-                return
-            delivered = False
-            for frame in frames:
-                try:
-                    await asyncio.wait_for(self.dd.send_message(remote.cluster_id, frame), self._send_timeout)
-                except (LLMException, TimeoutError) as error:
-                    retryable = isinstance(error, LLMException) and error.status_code in _RETRYABLE
-                    self.events.put(("ids_sent", transfer_id, _describe(error), retryable, delivered))
-                    return
-                delivered = True
-            self.events.put(("ids_sent", transfer_id, None, False, True))
-
-    async def _ensure_link(self, remote: core.PeerAddress) -> tuple[str, bool] | None:
-        if remote.cluster_id in self.dd.links:
-            return None
-        info = LLMClusterInfo()
-        info.remote_cluster_id = remote.cluster_id
-        info.append_remote_ip_info(remote.host, remote.port)
-        try:
-            _, codes = await self.dd.link_clusters([info], timeout=self.config.link_timeout_ms)
-        except LLMException as error:
-            return _describe(error), error.status_code in _RETRYABLE
-        code = codes[0]
-        if code in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
-            return None
-        return (f"link to {remote.host}:{remote.port} (cluster {remote.cluster_id}): {code.name}",
-                code in _RETRYABLE)
-
-    def send_abort(self, peer: int, data: bytes) -> None:
-        self.thread.call_soon(self._spawn, self._send_abort(peer, data))
-
-    async def _send_abort(self, peer: int, data: bytes) -> None:
-        async with self._lock(peer):
-            try:
-                await asyncio.wait_for(self.dd.send_message(peer, data), self._send_timeout)
-            except (LLMException, TimeoutError) as error:
-                log.info("abort to cluster %d not sent: %s", peer, _describe(error))
-
-    # -- prefill side ------------------------------------------------------------------------------
-    def start_push(self, push_id: int, peer: int, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                   pipelined: bool) -> None:
-        self.thread.call_soon(self._start_push, push_id, peer, list(src_blocks), list(dst_blocks), pipelined)
-
-    def _start_push(self, push_id: int, peer: int, src: list[int], dst: list[int], pipelined: bool) -> None:
-        push = self._pushes[push_id] = _Push(pipelined)
-        assert self.cache is not None
-        key = BlocksCacheKey(peer, MODEL_ID)
-        if not pipelined:
-            push.closed = True
-            push.task = asyncio.get_running_loop().create_task(
-                self.dd.cache_manager.push_blocks(key, self.cache, src, dst, tensor_num_per_layer=1))
-            push.task.add_done_callback(lambda task: self._push_ended(push_id, task))
-            return
-        try:
-            push.pusher = self.dd.cache_manager.layer_pusher(key, self.cache, src, dst, tensor_num_per_layer=1)
-        except Exception as error:  # noqa: BLE001 - reported as this push's failure
-            push.error = _describe(error)
-
-    def push_layer(self, push_id: int, layer: int) -> None:
-        self.thread.call_soon(self._push_layer, push_id, layer)
-
-    def _push_layer(self, push_id: int, layer: int) -> None:
-        push = self._pushes.get(push_id)
-        if push is None or push.closed or push.error is not None or push.pusher is None:
-            return
-        try:
-            push.pusher.push_layer(layer)
-        except LLMException as error:
-            push.error = _describe(error)
-
-    def finish_push(self, push_id: int) -> None:
-        self.thread.call_soon(self._finish_push, push_id)
-
-    def _finish_push(self, push_id: int) -> None:
-        push = self._pushes.get(push_id)
-        if push is None or push.task is not None:
-            return
-        push.closed = True
-        push.task = asyncio.get_running_loop().create_task(self._wait(push))
-        push.task.add_done_callback(lambda task: self._push_ended(push_id, task))
-
-    async def _wait(self, push: _Push) -> None:
-        if push.pusher is not None:
-            await push.pusher.wait()
-        if push.error is not None:
-            raise RuntimeError(push.error)
-
-    def cancel_push(self, push_id: int) -> None:
-        self.thread.call_soon(self._cancel_push, push_id)
-
-    def _cancel_push(self, push_id: int) -> None:
-        push = self._pushes.get(push_id)
-        if push is None:
-            return
-        if push.task is None:  # a pipelined push still taking layers: wait for what started, cancelled
-            self._finish_push(push_id)
-        assert push.task is not None
-        task = push.task
-        asyncio.get_running_loop().call_soon(task.cancel)  # once it waits: cancelling wait() drains its layers
-
-    def _push_ended(self, push_id: int, task: asyncio.Task[None]) -> None:
-        self._pushes.pop(push_id, None)
-        if task.cancelled():
-            error: str | None = "cancelled"
-        else:
-            failure = task.exception()
-            error = None if failure is None else _describe(failure)
-        self.events.put(("push_done", push_id, error))
-
-    def notify(self, peer: int, data: bytes, transfer_id: str) -> None:
-        self.thread.call_soon(self._spawn, self._notify(peer, data, transfer_id))
-
-    async def _notify(self, peer: int, data: bytes, transfer_id: str | None) -> None:
-        error = None
-        try:
-            await asyncio.wait_for(self.dd.send_notification(peer, data), self._send_timeout)
-        except (LLMException, TimeoutError) as failure:
-            error = _describe(failure)
-        if transfer_id is not None:
-            self.events.put(("notified", transfer_id, error))
-        elif error is not None:
-            log.debug("reply to cluster %d not sent: %s", peer, error)
-
-    def reply(self, peer: int, data: bytes) -> None:
-        self.thread.call_soon(self._spawn, self._notify(peer, data, None))
-
-
-# -- the worker side -------------------------------------------------------------------------------
-
-class _Worker:
-    """One vLLM worker's connector state: its engine and its books, driven from vLLM's thread."""
-
-    def __init__(self, settings: _Settings) -> None:
-        self.settings = settings
-        self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.engine: _Engine | None = None
-        self.producer: core.ProducerBook | None = None
-        self.consumer: core.ConsumerBook | None = None
-        self.layer_index: dict[str, int] = {}
-        self.load_errors: set[int] = set()
-
-    def register(self, kv_caches: dict[str, Any]) -> None:
-        s = self.settings
-        names = sorted(kv_caches, key=_layer_order(kv_caches))
-        tensors = [kv_caches[name] for name in names]
-        desc = _cache_desc(names, tensors)
-        engine = _Engine(s.cluster_id, s.listen, s.config, s.engine_role, self.events)
-        engine.start()
-        engine.register(desc, tensors)
-        self.engine = engine
-        self.layer_index = {name: i for i, name in enumerate(names)}
-        clock = time.monotonic
-        if s.produce:
-            self.producer = core.ProducerBook(s.block_size, len(names), s.config, clock, engine)
-        if s.consume:
-            self.consumer = core.ConsumerBook(s.block_size, s.config, clock, engine)
-        log.info("KvpushConnector worker: %d layers of %s %s registered in place as cluster %d (%s)",
-                 len(names), tuple(desc.shape), desc.data_type.name, s.cluster_id, s.role)
-
-    def drain(self) -> None:
-        while True:
-            try:
-                event = self.events.get_nowait()
-            except queue.Empty:
-                return
-            kind = event[0]
-            if kind == "inbound":
-                self._inbound(event[1], event[2])
-            elif kind == "push_done" and self.producer is not None:
-                self.producer.on_push_done(event[1], event[2])
-            elif kind == "notified" and self.producer is not None:
-                self.producer.on_notified(event[1], event[2])
-            elif kind == "ids_sent" and self.consumer is not None:
-                self.consumer.on_ids_sent(event[1], event[2], event[3], event[4])
-            elif kind == "link_lost":
-                for book in (self.producer, self.consumer):
-                    if book is not None:
-                        book.on_link_lost(event[1], event[2])
-
-    def _inbound(self, peer: int, data: bytes) -> None:
-        try:
-            message = core.decode(data)
-        except core.MessageError as error:
-            log.warning("message from cluster %d ignored: %s", peer, error)
-            return
-        if isinstance(message, core.Done):
-            if self.consumer is not None:
-                self.consumer.on_message(peer, message)
-        elif self.producer is not None:
-            self.producer.on_message(peer, message)
-        elif self.engine is not None:
-            self.engine.reply(peer, core.encode(core.Done(message.transfer_id, core.Outcome.UNKNOWN, 0,
-                                                          "this vLLM instance is not a KV producer")))
-
-    def begin_step(self, meta: core.StepMeta) -> None:
-        self.drain()
-        if self.producer is not None:
-            self.producer.begin_step(meta.send, meta.send_finished)
-        if self.consumer is not None:
-            self.consumer.begin_step(meta.recv, meta.recv_aborted)
-
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        self.drain()
-        sending: set[str] = set()
-        recving: set[str] = set()
-        failed: set[str] = set()
-        if self.producer is not None:
-            self.producer.poll()
-            sending = self.producer.take_finished_sending()
-        if self.consumer is not None:
-            self.consumer.poll()
-            received = self.consumer.take_finished()
-            recving, failed = received.finished, received.failed
-            self.load_errors |= received.load_errors
-        return sending, recving, failed
 
 
 def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
@@ -449,65 +63,6 @@ def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
         except (AssertionError, ValueError):
             return len(kv_caches), name
     return key
-
-
-def _cache_desc(names: Sequence[str], tensors: Sequence[Any]) -> CacheDesc:
-    """One blocks cache, one tensor per layer (each layer's ``[num_blocks, ...]`` view registered in
-    place). Refuses what kvpush cannot move, naming the layer and the reason."""
-    if not tensors:
-        raise ValueError("KvpushConnector: vLLM registered no KV cache tensors")
-    first = tensors[0]
-    for name, tensor in zip(names, tensors):
-        device = str(getattr(tensor, "device", "cpu"))
-        if not device.startswith("cpu"):
-            raise NotImplementedError(
-                f"KvpushConnector: layer {name}'s KV cache is on {device}; kvpush moves host memory only "
-                f"(registering GPU memory, e.g. through UCX with CUDA support, is not implemented yet)")
-        if tuple(tensor.shape) != tuple(first.shape) or tensor.dtype != first.dtype:
-            raise NotImplementedError(
-                f"KvpushConnector: layer {name} has KV {tuple(tensor.shape)} {tensor.dtype}, layer {names[0]} "
-                f"{tuple(first.shape)} {first.dtype}; one shape and dtype for every layer is required")
-        if not tensor.is_contiguous():
-            raise NotImplementedError(f"KvpushConnector: layer {name}'s KV cache view is not contiguous")
-    dtype = _DTYPES.get(str(first.dtype))
-    if dtype is None:
-        raise NotImplementedError(f"KvpushConnector: KV cache dtype {first.dtype} is not supported "
-                                  f"(float32, float16, bfloat16 are)")
-    return CacheDesc(len(tensors), tuple(int(d) for d in first.shape), dtype)
-
-
-class _Settings:
-    """What both sides derive from the vLLM config: role, addresses, cluster id, deadlines."""
-
-    def __init__(self, vllm_config: Any) -> None:
-        transfer = vllm_config.kv_transfer_config
-        self.role: str = transfer.kv_role
-        if self.role not in core.ROLES:
-            raise core.ParamsError(f"kv_role {self.role!r} is not one of {', '.join(core.ROLES)}")
-        self.config = core.ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
-        self.block_size: int = int(vllm_config.cache_config.block_size)
-        self.produce = self.role in ("kv_producer", "kv_both")
-        self.consume = self.role in ("kv_consumer", "kv_both")
-        self.engine_role = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}.get(self.role, LLMRole.MIX)
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("KvpushConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                                      "for now")
-        rank = int(getattr(parallel, "data_parallel_index", 0) or 0)
-        host = self.config.host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        self.listen: tuple[str, int] | None = None
-        if self.produce or self.config.port is not None or self.config.host is not None:
-            self.listen = (host, self.config.port or core.listen_port(transfer.kv_port, self.role, rank))
-        if self.config.cluster_id is not None:
-            self.cluster_id = self.config.cluster_id
-        elif self.listen is not None:
-            self.cluster_id = core.derive_cluster_id(*self.listen)
-        else:  # a decode that only dials: any id no address derives to (those are < 2**48 or >= 2**63)
-            self.cluster_id = (1 << 48) + secrets.randbelow((1 << 62) - (1 << 48))
-        self.local = core.PeerAddress(self.listen[0], self.listen[1], self.cluster_id) if self.listen else None
-        default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
-        self.name = f"kvpush-{str(transfer.engine_id)[:8]}"
 
 
 # -- the connector ---------------------------------------------------------------------------------
@@ -535,9 +90,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._settings = _Settings(vllm_config)
+        self._settings = ConnectorSettings(vllm_config)
         self._scheduler: core.SchedulerBook | None = None
-        self._worker: _Worker | None = None
+        self._worker: WorkerSide | None = None
         if kv_cache_config is not None and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
             raise NotImplementedError("KvpushConnector: this model's KV cache needs zeroing of new blocks "
                                       "(Mamba or mixed precision layers); not supported yet")
@@ -546,7 +101,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
                                                  lambda: s.default_remote, s.name)
         else:
-            self._worker = _Worker(s)
+            self._worker = WorkerSide(s)
 
     # -- scheduler side ----------------------------------------------------------------------------
     def _book(self) -> core.SchedulerBook:
@@ -573,7 +128,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return tuple(groups) if groups is not None else super().get_loaded_kv_cache_group_ids(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
-        return KvpushMetadata(self._book().build_step(_scheduled(scheduler_output)))
+        return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output)))
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._book().connector_output(connector_output.finished_sending or (),
@@ -589,12 +144,13 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     # -- worker side -------------------------------------------------------------------------------
-    def _work(self) -> _Worker:
+    def _work(self) -> WorkerSide:
         assert self._worker is not None, "a worker hook called on the scheduler's connector"
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work().register(kv_caches)
+        names = sorted(kv_caches, key=_layer_order(kv_caches))
+        self._work().register(names, [kv_caches[name] for name in names])
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -608,16 +164,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        worker = self._work()
-        if worker.producer is not None:
-            index = worker.layer_index.get(layer_name)
-            if index is not None:
-                worker.producer.layer_saved(index)
+        self._work().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        worker = self._work()
-        if worker.producer is not None:
-            worker.producer.end_step()
+        self._work().end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._work().results()
@@ -629,35 +179,13 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self._work()
-        errors, worker.load_errors = worker.load_errors, set()
-        return errors
+        return self._work().take_load_errors()
 
     def stats(self) -> dict[str, int]:
-        """This worker's counters (pushes pipelined or after the forward, blocks pushed, transfers
-        landed/failed/released on the prefill side; ids sent, landed, failed, aborted on the decode side)."""
-        worker = self._worker
-        counts: dict[str, int] = {}
-        if worker is not None:
-            for side, book in (("producer", worker.producer), ("consumer", worker.consumer)):
-                if book is not None:
-                    counts.update({f"{side}.{key}": value for key, value in book.stats.items()})
-        return counts
+        """This worker's counters: pushes pipelined or after the forward, blocks pushed, transfers
+        landed/failed/released (prefill side); ids sent, landed, failed, aborted (decode side)."""
+        return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
-        if self._worker is not None and self._worker.engine is not None:
-            self._worker.engine.close()
-            self._worker.engine = None
-
-
-def _scheduled(scheduler_output: Any) -> Iterable[core.Scheduled]:
-    counts = scheduler_output.num_scheduled_tokens
-    for new in scheduler_output.scheduled_new_reqs:
-        yield core.Scheduled(new.req_id, tuple(new.block_ids[0]), False, new.num_computed_tokens, counts[new.req_id])
-    cached = scheduler_output.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        groups = cached.new_block_ids[i]
-        blocks = tuple(groups[0]) if groups is not None else None
-        yield core.Scheduled(req_id, blocks, req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
-                             counts.get(req_id, 0))
-
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,227 @@
+"""KvpushConnector's worker side with real kvpush engines and no vLLM: two ``WorkerSide``s in this process.
+
+Each side registers a vLLM-like CPU KV cache (one buffer, one contiguous ``[num_blocks, kv_heads,
+block_size, 2 * head_dim]`` view per layer) and is driven through the calls vLLM's hooks make
+(begin_step = bind_connector_metadata, layer_saved = save_kv_layer, end_step = wait_for_save,
+results = get_transfer_results). The decode's blocks must end up holding exactly the prefill's bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpush.integrations import vllm_core as core
+from kvpush.integrations.vllm_core import FinishedSend, RecvSpec, SendStep, StepMeta
+from kvpush.integrations.vllm_worker import ConnectorSettings, WorkerSide, cache_desc
+
+LAYERS, BLOCKS, HEADS, BLOCK, WIDTH = 2, 64, 2, 4, 8
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def settings(role: str, kv_port: int, **extra: Any) -> ConnectorSettings:
+    transfer = SimpleNamespace(kv_role=role, kv_port=kv_port, engine_id=f"test-{role}",
+                               kv_connector_extra_config=extra)
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_index=0)
+    cache = SimpleNamespace(block_size=BLOCK)
+    return ConnectorSettings(SimpleNamespace(kv_transfer_config=transfer, cache_config=cache, parallel_config=parallel))
+
+
+class Side:
+    def __init__(self, role: str, kv_port: int, **extra: Any) -> None:
+        self.buffer = np.zeros((LAYERS, BLOCKS, HEADS, BLOCK, WIDTH), np.float32)
+        self.worker = WorkerSide(settings(role, kv_port, **extra))
+        self.worker.register(NAMES, [self.buffer[i] for i in range(LAYERS)])
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def step(self, meta: StepMeta, compute: Callable[[int], None] | None = None) -> None:
+        """One engine step: bind, the layers of the forward (``compute(layer)`` writes that layer's KV),
+        wait_for_save, get_transfer_results."""
+        self.worker.begin_step(meta)
+        if compute is not None:
+            for layer in range(LAYERS):
+                compute(layer)
+                self.worker.layer_saved(NAMES[layer])
+        self.worker.end_step()
+        self.collect()
+
+    def collect(self) -> None:
+        sending, recving, failed = self.worker.results()
+        self.sending |= sending
+        self.recving |= recving
+        self.failed |= failed
+        self.load_errors |= self.worker.take_load_errors()
+
+
+def kv_value(block: int, layer: int) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(block * 100 + layer)
+    return rng.standard_normal((HEADS, BLOCK, WIDTH)).astype(np.float32)
+
+
+def compute_tokens(side: Side, blocks: list[int], start: int, end: int) -> Callable[[int], None]:
+    """The prefill's forward for tokens [start, end): writes those slots of each layer's blocks."""
+    def compute(layer: int) -> None:
+        for token in range(start, end):
+            index, slot = divmod(token, BLOCK)
+            side.buffer[layer, blocks[index], :, slot, :] = kv_value(index, layer)[:, slot, :]
+    return compute
+
+
+def until(condition: Callable[[], bool], *sides: Side, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        for side in sides:
+            side.step(StepMeta())  # an empty engine step: what a busy-stepping vLLM engine does
+        time.sleep(0.002)
+
+
+@pytest.fixture(params=["tcp", "cma"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
+    port = free_port()
+    prefill = Side("kv_producer", port, transport=request.param, ids_timeout_s=5, transfer_timeout_s=5)
+    decode = Side("kv_consumer", port, transport=request.param, transfer_timeout_s=5, abort_grace_s=2)
+    yield prefill, decode
+    decode.worker.close()
+    prefill.worker.close()
+
+
+def recv_spec(prefill: Side, tid: str, dst: list[int], num_tokens: int, first: int = 0) -> RecvSpec:
+    remote = prefill.worker.settings.local
+    assert remote is not None
+    return RecvSpec(f"d-{tid}", tid, remote, first, tuple(dst), num_tokens)
+
+
+def assert_landed(prefill: Side, decode: Side, src: list[int], dst: list[int]) -> None:
+    for layer in range(LAYERS):
+        assert np.array_equal(decode.buffer[layer, dst], prefill.buffer[layer, src]), layer
+
+
+def test_decode_first_chunked_prefill_pushes_each_layer_and_reports_after_landing(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    src, dst, tokens = [3, 9, 10, 20], [40, 41, 7, 33], 14
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t1", dst, tokens)]))
+    until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t1")), prefill, decode)
+    for start, end in ((0, 6), (6, 14)):  # two chunks; block 1 is split between them
+        send = SendStep("p-t1", "t1", tuple(src), start, end, tokens)
+        prefill.step(StepMeta(send=[send]), compute_tokens(prefill, src, start, end))
+    assert not decode.recving
+    prefill.step(StepMeta(send_finished=[FinishedSend("p-t1", "t1", True, True)]))
+    until(lambda: "d-t1" in decode.recving and "p-t1" in prefill.sending, prefill, decode)
+    assert not decode.failed and not decode.load_errors
+    assert_landed(prefill, decode, src, dst)
+    stats = prefill.worker.stats()
+    assert stats["producer.pushes_pipelined"] == 2 and "producer.pushes_after_forward" not in stats
+    assert decode.worker.stats() == {"consumer.ids_sent": 1, "consumer.landed": 1}
+
+
+def test_ids_after_the_forward_are_served_by_one_push_and_prefix_hits_are_skipped(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    src, tokens = [5, 6, 7], 12
+    prefill.step(StepMeta(send=[SendStep("p-t2", "t2", tuple(src), 0, tokens, tokens)]),
+                 compute_tokens(prefill, src, 0, tokens))
+    prefill.step(StepMeta(send_finished=[FinishedSend("p-t2", "t2", True, True)]))
+    decode.buffer[:, 50] = prefill.buffer[:, 5]  # the decode's prefix cache already holds block 0
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t2", [51, 52], tokens, first=1)]))
+    until(lambda: "d-t2" in decode.recving and "p-t2" in prefill.sending, prefill, decode)
+    assert_landed(prefill, decode, src, [50, 51, 52])
+    assert prefill.worker.stats()["producer.pushes_after_forward"] == 1
+    assert prefill.worker.stats()["producer.blocks_pushed"] == 2
+
+
+def test_a_prefill_that_dies_fails_the_decode_at_once_with_load_errors(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t3", [11, 12], 8)]))
+    until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t3")), prefill, decode)
+    started = time.monotonic()
+    prefill.worker.close()
+    until(lambda: "d-t3" in decode.recving, decode)
+    assert time.monotonic() - started < 3  # the closed link, not the 5 s deadline
+    assert decode.failed == {"d-t3"} and decode.load_errors == {11, 12}
+
+
+def test_a_decode_abort_stops_the_prefill_and_is_confirmed(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    src = [1, 2]
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t4", [21, 22], 8)]))
+    until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t4")), prefill, decode)
+    decode.step(StepMeta(recv_aborted=["d-t4"]))
+    until(lambda: "d-t4" in decode.recving, prefill, decode)
+    assert not decode.failed and not decode.load_errors  # released, not a failed load
+    prefill.step(StepMeta(send=[SendStep("p-t4", "t4", tuple(src), 0, 8, 8)]), compute_tokens(prefill, src, 0, 8))
+    prefill.step(StepMeta(send_finished=[FinishedSend("p-t4", "t4", True, True)]))
+    until(lambda: "p-t4" in prefill.sending, prefill)
+    assert not decode.buffer[:, [21, 22]].any()  # nothing was pushed after the abort
+    assert "producer.blocks_pushed" not in prefill.worker.stats()
+
+
+def test_a_prefill_that_never_gets_the_request_answers_and_the_decode_fails(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t5", [30], 3)]))
+    until(lambda: "d-t5" in decode.recving, prefill, decode, timeout=15)  # after the prefill's 5 s
+    assert decode.failed == {"d-t5"} and decode.load_errors == {30}
+
+
+def test_many_concurrent_transfers_all_land(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    requests = {f"c{i}": ([2 * i, 2 * i + 1], [40 + 2 * i, 41 + 2 * i]) for i in range(8)}
+    decode.step(StepMeta(recv=[recv_spec(prefill, tid, dst, 8) for tid, (_, dst) in requests.items()]))
+    sends = [SendStep(f"p-{tid}", tid, tuple(src), 0, 8, 8) for tid, (src, _) in requests.items()]
+
+    def compute(layer: int) -> None:
+        for _, (src, _) in requests.items():
+            compute_tokens(prefill, src, 0, 8)(layer)
+    until(lambda: len(prefill.worker.producer or ()) == 8, prefill, decode)
+    prefill.step(StepMeta(send=sends), compute)
+    prefill.step(StepMeta(send_finished=[FinishedSend(f"p-{tid}", tid, True, True) for tid in requests]))
+    until(lambda: len(decode.recving) == 8 and len(prefill.sending) == 8, prefill, decode)
+    assert not decode.failed
+    for src, dst in requests.values():
+        assert_landed(prefill, decode, src, dst)
+
+
+def test_cache_desc_refuses_what_kvpush_cannot_move() -> None:
+    views = [np.zeros((4, 2, 4, 8), np.float32) for _ in range(2)]
+    assert cache_desc(NAMES, views).shape == (4, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="on cuda:0"):
+        cache_desc(["l0"], [SimpleNamespace(device="cuda:0", shape=(4,), dtype="torch.float32")])
+    with pytest.raises(NotImplementedError, match="one shape and dtype"):
+        cache_desc(NAMES, [views[0], np.zeros((5, 2, 4, 8), np.float32)])
+    with pytest.raises(NotImplementedError, match="not contiguous"):
+        cache_desc(["l0"], [np.zeros((4, 8, 2), np.float32).transpose(0, 2, 1)])
+    with pytest.raises(NotImplementedError, match="int32 is not supported"):
+        cache_desc(["l0"], [np.zeros((4, 2), np.int32)])
+
+
+def test_settings_follow_the_role_and_vllm_defaults() -> None:
+    prefill = settings("kv_producer", 14579)
+    assert prefill.listen == ("127.0.0.1", 14579) and prefill.cluster_id == core.derive_cluster_id("127.0.0.1", 14579)
+    assert prefill.local == core.PeerAddress.of("127.0.0.1", 14579)
+    decode = settings("kv_consumer", 14579)
+    assert decode.listen is None and 1 << 48 <= decode.cluster_id < 1 << 62
+    assert decode.default_remote == prefill.local  # the same host's prefill with vLLM's default kv_port
+    both = settings("kv_both", 15000, port=16000, cluster_id=7, host="::1")
+    assert both.listen == ("::1", 16000) and both.cluster_id == 7 and both.produce and both.consume
+    with pytest.raises(core.ParamsError, match="unknown key"):
+        settings("kv_producer", 14579, bogus=1)
+    tp2 = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", kv_port=1, engine_id="x",
+                                                             kv_connector_extra_config={}),
+                          cache_config=SimpleNamespace(block_size=16),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
+        ConnectorSettings(tp2)
