@@ -6,14 +6,15 @@ limits of this machine and the peers, side by side.
     python bench/run.py --quick    # smaller sizes and fewer repetitions: under two minutes
 
 Workloads (shared/bench/WORKLOADS.md): W-KV, W-KV-RUNS, W-LAYER (layer-pipelined prefill with real
-CPU compute per layer), W-SMALL (one 32 KiB block: p50/p99 latency), W-CONTIG (8 writes of 64 MiB).
+CPU compute per layer), W-SMALL (one 32 KiB block: p50/p99 latency), W-SHORT (a 64-token request at
+full depth, 8 MiB in one push: p50/p99 latency), W-CONTIG (8 writes of 64 MiB).
 Systems: memcpy (one-copy limit), socket (plain Python sockets), ucx_perftest (UCX from C),
 kvpush over tcp / cma / ucx, and Mooncake Transfer Engine and NIXL when their environments exist
 (``bash bench/peers/setup.sh`` builds them). Every kvpush and baseline case verifies every
 destination byte; a case that fails verification reports FAIL and no number.
 
 Writes ``bench/results/<stamp>.jsonl`` (one JSON line per case), ``<stamp>.md`` (medians and ratios)
-and ``<stamp>.png`` (GB/s per system per workload, and W-SMALL latency); prints the table.
+and ``<stamp>.png`` (GB/s per system per workload, and W-SMALL/W-SHORT latency); prints the table.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from transports import cma, ucx  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 PEERS = os.path.join(HERE, "peers")
+LATENCY = ("W-SMALL", "W-SHORT")  # reported as p50/p99 latency per push, compared as latency multiples
 
 
 # -- progress ------------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ class Bar:
     def close(self, record: dict[str, Any]) -> None:
         self.draw(1, 1)  # cases that report no steps of their own (peers, ucx_perftest) end full too
         shown = record.get("result") or (f"{record['gbps']} GB/s" if "gbps" in record else "")
-        if record["workload"] == "W-SMALL" and "p50_us" in record:
+        if record["workload"] in LATENCY and "p50_us" in record:
             shown = f"p50 {record['p50_us']} us, p99 {record['p99_us']} us"
         if record["workload"] == "W-LAYER" and "hidden" in record:
             shown = f"{record['hidden'] * 100:.0f}% of transfer hidden"
@@ -219,6 +221,9 @@ def case_peer(work: Workload, system: str, reps: int, env_extra: dict[str, str])
     name = system + (f"-{env_extra['UCX_TLS']}" if "UCX_TLS" in env_extra else "")
     record = {"case": name, "workload": work.name, "gbps": raw.get("gbps_median"),
               "verified": raw.get("verified"), "transport": raw.get("transport"), "package": raw.get("package")}
+    if work.name in LATENCY and raw.get("gbps_median"):  # their drivers report medians only: p50 from it
+        record["p50_us"] = round(work.payload_bytes / (raw["gbps_median"] * 1e9) * 1e6, 1)
+        record["p99_us"] = None
     if raw.get("verified") is False:
         record.pop("gbps")
         record["result"] = "FAIL"
@@ -237,6 +242,8 @@ def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int]
     contig = WORKLOADS["W-CONTIG"] if not quick else replace(WORKLOADS["W-CONTIG"], block_bytes=16 << 20)
     small = WORKLOADS["W-SMALL"]
     small_reps = 300 if quick else 1000
+    short = WORKLOADS["W-SHORT"]
+    short_reps = 200 if quick else 400
     layer = replace(WORKLOADS["W-LAYER"], layers=layers)
     have_ucx = ucx.available() is None
     cases: list[tuple[Workload, str, Callable[[Callable[[int, int], None]], dict[str, Any] | None]]] = []
@@ -256,6 +263,12 @@ def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int]
     for transport in transports():
         cases.append((small, f"kvpush-{transport}",
                       lambda p, t=transport: pb.case_kvpush(small, small_reps, t, p)))
+    cases.append((short, "socket", lambda p: pb.case_socket(short, short_reps, p)))
+    for transport in transports():
+        cases.append((short, f"kvpush-{transport}", lambda p, t=transport: pb.case_kvpush(short, short_reps, t, p)))
+    cases.append((short, "mooncake", lambda p: case_peer(short, "mooncake", short_reps, {})))
+    cases.append((short, "nixl", lambda p: case_peer(short, "nixl", short_reps, {})))
+    cases.append((short, "nixl-tcp", lambda p: case_peer(short, "nixl", short_reps, {"UCX_TLS": "tcp"})))
     for transport in transports():
         cases.append((layer, f"kvpush-{transport}", lambda p, t=transport: case_layer(layer, reps, t, p)))
     return cases
@@ -272,7 +285,7 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
         for name, record in cases.items():
             if "result" in record:
                 result = record["result"]
-            elif work == "W-SMALL":
+            elif work in LATENCY:
                 result = f"p50 {record['p50_us']} us / p99 {record['p99_us']} us"
             elif work == "W-LAYER":
                 result = (f"{record['hidden'] * 100:.0f}% hidden (serial {record['serial_s']} s, pipelined "
@@ -285,10 +298,10 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
             cells = []
             for base in ("memcpy", "socket", "ucx_perftest-ucp_put_bw", "mooncake", "nixl-tcp"):
                 other = cases.get(base)
-                key = "p50_us" if work == "W-SMALL" else "gbps"
-                if other is None or base == name or key not in record or key not in other or not other[key]:
+                key = "p50_us" if work in LATENCY else "gbps"
+                if other is None or base == name or not record.get(key) or not other.get(key):
                     cells.append("")
-                elif work == "W-SMALL":
+                elif work in LATENCY:
                     cells.append(f"{record[key] / other[key]:.2f}x its latency")
                 else:
                     cells.append(f"{record[key] / other[key]:.2f}")
@@ -305,8 +318,8 @@ def chart(records: list[dict[str, Any]], path: str) -> bool:
     except ImportError:
         sys.stderr.write("matplotlib not installed (pip install 'kvpush[bench]'): no chart\n")
         return False
-    throughput = [r for r in records if r["workload"] not in ("W-SMALL",) and isinstance(r.get("gbps"), float)]
-    small = [r for r in records if r["workload"] == "W-SMALL" and "p50_us" in r]
+    throughput = [r for r in records if r["workload"] not in LATENCY and isinstance(r.get("gbps"), float)]
+    small = [r for r in records if r["workload"] in LATENCY and r.get("p50_us")]
     works = list(dict.fromkeys(r["workload"] for r in throughput))
     systems = list(dict.fromkeys(r["case"] for r in throughput))
     figure, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 1]})
@@ -319,12 +332,13 @@ def chart(records: list[dict[str, Any]], path: str) -> bool:
     left.set_ylabel("GB/s (10^9 B/s of block payload, median)")
     left.set_title("Throughput per system per workload (W-LAYER: pipelined prefill incl. compute)")
     left.legend(fontsize=7, ncol=2)
-    names = [r["case"] for r in small]
+    names = [f"{r['workload'].removeprefix('W-')} {r['case']}" for r in small]
     right.bar(np.arange(len(small)) - 0.2, [r["p50_us"] for r in small], 0.4, label="p50")
-    right.bar(np.arange(len(small)) + 0.2, [r["p99_us"] for r in small], 0.4, label="p99")
-    right.set_xticks(np.arange(len(small)), names, rotation=30, fontsize=8)
-    right.set_ylabel("microseconds per push")
-    right.set_title("W-SMALL latency (one 32 KiB block)")
+    right.bar(np.arange(len(small)) + 0.2, [r["p99_us"] or 0 for r in small], 0.4, label="p99")
+    right.set_xticks(np.arange(len(small)), names, rotation=60, fontsize=7)
+    right.set_yscale("log")
+    right.set_ylabel("microseconds per push (log)")
+    right.set_title("Latency: W-SMALL (one 32 KiB block), W-SHORT (8 MiB, 32 layers)")
     right.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

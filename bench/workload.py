@@ -4,6 +4,8 @@ W-KV: 32 layers x 2 tensors (K, V); source 256 blocks, destination 512 blocks; b
 8 heads x 128 dim x fp16 = 32 KiB per tensor; all 256 source blocks (a random permutation) go to
 256 random distinct destination blocks, every layer: 512 MiB per push.
 W-KV-RUNS: as W-KV, but the ids are 16 runs of 16 consecutive ids on both sides.
+W-SHORT: a 64-token request at full depth (32 layers x 2 tensors x 4 blocks of 32 KiB = 8 MiB), all
+layers in one push; reported as p50/p99 latency over >= 200 pushes.
 
 Every case prints one JSON line on stdout. A target process is driven by JSON lines on stdin and
 answers with ``@@CTL {json}`` lines on stdout.
@@ -70,6 +72,8 @@ WORKLOADS = {
     "W-LAYER": Workload("W-LAYER"),
     # one layer of one tensor, one 32 KiB block: decode-time latency
     "W-SMALL": Workload("W-SMALL", layers=1, kv=1, src_blocks=1, dst_blocks=8),
+    # a 64-token request at full depth: 32 layers x (K, V) x 4 blocks of 32 KiB = 8 MiB in one push_blocks
+    "W-SHORT": Workload("W-SHORT", layers=32, kv=2, src_blocks=4, dst_blocks=64),
     # 8 writes of 64 MiB into shuffled slots of a 16-slot pool: the transport's ceiling
     "W-CONTIG": Workload("W-CONTIG", layers=1, kv=1, src_blocks=8, dst_blocks=16, block_bytes=64 << 20),
 }
