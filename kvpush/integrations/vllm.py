@@ -17,6 +17,7 @@ are supported: a CUDA cache is refused with the reason.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,18 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
         s = self.step
         return (f"KvpushMetadata(recv={len(s.recv)}, recv_aborted={len(s.recv_aborted)}, send={len(s.send)}, "
                 f"send_finished={len(s.send_finished)})")
+
+
+def _log_like_vllm() -> None:
+    """kvpush's log lines (links, transfers, failures) in vLLM's format and level, once per process,
+    unless the application configured the ``kvpush`` logger itself."""
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
@@ -90,6 +103,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
         self._settings = ConnectorSettings(vllm_config)
         self._scheduler: core.SchedulerBook | None = None
         self._worker: WorkerSide | None = None

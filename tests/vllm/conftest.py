@@ -18,6 +18,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+ENV = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
 
 
 def _missing() -> str | None:
@@ -42,6 +43,18 @@ def _require_vllm() -> None:
 @pytest.fixture(autouse=True)
 def _needs_vllm() -> None:
     _require_vllm()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Greedy tokens of a single instance (no connector) for pd_offline's prompts."""
+    work = tmp_path_factory.mktemp("reference")
+    out = work / "single.json"
+    command = ["taskset", "-c", "1", sys.executable, str(HERE / "pd_offline.py"), str(tiny_model), "--role", "single",
+               "--out", str(out)]
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -23,17 +23,6 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Greedy tokens of a single instance (no connector) for pd_offline's prompts."""
-    work = tmp_path_factory.mktemp("reference")
-    out = work / "single.json"
-    done = _run(["taskset", "-c", "1", sys.executable, str(HERE / "pd_offline.py"), str(tiny_model), "--role",
-                 "single", "--out", str(out)], timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
-
-
 def _pd(tiny_model: Path, reference: Path, tmp_path: Path, *options: str) -> dict[str, Any]:
     summary = tmp_path / "summary.json"
     done = _run([sys.executable, str(HERE / "pd_offline.py"), str(tiny_model), "--reference", str(reference),
