@@ -7,6 +7,8 @@
                      what peers push into it (or pull from it) until Ctrl-C.
     kvpush push      link to a serving endpoint, push synthetic blocks into its cache (its geometry is
                      read from the endpoint), pull them back and compare byte for byte.
+    kvpush proxy     one OpenAI endpoint in front of vLLM prefill and decode instances that run
+                     KvpushConnector (needs aiohttp: ``pip install 'kvpush[proxy]'``).
     kvpush bench     the benchmark suite (``bench/run.py`` of the source tree; extra arguments
                      are passed through).
 
@@ -24,21 +26,23 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import bench, demo, push, serve
+from . import bench, demo, proxy, push, serve
 from .args import UsageError
 
 _RUN: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": demo.run, "serve": serve.run, "push": push.run, "bench": bench.run, "_decode": demo.run_decode,
+    "demo": demo.run, "serve": serve.run, "push": push.run, "bench": bench.run, "proxy": proxy.run,
+    "_decode": demo.run_decode,
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description="kvpush: KV-cache block transfer engine")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,push,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,push,bench,proxy}")
     demo.add_parser(commands)
     serve.add_parser(commands)
     push.add_parser(commands)
     bench.add_parser(commands)
+    proxy.add_parser(commands)
     demo.add_decode_parser(commands)  # last: "invalid choice" lists the subcommands in this order
     return parser
 

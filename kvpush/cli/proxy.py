@@ -1,0 +1,111 @@
+"""``kvpush proxy``: one OpenAI endpoint in front of vLLM prefill and decode instances that run
+KvpushConnector (``kvpush.integrations.proxy``; needs aiohttp, ``pip install 'kvpush[proxy]'``).
+
+    kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Serves until Ctrl-C (SIGINT) or SIGTERM. aiohttp is imported only when the proxy runs, so the other
+subcommands work without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from typing import TYPE_CHECKING
+
+from .args import UsageError, positive
+from .output import configure_logging, fail, format_address
+
+if TYPE_CHECKING:
+    from kvpush.integrations.proxy import ProxyConfig
+
+    from .args import Subcommands
+
+DEFAULT_KV_PORT = 14579  # vLLM's kv_port default; kvpush.integrations.proxy.DEFAULT_KV_PORT (not imported here)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return int(text)
+
+
+def add_parser(commands: Subcommands) -> None:
+    proxy = commands.add_parser(
+        "proxy", help="one OpenAI endpoint in front of vLLM prefill and decode instances (KvpushConnector)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models and /health.\n"
+                    "Each request gets a fresh transfer id and goes at once to a decode (the client's request\n"
+                    "with do_remote_prefill and the prefill's kvpush address) and to a prefill (max_tokens=1,\n"
+                    "not streamed, do_remote_decode); the client gets the decode's response as it is. Requests\n"
+                    "spread over several --prefill/--decode (fewest in flight, ties in turn).",
+        epilog="A prefill's kvpush address is its URL's host and --prefill-kv-port; one prefill's own goes\n"
+               "in its URL's fragment:\n"
+               "  --prefill 'http://10.0.0.5:8100#kv=10.0.0.5:14600'   (or #kv=14600: the URL's host)\n"
+               "  --prefill 'http://10.0.0.5:8100#kv=14600&cluster=7'  (a prefill with cluster_id 7 in its config)\n"
+               "The host must be spelt as the prefill's connector listens (its VLLM_HOST_IP; an IP address\n"
+               "is safest): the decode derives the prefill's cluster id from it.\n\n"
+               "example (one host, vLLM's default kv_port):\n"
+               "  kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000")
+    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+                       help="a prefill instance's base URL, e.g. http://127.0.0.1:8100 (repeatable)")
+    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+                       help="a decode instance's base URL, e.g. http://127.0.0.1:8200 (repeatable)")
+    proxy.add_argument("--prefill-kv-port", type=positive, default=DEFAULT_KV_PORT, metavar="PORT",
+                       help=f"the kvpush port of prefills without #kv= (default {DEFAULT_KV_PORT}, vLLM's kv_port)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    proxy.add_argument("--port", type=_port, default=8000, help="port to serve on; 0 picks a free one (default 8000)")
+    proxy.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                       help="bound on every upstream request, streamed ones included (default 600)")
+    proxy.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose, 30)
+    try:
+        from kvpush.integrations import proxy
+    except ImportError as error:
+        return fail("proxy", f"needs aiohttp (pip install 'kvpush[proxy]'): {error}")
+    try:
+        prefills = [proxy.parse_prefill(spec, args.prefill_kv_port) for spec in args.prefill]
+        config = proxy.ProxyConfig(prefills, [proxy.base_url(spec) for spec in args.decode], args.timeout)
+    except proxy.SpecError as error:
+        raise UsageError(str(error)) from None
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(_serve(args, config))
+    return 130
+
+
+async def _serve(args: argparse.Namespace, config: ProxyConfig) -> int:
+    from kvpush.integrations import proxy
+
+    try:
+        runner = await proxy.start(config, args.host, args.port)
+    except OSError as error:
+        return fail("proxy", f"cannot serve on {format_address(args.host, args.port)}: {error}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop.set)
+    try:
+        where = format_address(args.host, proxy.bound_port(runner))
+        routes = ", ".join(f"prefill {p.url} (kvpush {format_address(p.kv_host, p.kv_port)})" for p in config.prefills)
+        print(f"kvpush proxy: serving http://{where} -> {routes}; decode {', '.join(config.decodes)}. Ctrl-C to stop",
+              flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0

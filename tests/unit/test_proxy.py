@@ -1,0 +1,392 @@
+"""kvpush.integrations.proxy: routing only. Small aiohttp servers stand in for a vLLM prefill and decode
+(loopback) so the proxy's own behaviour can be checked: the two copies of a request, their
+kv_transfer_params, streaming chunk by chunk, passthrough of usage and errors, spreading, cancellation.
+Real vLLM servers behind the proxy are tested in tests/vllm."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvpush.integrations import proxy
+
+Behaviour = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+         "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+class FakeVllm:
+    """An upstream that records what it received and answers as ``behaviour`` says (default: JSON)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.cancelled = asyncio.Event()
+        self.started = asyncio.Event()
+        self.behaviour: Behaviour = self.answer
+        self.health_status = 200
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> FakeVllm:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completion)
+        app.router.add_post("/v1/chat/completions", self.completion)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        self.started.set()
+        try:
+            return await self.behaviour(request, body)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"id": f"cmpl-{self.name}", "object": "text_completion",
+                                  "choices": [{"index": 0, "text": f"from {self.name}"}], "usage": USAGE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+
+async def hang(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    await asyncio.sleep(3600)
+    raise AssertionError("not reached")
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[dict[str, FakeVllm]]:
+    servers = {name: await FakeVllm(name).start() for name in ("prefill", "prefill2", "decode", "decode2")}
+    yield servers
+    for server in servers.values():
+        assert server.runner is not None
+        await server.runner.cleanup()
+
+
+Start = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Start]:
+    runners: list[web.AppRunner] = []
+
+    async def start(prefills: list[str], decodes: list[str], **options: Any) -> str:
+        config = proxy.ProxyConfig([proxy.parse_prefill(spec) for spec in prefills],
+                                   [proxy.base_url(url) for url in decodes], **options)
+        runner = await proxy.start(config, "127.0.0.1", 0)
+        runners.append(runner)
+        return f"http://127.0.0.1:{proxy.bound_port(runner)}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+# -- the two copies of a request ---------------------------------------------------------------------
+
+async def test_completion_copies_share_a_transfer_id_and_the_client_gets_the_decode_answer(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    request = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0, "min_tokens": 2}
+    async with client.post(url + "/v1/completions", json=request, headers={"Authorization": "Bearer k"}) as reply:
+        assert reply.status == 200
+        answer = await reply.json()
+    assert answer == {"id": "cmpl-decode", "object": "text_completion",
+                      "choices": [{"index": 0, "text": "from decode"}], "usage": USAGE}
+    [decode_body], [prefill_body] = fakes["decode"].bodies, fakes["prefill"].bodies
+    decode_params, prefill_params = decode_body.pop("kv_transfer_params"), prefill_body.pop("kv_transfer_params")
+    assert decode_body == request  # everything else as the client sent it
+    assert prefill_body == {"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0, "stream": False}
+    assert decode_params == {"do_remote_prefill": True, "do_remote_decode": False,
+                             "transfer_id": prefill_params["transfer_id"],
+                             "remote_host": "127.0.0.1", "remote_port": proxy.DEFAULT_KV_PORT}
+    assert prefill_params == {"do_remote_decode": True, "do_remote_prefill": False,
+                              "transfer_id": decode_params["transfer_id"]}
+    assert fakes["decode"].headers[0]["Authorization"] == fakes["prefill"].headers[0]["Authorization"] == "Bearer k"
+
+
+async def test_every_request_gets_a_fresh_transfer_id_and_the_prefill_kv_address_from_its_spec(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    url = await start_proxy([fakes["prefill"].url + "#kv=10.1.2.3:14600&cluster=7"], [fakes["decode"].url])
+    for _ in range(3):
+        async with client.post(url + "/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "hi"}],
+                                     "max_completion_tokens": 5}) as reply:
+            assert reply.status == 200
+    ids = [body["kv_transfer_params"]["transfer_id"] for body in fakes["decode"].bodies]
+    assert len(set(ids)) == 3
+    assert ids == [body["kv_transfer_params"]["transfer_id"] for body in fakes["prefill"].bodies]
+    params = fakes["decode"].bodies[0]["kv_transfer_params"]
+    assert (params["remote_host"], params["remote_port"], params["remote_cluster_id"]) == ("10.1.2.3", 14600, 7)
+    assert fakes["prefill"].bodies[0]["max_completion_tokens"] == 1
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+async def test_streaming_passes_each_chunk_through_as_it_comes_usage_included(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    next_chunk = asyncio.Event()
+    events = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',
+              b'data: {"choices":[],"usage":' + json.dumps(USAGE).encode() + b"}\n\n", b"data: [DONE]\n\n"]
+
+    async def stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(events[0])
+        await next_chunk.wait()  # the rest only after the client saw the first
+        for event in events[1:]:
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+    fakes["decode"].behaviour = stream
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+               "stream_options": {"include_usage": True}}
+    async with client.post(url + "/v1/chat/completions", json=request) as reply:
+        assert reply.status == 200
+        assert reply.headers["Content-Type"] == "text/event-stream"
+        first = await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5)
+        assert first == events[0]
+        next_chunk.set()
+        rest = await reply.read()
+    assert rest == b"".join(events[1:])
+    assert fakes["decode"].bodies[0]["stream"] is True
+    assert fakes["decode"].bodies[0]["stream_options"] == {"include_usage": True}
+    prefill_body = fakes["prefill"].bodies[0]
+    assert prefill_body["stream"] is False and "stream_options" not in prefill_body and prefill_body["max_tokens"] == 1
+
+
+async def test_the_decode_answer_does_not_wait_for_a_hanging_prefill_which_is_then_cancelled(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    fakes["prefill"].behaviour = hang
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], prefill_grace_s=0.5)
+    async with client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as reply:
+        assert reply.status == 200
+        assert (await reply.json())["usage"] == USAGE
+    assert not fakes["prefill"].cancelled.is_set()  # the answer came while the prefill still ran
+    await asyncio.wait_for(fakes["prefill"].cancelled.wait(), 5)  # after the grace it is cancelled
+
+
+async def test_a_failing_prefill_is_logged_and_the_decode_still_answers(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession,
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def refuse(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "no"}}, status=500)
+
+    fakes["prefill"].behaviour = refuse
+    url = await start_proxy([fakes["prefill"].url, "http://127.0.0.1:9"], [fakes["decode"].url])
+    for _ in range(2):  # one to the refusing prefill, one to a port nobody listens on
+        async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+            assert reply.status == 200
+            assert (await reply.json())["id"] == "cmpl-decode"
+    warnings = [record.getMessage() for record in caplog.records if record.name == proxy.__name__]
+    assert any("answered 500" in text for text in warnings)
+    assert any("failed" in text and "recomputes" in text for text in warnings)
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+async def test_upstream_errors_pass_through_with_their_status_and_body(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    error = {"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}
+
+    async def bad_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response(error, status=400)
+
+    fakes["decode"].behaviour = bad_request
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    async with client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 10**9}) as reply:
+        assert reply.status == 400
+        assert await reply.json() == error
+
+
+async def test_proxy_errors_unreachable_decode_timeout_and_bad_requests(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    unreachable = await start_proxy([fakes["prefill"].url], ["http://127.0.0.1:9"])
+    async with client.post(unreachable + "/v1/completions", json={"prompt": "x"}) as reply:
+        assert reply.status == 502
+        assert "127.0.0.1:9" in (await reply.json())["error"]["message"]
+    fakes["decode"].behaviour = hang
+    slow = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], timeout_s=0.3)
+    async with client.post(slow + "/v1/completions", json={"prompt": "x"}) as reply:
+        assert reply.status == 504
+    await asyncio.wait_for(fakes["decode"].cancelled.wait(), 5)
+    for body, why in ((b"{not json", "not JSON"), (b"[1]", "JSON object"), (b'{"prompt": "x", "n": 2}', "n > 1")):
+        async with client.post(slow + "/v1/completions", data=body) as reply:
+            assert reply.status == 400
+            assert why in (await reply.json())["error"]["message"]
+
+
+async def test_a_decode_cut_mid_stream_cuts_the_client(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    async def cut(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: {}\n\n")
+        await asyncio.sleep(0.1)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    fakes["decode"].behaviour = cut
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    async with client.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as reply:
+        assert reply.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await reply.read()
+
+
+# -- spreading ----------------------------------------------------------------------------------------
+
+async def test_requests_spread_over_two_decodes_and_two_prefills(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    prefills = [fakes["prefill"].url + "#kv=14600", fakes["prefill2"].url + "#kv=14601"]
+    url = await start_proxy(prefills, [fakes["decode"].url, fakes["decode2"].url])
+    for _ in range(4):
+        async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+            assert reply.status == 200
+    assert [len(fakes[name].bodies) for name in ("prefill", "prefill2", "decode", "decode2")] == [2, 2, 2, 2]
+    kv_port_of = {body["kv_transfer_params"]["transfer_id"]: port
+                  for name, port in (("prefill", 14600), ("prefill2", 14601)) for body in fakes[name].bodies}
+    for name in ("decode", "decode2"):
+        for body in fakes[name].bodies:  # each decode is told the kv port of the prefill that got its twin
+            params = body["kv_transfer_params"]
+            assert params["remote_port"] == kv_port_of[params["transfer_id"]]
+
+
+async def test_a_busy_decode_gets_no_new_requests_until_the_other_is_as_busy(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    release = asyncio.Event()
+
+    async def held(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await release.wait()
+        return await fakes["decode"].answer(request, body)
+
+    fakes["decode"].behaviour = held
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url, fakes["decode2"].url])
+
+    async def post() -> int:
+        async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+            await reply.read()
+            return int(reply.status)
+
+    first = asyncio.create_task(post())
+    await asyncio.wait_for(fakes["decode"].started.wait(), 5)
+    assert await post() == 200 and await post() == 200  # decode is busy: both to decode2
+    assert (len(fakes["decode"].bodies), len(fakes["decode2"].bodies)) == (1, 2)
+    release.set()
+    assert await first == 200
+
+
+# -- client disconnect --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_a_client_that_disconnects_cancels_both_upstream_requests(
+        fakes: dict[str, FakeVllm], start_proxy: Start, streaming: bool) -> None:
+    async def stream_then_hang(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: {}\n\n")
+        await asyncio.sleep(3600)
+        return response
+
+    fakes["prefill"].behaviour = hang
+    fakes["decode"].behaviour = stream_then_hang if streaming else hang
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    async with aiohttp.ClientSession() as session:
+        request = {"prompt": "x", "stream": streaming}
+        reply_task = asyncio.create_task(session.post(url + "/v1/completions", json=request))
+        await asyncio.wait_for(asyncio.gather(fakes["decode"].started.wait(), fakes["prefill"].started.wait()), 5)
+        if streaming:
+            reply = await asyncio.wait_for(reply_task, 5)
+            assert await reply.content.readuntil(b"\n\n") == b"data: {}\n\n"
+            reply.close()  # drop the connection mid-stream
+        else:
+            reply_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reply_task
+    await asyncio.wait_for(asyncio.gather(fakes["decode"].cancelled.wait(), fakes["prefill"].cancelled.wait()), 5)
+
+
+# -- passthroughs -------------------------------------------------------------------------------------
+
+async def test_models_and_health(fakes: dict[str, FakeVllm], start_proxy: Start,
+                                 client: aiohttp.ClientSession) -> None:
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    async with client.get(url + "/v1/models") as reply:
+        assert reply.status == 200
+        assert (await reply.json())["data"] == [{"id": "tiny", "owned_by": "decode"}]
+    async with client.get(url + "/health") as reply:
+        assert reply.status == 200
+    fakes["prefill"].health_status = 503
+    async with client.get(url + "/health") as reply:
+        assert reply.status == 503
+        assert fakes["prefill"].url in (await reply.json())["error"]["message"]
+
+
+# -- specs and the command ----------------------------------------------------------------------------
+
+def test_prefill_specs() -> None:
+    assert proxy.parse_prefill("http://10.0.0.5:8100/") == proxy.Prefill("http://10.0.0.5:8100", "10.0.0.5", 14579)
+    assert proxy.parse_prefill("http://h:8100", default_kv_port=15000).kv_port == 15000
+    assert proxy.parse_prefill("http://h:8100#kv=14600") == proxy.Prefill("http://h:8100", "h", 14600)
+    assert proxy.parse_prefill("http://h:8100#kv=10.0.0.6:14600&cluster=9") == proxy.Prefill(
+        "http://h:8100", "10.0.0.6", 14600, 9)
+    assert proxy.parse_prefill("http://[::1]:8100#kv=[::1]:14600") == proxy.Prefill("http://[::1]:8100", "::1", 14600)
+    for spec in ("ftp://h:1", "h:8100", "http://h:8100?x=1", "http://h:8100#kv=0", "http://h:8100#kv=h:x",
+                 "http://h:8100#kv=::1:5", "http://h:8100#port=5", "http://h:8100#cluster=-1", "http://h:99999"):
+        with pytest.raises(proxy.SpecError):
+            proxy.parse_prefill(spec)
+
+
+def test_the_command_serves_until_sigterm() -> None:
+    command = [sys.executable, "-m", "kvpush", "proxy", "--prefill", "http://127.0.0.1:9", "--decode",
+               "http://127.0.0.1:9", "--port", "0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("kvpush proxy: serving http://127.0.0.1:"), line
+        assert "kvpush 127.0.0.1:14579" in line
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 0
+
+
+def test_the_command_refuses_a_bad_url() -> None:
+    from kvpush.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["proxy", "--prefill", "ftp://x", "--decode", "http://127.0.0.1:8200"])
+    assert exit_info.value.code == 2
