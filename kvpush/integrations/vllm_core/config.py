@@ -1,0 +1,220 @@
+"""What a connector is told: its settings (``ConnectorConfig``, from ``kv_connector_extra_config``),
+where engines listen (``listen_port``, ``PeerAddress``, ``derive_cluster_id``), what a request's
+``kv_transfer_params`` ask (``parse_params``) and the params a proxy sends (``prefill_request_params``,
+``decode_request_params``). Pure; anything unusable raises ``ParamsError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .messages import MAX_TRANSFER_ID_BYTES
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+class ParamsError(ValueError):
+    """``kv_transfer_params`` or ``kv_connector_extra_config`` that cannot be used; says which key."""
+
+
+# -- configuration and addresses -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, from ``kv_connector_extra_config`` (every key optional).
+
+    ``host``/``port``: where this worker's kvpush engine listens (default: ``VLLM_HOST_IP`` or
+    127.0.0.1, and ``listen_port(kv_port, role)``); ``cluster_id``: its kvpush cluster id (default:
+    derived from host and port for a listener, random for a decode that only dials);
+    ``transport``, ``auth_token``: kvpush's ``kvpush.transport`` / ``kvpush.auth_token``;
+    ``engine_options``: more kvpush options, passed through. Deadlines: ``transfer_timeout_s``
+    bounds a decode's wait from allocation to the last byte; ``ids_timeout_s`` how long a finished
+    prefill request keeps its blocks for block ids that have not come; ``abort_grace_s`` how long a
+    decode waits, after an abort or timeout, for the prefill to confirm nothing more will land;
+    ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms`` bounds linking.
+    """
+
+    host: str | None = None
+    port: int | None = None
+    cluster_id: int | None = None
+    transport: str = "auto"
+    auth_token: str | None = None
+    transfer_timeout_s: float = 60.0
+    ids_timeout_s: float = 30.0
+    abort_grace_s: float = 5.0
+    link_timeout_ms: int = 3000
+    sync_kv_timeout_ms: int = 5000
+    max_transfers: int = 4096
+    engine_options: Mapping[str, str] = field(default_factory=dict)
+
+    _FLOATS = ("transfer_timeout_s", "ids_timeout_s", "abort_grace_s")
+    _INTS = ("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers")
+    _STRS = ("host", "transport", "auth_token")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Validate ``extra`` (unknown keys and wrong types raise ParamsError naming the key)."""
+        values: dict[str, Any] = {}
+        for key, value in (extra or {}).items():
+            if key in cls._FLOATS:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {value!r}")
+                values[key] = float(value)
+            elif key in cls._INTS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a non-negative int, got {value!r}")
+                values[key] = value
+            elif key in cls._STRS:
+                if not isinstance(value, str):
+                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
+                values[key] = value
+            elif key == "engine_options":
+                if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                             for k, v in value.items()):
+                    raise ParamsError("kv_connector_extra_config['engine_options'] must map strings to strings")
+                values[key] = dict(value)
+            else:
+                known = sorted(cls._FLOATS + cls._INTS + cls._STRS + ("engine_options",))
+                raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; known: {', '.join(known)}")
+        if "port" in values and not 0 < values["port"] < 65536:
+            raise ParamsError(f"kv_connector_extra_config['port']={values['port']} is not a TCP port")
+        return cls(**values)
+
+    def engine_options_for(self, listen: tuple[str, int] | None) -> dict[str, str]:
+        """kvpush ``LLMDataDist`` options for this worker's engine."""
+        options = {"llm.SyncKvCacheWaitTime": str(self.sync_kv_timeout_ms), "kvpush.transport": self.transport}
+        if listen is not None:
+            host, port = listen
+            options["llm.listenIpInfo"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self.auth_token:
+            options["kvpush.auth_token"] = self.auth_token
+        options.update(self.engine_options)
+        return options
+
+
+def derive_cluster_id(host: str, port: int) -> int:
+    """The kvpush cluster id of the engine listening at ``host:port``, computable by anyone who knows
+    the address: an IPv4 address and port packed into 48 bits; an IPv6 address or a host name hashed
+    into 63 bits with the top bit set (never equal to an IPv4 one). ``localhost`` counts as 127.0.0.1;
+    other names must be spelt the same on both sides (an IP address is safest)."""
+    if not 0 < port < 65536:
+        raise ParamsError(f"port {port} is not a TCP port")
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        name = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        address = None
+    if isinstance(address, ipaddress.IPv4Address):
+        return (int(address) << 16) | port
+    key = (address.packed if address is not None else name.encode("utf-8")) + port.to_bytes(2, "big")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") | (1 << 63)
+
+
+def listen_port(kv_port: int, role: str, rank: int = 0) -> int:
+    """Default listen port of a worker: ``kv_port`` for a prefill (``kv_producer``, ``kv_both``), so a
+    decode on the same host reaches it with vLLM's defaults; ``+ 1`` for a decode that is asked to
+    listen; ``+ 2 * rank`` for the rank-th worker of an instance."""
+    if role not in ROLES:
+        raise ParamsError(f"kv_role {role!r} is not one of {', '.join(ROLES)}")
+    port = kv_port + (1 if role == "kv_consumer" else 0) + 2 * rank
+    if not 0 < port < 65536:
+        raise ParamsError(f"kv_port {kv_port} with rank {rank} gives no valid port")
+    return port
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a prefill worker's engine listens, and its cluster id."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+    @classmethod
+    def of(cls, host: str, port: int, cluster_id: int | None = None) -> PeerAddress:
+        return cls(host, port, derive_cluster_id(host, port) if cluster_id is None else cluster_id)
+
+
+# -- kv_transfer_params ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConsumerParams:
+    """A decode-side request: its KV comes from the prefill at ``remote``."""
+
+    transfer_id: str
+    remote: PeerAddress
+
+
+@dataclass(frozen=True)
+class ProducerParams:
+    """A prefill-side request whose KV goes to a decode; ``transfer_id`` None: this side names it."""
+
+    transfer_id: str | None
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _transfer_id(params: Mapping[str, Any]) -> str | None:
+    value = params.get("transfer_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value.encode("utf-8")) <= MAX_TRANSFER_ID_BYTES:
+        raise ParamsError(f"kv_transfer_params['transfer_id'] must be a string of 1..{MAX_TRANSFER_ID_BYTES} "
+                          f"bytes, got {value!r}")
+    return value
+
+
+def parse_params(params: Mapping[str, Any] | None,
+                 default_remote: Callable[[], PeerAddress] | None = None) -> ConsumerParams | ProducerParams | None:
+    """What a request's ``kv_transfer_params`` ask of this connector; None: nothing. Keys (NIXL's
+    names where they exist): ``do_remote_prefill`` (decode side) with ``transfer_id`` and the prefill's
+    ``remote_host``/``remote_port`` (default ``default_remote()``) and optional ``remote_cluster_id``;
+    ``do_remote_decode`` (prefill side) with an optional ``transfer_id``. Raises ParamsError."""
+    if not params:
+        return None
+    if not isinstance(params, Mapping):
+        raise ParamsError(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
+    if params.get("do_remote_prefill"):
+        transfer_id = _transfer_id(params)
+        if transfer_id is None:
+            raise ParamsError("kv_transfer_params with do_remote_prefill need a 'transfer_id'")
+        host, port, cluster_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id")
+        if host is None and port is None and default_remote is not None:
+            remote = default_remote()
+            host, port = remote.host, remote.port
+            cluster_id = remote.cluster_id if cluster_id is None else cluster_id
+        if not isinstance(host, str) or not host:
+            raise ParamsError(f"kv_transfer_params['remote_host'] must be a host, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ParamsError(f"kv_transfer_params['remote_port'] must be a TCP port, got {port!r}")
+        if cluster_id is not None and (isinstance(cluster_id, bool) or not isinstance(cluster_id, int)
+                                       or not 0 <= cluster_id < 1 << 64):
+            raise ParamsError(f"kv_transfer_params['remote_cluster_id'] must be a uint64, got {cluster_id!r}")
+        return ConsumerParams(transfer_id, PeerAddress.of(host, port, cluster_id))
+    if params.get("do_remote_decode"):
+        return ProducerParams(_transfer_id(params))
+    return None
+
+
+def prefill_request_params(transfer_id: str) -> dict[str, Any]:
+    """``kv_transfer_params`` a proxy gives the prefill instance's copy of a request."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def decode_request_params(transfer_id: str, prefill_host: str, prefill_port: int,
+                          prefill_cluster_id: int | None = None) -> dict[str, Any]:
+    """``kv_transfer_params`` a proxy gives the decode instance's copy of a request."""
+    params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+                              "remote_host": prefill_host, "remote_port": prefill_port}
+    if prefill_cluster_id is not None:
+        params["remote_cluster_id"] = prefill_cluster_id
+    return params

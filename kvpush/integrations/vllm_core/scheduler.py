@@ -1,0 +1,183 @@
+"""The scheduler side of the connector: ``SchedulerBook`` notes which requests load or send their KV,
+tracks their block lists, builds each step's ``StepMeta`` from the ``Scheduled`` requests the adapter
+reads off vLLM's SchedulerOutput, and says which finished requests keep their blocks until the worker
+reports them settled. Pure; the adapter calls it from vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConsumerParams, ParamsError, PeerAddress, ProducerParams, decode_request_params, parse_params
+from .messages import MAX_TRANSFER_ID_BYTES
+from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One scheduled request of a step, as the adapter reads it from vLLM's SchedulerOutput:
+    ``new_blocks`` are all its blocks for a new or ``resumed`` request, else the ones added this
+    step (None: none); ``num_computed_tokens`` before this step."""
+
+    req_id: str
+    new_blocks: tuple[int, ...] | None
+    resumed: bool
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class _SchedRequest:
+    req_id: str
+    num_prompt_tokens: int
+    consumer: ConsumerParams | None = None
+    transfer_id: str = ""
+    issued: bool = False  # consumer: a RecvSpec went to the worker
+    blocks: list[int] = field(default_factory=list)  # producer
+    handed: bool = False  # producer: a SendStep went to the worker
+
+
+class SchedulerBook:
+    """The scheduler side: which requests load or send, their block lists, and what to delay.
+
+    ``produce``/``consume`` follow the instance's kv_role. ``local`` is this instance's own kvpush
+    address (returned to the proxy by a prefill in ``request_finished``), ``default_remote`` the
+    prefill a decode uses when the params name none.
+    """
+
+    def __init__(self, block_size: int, produce: bool, consume: bool, local: PeerAddress | None = None,
+                 default_remote: Callable[[], PeerAddress] | None = None, name: str = "kvpush") -> None:
+        if block_size < 1:
+            raise ParamsError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.produce = produce
+        self.consume = consume
+        self.local = local
+        self.default_remote = default_remote
+        self.name = name
+        self._requests: dict[str, _SchedRequest] = {}
+        self._meta = StepMeta()
+        self._pending_send: set[str] = set()  # producer requests whose blocks wait for finished_sending
+        self._received: set[str] = set()  # consumer requests reported finished_recving
+
+    # -- per request ---------------------------------------------------------------------------------
+    def on_new_request(self, req_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int) -> None:
+        """Note a request; one with unusable params is served locally (logged), never left waiting."""
+        try:
+            parsed = parse_params(params, self.default_remote)
+        except ParamsError as error:
+            log.warning("%s: request %s: %s; computing it locally", self.name, req_id, error)
+            return
+        if isinstance(parsed, ConsumerParams):
+            if not self.consume:
+                log.warning("%s: request %s asks to load remote KV but this instance is not a consumer", self.name,
+                            req_id)
+                return
+            self._requests[req_id] = _SchedRequest(req_id, num_prompt_tokens, consumer=parsed,
+                                                   transfer_id=parsed.transfer_id)
+        elif isinstance(parsed, ProducerParams):
+            if not self.produce:
+                log.warning("%s: request %s asks to send its KV but this instance is not a producer", self.name,
+                            req_id)
+                return
+            transfer_id = parsed.transfer_id or _local_transfer_id(self.name, req_id)
+            self._requests[req_id] = _SchedRequest(req_id, num_prompt_tokens, transfer_id=transfer_id)
+
+    def transfer_id(self, req_id: str) -> str | None:
+        request = self._requests.get(req_id)
+        return request.transfer_id if request is not None else None
+
+    def matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens to load, asynchronously?) for vLLM's get_num_new_matched_tokens; side-effect free.
+        A decode request claims every prompt token it does not hold, once."""
+        request = self._requests.get(req_id)
+        if request is None or request.consumer is None or request.issued:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks) with ``num_external_tokens`` to
+        load: queue the decode worker's RecvSpec for the next step."""
+        request = self._requests.get(req_id)
+        if request is None or request.consumer is None or request.issued or num_external_tokens <= 0:
+            return
+        request.issued = True
+        local_tokens = request.num_prompt_tokens - num_external_tokens
+        first_block = local_tokens // self.block_size
+        end_block = blocks_for(request.num_prompt_tokens, self.block_size)
+        error = None
+        if local_tokens < 0 or local_tokens % self.block_size:
+            error = f"{local_tokens} locally computed tokens are not whole blocks of {self.block_size}"
+            first_block = max(local_tokens, 0) // self.block_size
+        elif len(block_ids) < end_block:
+            error = f"{len(block_ids)} blocks allocated for {request.num_prompt_tokens} tokens"
+        blocks = tuple(int(b) for b in block_ids[first_block:end_block])
+        self._meta.recv.append(RecvSpec(req_id, request.transfer_id, request.consumer.remote, first_block, blocks,
+                                        request.num_prompt_tokens, error))
+
+    def build_step(self, scheduled: Iterable[Scheduled]) -> StepMeta:
+        """This step's metadata: queued RecvSpecs and aborts, and a SendStep for every producer request
+        computing prompt tokens in this step. Resets the queue."""
+        meta = self._meta
+        for item in scheduled:
+            request = self._requests.get(item.req_id)
+            if request is None or request.consumer is not None:
+                continue
+            if item.resumed or not request.handed:
+                request.blocks = list(item.new_blocks or ())
+            elif item.new_blocks:
+                request.blocks.extend(item.new_blocks)
+            before = item.num_computed_tokens
+            if before >= request.num_prompt_tokens:
+                continue  # decoding on the prefill instance: only prompt KV is sent
+            after = min(before + item.num_scheduled_tokens, request.num_prompt_tokens)
+            meta.send.append(SendStep(item.req_id, request.transfer_id, tuple(request.blocks), before, after,
+                                      request.num_prompt_tokens, item.resumed and request.handed))
+            request.handed = True
+        self._meta = StepMeta()
+        return meta
+
+    def request_finished(self, req_id: str, ok: bool) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, kv_transfer_params for the output). A producer request the
+        worker has seen keeps its blocks until the worker reports it settled; its params tell a
+        proxy that sends the decode request afterwards where to get the KV."""
+        request = self._requests.pop(req_id, None)
+        if request is None:
+            return False, None
+        if request.consumer is not None:
+            if request.issued and req_id not in self._received:
+                self._meta.recv_aborted.append(req_id)  # vLLM keeps the blocks until finished_recving
+            self._received.discard(req_id)
+            return False, None
+        delay = request.handed
+        self._meta.send_finished.append(FinishedSend(req_id, request.transfer_id, ok, delay))
+        if delay:
+            self._pending_send.add(req_id)
+        params = None
+        if ok and self.local is not None:
+            params = decode_request_params(request.transfer_id, self.local.host, self.local.port,
+                                           self.local.cluster_id)
+        return delay, params
+
+    def connector_output(self, finished_sending: Iterable[str] = (), finished_recving: Iterable[str] = ()) -> None:
+        self._pending_send.difference_update(finished_sending)
+        for req_id in finished_recving:
+            if req_id in self._requests:
+                self._received.add(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._pending_send)
+
+
+def _local_transfer_id(name: str, req_id: str) -> str:
+    candidate = f"{name}-{req_id}"
+    if len(candidate.encode("utf-8")) <= MAX_TRANSFER_ID_BYTES:
+        return candidate
+    return f"{name[:32]}-{hashlib.blake2b(req_id.encode('utf-8'), digest_size=16).hexdigest()}"

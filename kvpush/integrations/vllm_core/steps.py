@@ -1,0 +1,67 @@
+"""What the scheduler tells the workers each step: plain data (``StepMeta`` of ``RecvSpec``,
+``SendStep``, ``FinishedSend``) that may cross a process boundary, and the block geometry
+(``blocks_for``) both sides compute the same way. The scheduler book writes it, the worker books read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import PeerAddress
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode worker: receive ``transfer_id`` into ``blocks`` (the request's blocks from ``first_block``
+    on, ``num_tokens`` prompt tokens in all). ``error``: the request cannot be received (report it
+    failed at once, ``blocks`` as load errors)."""
+
+    req_id: str
+    transfer_id: str
+    remote: PeerAddress
+    first_block: int
+    blocks: tuple[int, ...]
+    num_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SendStep:
+    """Prefill worker: this step computes prompt tokens ``[computed_before, computed_after)`` of the
+    request whose blocks are ``blocks`` (the whole list; new after a preemption: ``resumed``)."""
+
+    req_id: str
+    transfer_id: str
+    blocks: tuple[int, ...]
+    computed_before: int
+    computed_after: int
+    num_prompt_tokens: int
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class FinishedSend:
+    """Prefill worker: the request finished (``ok``: normally, else aborted). ``delayed``: the
+    scheduler kept its blocks, so the worker must report it in ``finished_sending``."""
+
+    req_id: str
+    transfer_id: str
+    ok: bool
+    delayed: bool
+
+
+@dataclass
+class StepMeta:
+    """The connector metadata of one step (plain data: it may cross a process boundary)."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    recv_aborted: list[str] = field(default_factory=list)
+    send: list[SendStep] = field(default_factory=list)
+    send_finished: list[FinishedSend] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.recv or self.recv_aborted or self.send or self.send_finished)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
