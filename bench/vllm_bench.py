@@ -1,0 +1,897 @@
+#!/usr/bin/env python3
+"""vLLM serving benchmark: a single instance against prefill/decode pairs over kvpush and over vLLM's own
+KV connectors, with real `vllm serve` processes (vLLM's CPU build) and a model made on this machine.
+
+    python bench/vllm_bench.py            # with vLLM's CPU build installed (the python of a vLLM venv)
+    python bench/vllm_bench.py --quick    # prompts of 32 and 512 tokens, fewer repetitions
+
+The model (bench/vllm_model.py, built once into a temp directory): a Llama with random float32 weights,
+24 layers, hidden 512, 8 KV heads of 64, 334 MB; 96 KiB of KV per token (a 2048-token prompt is
+192 MiB of KV). Greedy decoding, ``ignore_eos``; every prompt is distinct random token ids.
+
+Cases (each one ``vllm serve`` per engine, engines pinned to their own core with ``taskset`` and
+``VLLM_CPU_OMP_THREADS_BIND``, prefix caching off, one request at a time):
+- ``single``: one instance, no connector, on core 1. The reference for every output and ratio.
+- ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, core 0) and a decode (``kv_consumer``,
+  core 1) with KvpushConnector (its timed subclass, bench/vllm_timed_connector.py) and
+  ``kv_connector_extra_config={"transport": ...}``. Each request goes to both at once, as
+  ``kvpush proxy`` sends it (the prefill with ``max_tokens=1``); the client streams the decode.
+- ``example``: vLLM's ExampleConnector (prefill ``kv_producer``, decode ``kv_consumer``): the prefill
+  writes every layer's KV to files (here on tmpfs, /dev/shm), the decode reads them. vLLM's pull
+  flow, as upstream's toy proxy drives it: the prefill request first, then the decode's.
+- ``nixl``: vLLM's NixlConnector (both ``kv_both``, ``kv_buffer_device="cpu"``, NIXL's UCX backend
+  with UCX's defaults), the prefill first, its ``kv_transfer_params`` handed to the decode, which
+  reads the blocks. NIXL is NIXL's ``nixl``/``nixl-cu12`` 1.5.1 wheels (installed with ``--no-deps``
+  into a private directory on first use, put on the servers' ``PYTHONPATH``: the CUDA wheel's
+  Python API and UCX backend run on a CPU host). If it does not import or run, the case says why.
+
+Per prompt length and case (one JSON line each): TTFT p50/p99 (client side: from the first request
+sent to the first streamed token of the decode) and total latency p50/p99 (to the last token), the
+prompt tokens the decode reports as cached (``--enable-prompt-tokens-details``; the prompt length
+when it used the transferred KV), and whether every output equals the single instance's token for
+token: a case whose outputs differ reports FAIL and no number. Percentiles are numpy's linear
+interpolation over the repetitions (with n samples, p99 is close to the maximum). The engines are
+warmed up first (one short request through the same path, which also links the connectors).
+
+Hidden share (``VLLM-HIDDEN``, kvpush cases, on the same servers after the latency pass): pairs of
+requests of the same prompt, back to back, one ``pipelined`` (KvpushConnector as it is: each layer
+pushed from ``save_kv_layer`` while the forward computes the next) and one ``serial`` (the timed
+connector's control file stops ``save_kv_layer`` from pushing, so the connector pushes every layer
+from ``wait_for_save``, after the forward: the same bytes, no overlap). From the trace, per request,
+on one clock (``time.monotonic``, shared by every process of the host):
+    S = the prefill's forward start (metadata bound), F = its forward end (``wait_for_save``),
+    L = the decode reporting the transfer landed (``finished_recving``).
+With the serial request's transfer time ``T = L - F`` (all of it after the forward), per pair:
+    hidden = ((L - S)_serial - (L - S)_pipelined) / T_serial
+the share of the transfer time the pipeline took off the critical path, compute slowed by the
+concurrent pushes included (as W-LAYER in bench/run.py). Also reported: ``behind`` =
+1 - (L - F)_pipelined / T_serial (the share of the transfer that ran during the forward, which may have
+slowed), ``inflation`` = (F - S)_pipelined / (F - S)_serial - 1, the exposed tail ``(L - F)_pipelined``,
+and how many pipelined requests really pushed during their forward (the decode's block ids must
+reach the prefill before its forward starts; later ones are pushed after it). Medians over pairs.
+vLLM's own connectors move KV after the prefill finished (pull after ``request_finished``): nothing of
+their transfer is hidden by design.
+
+Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
+ratios to the single instance and to every other connector of the same run) and ``.png``, and
+prints the table. Every process it starts is ended (its process group), also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
+NIXL_SITE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush-bench" / "nixl-1.5.1"
+SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "example", "nixl")
+PD_SYSTEMS = SYSTEMS[1:]
+SERVED = "bench"
+BLOCK_SIZE = 32
+# kvpush's default keepalive timeout (1 s) dropped a link here when the prefill's core was taken by other
+# work for longer than that (its event-loop thread shares the core with the forward): 5 s for the benchmark.
+KVPUSH_ENGINE_OPTIONS = {"kvpush.keepalive_timeout_ms": "5000"}
+
+
+# -- pure: plans, statistics, records, tables (tests/unit/test_vllm_bench_records.py) -------------------
+
+@dataclass(frozen=True)
+class Plan:
+    lengths: tuple[int, ...]
+    reps: dict[int, int]
+    max_tokens: int
+    hidden_lengths: tuple[int, ...]
+    hidden_pairs: int
+
+
+def plan(quick: bool) -> Plan:
+    if quick:
+        return Plan((32, 512), {32: 3, 512: 3}, 8, (512,), 2)
+    return Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 3)
+
+
+def prompt(length: int, rep: int, vocab: int) -> list[int]:
+    """Distinct random token ids per (length, repetition), the same in every case; ids 0-2 are the
+    tokenizer's specials. Repetition -1 is the warm-up."""
+    rng = random.Random(f"kvpush-bench-{length}-{rep}")
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """numpy's default (linear interpolation between closest ranks), without numpy."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+@dataclass
+class Sample:
+    """One measured request."""
+
+    ttft_s: float
+    total_s: float
+    tokens: list[int]
+    cached: int | None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    error: str | None = None
+
+
+def latency_record(system: str, length: int, samples: Sequence[Sample], reference: Sequence[list[int]] | None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One (case, prompt length) record. Outputs not equal to the reference, or a failed request:
+    ``result: FAIL`` and no latency numbers."""
+    record: dict[str, Any] = {"workload": f"VLLM-P{length}", "case": system, "prompt_tokens": length,
+                              "n": len(samples), **(extra or {})}
+    errors = [s.error for s in samples if s.error]
+    mismatched = 0 if reference is None else sum(1 for s, ref in zip(samples, reference) if s.tokens != ref)
+    if reference is not None:
+        record["outputs_equal"] = f"{len(samples) - mismatched}/{len(samples)}"
+    cached = [s.cached for s in samples if s.cached is not None]
+    if cached:
+        record["cached_tokens"] = min(cached)
+    if errors or mismatched or not samples:
+        record["result"] = "FAIL"
+        if errors:
+            record["error"] = errors[0][:400]
+        elif mismatched:
+            record["error"] = f"{mismatched} of {len(samples)} outputs differ from the single instance's"
+        return record
+    ttft = [s.ttft_s * 1e3 for s in samples]
+    total = [s.total_s * 1e3 for s in samples]
+    record.update(ttft_p50_ms=round(median(ttft), 1), ttft_p99_ms=round(percentile(ttft, 99), 1),
+                  total_p50_ms=round(median(total), 1), total_p99_ms=round(percentile(total, 99), 1),
+                  output_tokens=len(samples[0].tokens))
+    return record
+
+
+def not_run_record(system: str, reason: str) -> dict[str, Any]:
+    return {"workload": "VLLM", "case": system, "result": f"not run: {reason}"}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One P/D request on the shared clock: S forward start, F forward end (prefill), L landed (decode)."""
+
+    start: float
+    forward_end: float
+    landed: float
+    pipelined_pushes: int
+    after_forward_pushes: int
+
+
+def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
+              window: tuple[float, float]) -> Timing | None:
+    """The request that ran in ``window`` (requests run one at a time): its prefill steps and the
+    decode's first landed report in the window; None if either is missing."""
+    begin, end = window
+    steps = [e for e in trace_prefill if e.get("ev") == "step" and begin <= e["t_bind"] <= end]
+    landed = [e["t"] for e in trace_decode if e.get("ev") == "landed" and begin <= e["t"] <= end]
+    if not steps or not landed:
+        return None
+    return Timing(min(e["t_bind"] for e in steps), max(e["t_forward_end"] for e in steps), min(landed),
+                  sum(e.get("pushes_pipelined", 0) for e in steps if e.get("mode") == "pipelined"),
+                  sum(e.get("pushes_after_forward", 0) for e in steps))
+
+
+def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None, Timing | None]],
+                  ttft_pairs: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """The hidden share of the transfer (see the module docstring) from (pipelined, serial) pairs."""
+    record: dict[str, Any] = {"workload": "VLLM-HIDDEN", "case": system, "prompt_tokens": length,
+                              "pairs": len(pairs)}
+    good = [(p, s) for p, s in pairs if p is not None and s is not None and s.landed > s.forward_end]
+    if not good:
+        record["result"] = "FAIL"
+        record["error"] = "no pair with a complete trace (forward start and end on the prefill, landed on the decode)"
+        return record
+    hidden, behind, inflation = [], [], []
+    for p, s in good:
+        transfer = s.landed - s.forward_end
+        hidden.append(((s.landed - s.start) - (p.landed - p.start)) / transfer)
+        behind.append(1 - (p.landed - p.forward_end) / transfer)
+        inflation.append((p.forward_end - p.start) / (s.forward_end - s.start) - 1)
+
+    def clip(value: float) -> float:
+        return round(min(1.0, max(0.0, value)), 3)
+
+    record.update(
+        hidden=clip(median(hidden)), behind=clip(median(behind)), compute_inflation=round(median(inflation), 3),
+        transfer_serial_ms=round(median([(s.landed - s.forward_end) * 1e3 for _, s in good]), 2),
+        exposed_pipelined_ms=round(median([(p.landed - p.forward_end) * 1e3 for p, _ in good]), 2),
+        forward_serial_ms=round(median([(s.forward_end - s.start) * 1e3 for _, s in good]), 1),
+        forward_pipelined_ms=round(median([(p.forward_end - p.start) * 1e3 for p, _ in good]), 1),
+        pipelined_requests=f"{sum(1 for p, _ in good if p.pipelined_pushes and not p.after_forward_pushes)}"
+                           f"/{len(good)}")
+    if ttft_pairs:
+        record["ttft_saved_ms"] = round(median([(s - p) * 1e3 for p, s in ttft_pairs]), 1)
+    return record
+
+
+def _ratio(mine: dict[str, Any] | None, other: dict[str, Any] | None, key: str) -> str:
+    if mine is None or other is None or mine is other or not mine.get(key) or not other.get(key):
+        return ""
+    return f"{mine[key] / other[key]:.2f}"
+
+
+def tables(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown: latency per (prompt length, case) with ratios of TTFT p50 (and total p50 against the
+    single instance) to every other case of the same length; then the hidden share; then what did not
+    run. A ratio below 1 is faster than the column's case."""
+    latency = [r for r in records if r["workload"].startswith("VLLM-P")]
+    others = [s for s in SYSTEMS if any(r["case"] == s for r in latency)]
+    lines = ["| prompt | case | TTFT p50 / p99 ms | total p50 / p99 ms | cached | equal | pushed in forward | "
+             "TTFT vs single | total vs single | " + " | ".join(f"TTFT vs {o}" for o in others if o != "single") + " |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len([o for o in others if o != "single"])]
+    by_length: dict[int, dict[str, dict[str, Any]]] = {}
+    for record in latency:
+        by_length.setdefault(record["prompt_tokens"], {})[record["case"]] = record
+    for length in sorted(by_length):
+        cases = by_length[length]
+        for name in others:
+            record = cases.get(name)
+            if record is None:
+                continue
+            if "result" in record:
+                result = f"{record['result']}: {record.get('error', '')}"
+                cells = [result, "", str(record.get("cached_tokens", "")), record.get("outputs_equal", "")]
+            else:
+                cells = [f"{record['ttft_p50_ms']:.1f} / {record['ttft_p99_ms']:.1f}",
+                         f"{record['total_p50_ms']:.1f} / {record['total_p99_ms']:.1f}",
+                         str(record.get("cached_tokens", "")), record.get("outputs_equal", "ref")]
+            cells.append(record.get("pushed_during_forward", ""))
+            single = cases.get("single")
+            cells += [_ratio(record, single, "ttft_p50_ms"), _ratio(record, single, "total_p50_ms")]
+            cells += [_ratio(record, cases.get(o), "ttft_p50_ms") for o in others if o != "single"]
+            lines.append(f"| {length} | {name} | " + " | ".join(cells) + " |")
+    hidden = [r for r in records if r["workload"] == "VLLM-HIDDEN"]
+    if hidden:
+        lines += ["", "| prompt | case | hidden | behind | compute slowed | transfer after forward (serial) ms | "
+                  "exposed (pipelined) ms | TTFT saved ms | pushed during forward |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(hidden, key=lambda r: (r["prompt_tokens"], r["case"])):
+            if "result" in r:
+                lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['result']}: {r.get('error', '')} "
+                             "| | | | | | |")
+                continue
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['hidden'] * 100:.0f}% | {r['behind'] * 100:.0f}% "
+                         f"| {r['compute_inflation'] * 100:+.0f}% | {r['transfer_serial_ms']} | "
+                         f"{r['exposed_pipelined_ms']} | {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} |")
+    skipped = [r for r in records if r["workload"] == "VLLM"]
+    if skipped:
+        lines += [""] + [f"- **{r['case']}**: {r['result']}" for r in skipped]
+    return lines
+
+
+# -- processes --------------------------------------------------------------------------------------------
+
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def _end(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """End a process we started and everything it started (its own process group), by id."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):  # children left behind by a parent that exited
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+    if process in _STARTED:
+        _STARTED.remove(process)
+
+
+def _end_all() -> None:
+    for process in list(_STARTED):
+        _end(process, grace=10)
+
+
+atexit.register(_end_all)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def allowed_cpus(pid: int) -> set[int]:
+    """The CPUs any thread of ``pid`` or of its descendants may run on (to see the pinning held)."""
+    cpus: set[int] = set()
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/status") as status:
+                    for line in status:
+                        if line.startswith("Cpus_allowed_list:"):
+                            cpus |= _cpu_list(line.split(":", 1)[1].strip())
+                with contextlib.suppress(OSError), open(f"/proc/{current}/task/{task}/children") as children:
+                    pids += [int(child) for child in children.read().split()]
+    return cpus
+
+
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        if "-" in part:
+            low, high = part.split("-")
+            cpus |= set(range(int(low), int(high) + 1))
+        elif part:
+            cpus.add(int(part))
+    return cpus
+
+
+@dataclass
+class Server:
+    name: str
+    core: int
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+    trace: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Settings:
+    python: str
+    model: Path
+    work: Path
+    max_model_len: int = 4096
+    kv_cache_gib: int = 2
+    nixl_install: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
+                 env_extra: dict[str, str] | None = None, trace: bool = False) -> Server:
+    port = free_port()
+    log = settings.work / f"{name}.log"
+    trace_path = settings.work / f"{name}.trace.jsonl" if trace else None
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
+               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+               **settings.extra_env, **(env_extra or {}))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if trace_path is not None:
+        trace_path.unlink(missing_ok=True)
+        env["KVPUSH_BENCH_TRACE"] = str(trace_path)
+    command = ["taskset", "-c", str(core), settings.python, "-m", "vllm.entrypoints.openai.api_server",
+               "--host", "127.0.0.1", "--port", str(port), "--model", str(settings.model), "--served-model-name",
+               SERVED, "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+               "--max-model-len", str(settings.max_model_len), "--max-num-batched-tokens", "2048",
+               "--max-num-seqs", "4", "--no-enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
+               "--distributed-executor-backend", "uni", "--disable-log-stats"]
+    if kv_config is not None:
+        command += ["--kv-transfer-config", json.dumps(kv_config)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _STARTED.append(process)
+    return Server(name, core, port, process, log, trace_path)
+
+
+def wait_healthy(servers: Sequence[Server], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            if server.process.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {server.process.returncode}: {server.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{server.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        pending.remove(server)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{pending[0].name} not healthy in {timeout_s:.0f} s: {pending[0].log_tail()}")
+        if pending:
+            time.sleep(0.5)
+
+
+# -- requests ---------------------------------------------------------------------------------------------
+
+def _body(ids: list[int], max_tokens: int, stream: bool, params: dict[str, Any] | None) -> bytes:
+    body: dict[str, Any] = {"model": SERVED, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return json.dumps(body).encode()
+
+
+def post(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any] | None,
+         timeout_s: float = 600) -> dict[str, Any]:
+    """A non-streamed completion (the prefill's copy of a request)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
+    try:
+        connection.request("POST", "/v1/completions", _body(ids, max_tokens, False, params),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status}: {data[:300]!r}")
+        result: dict[str, Any] = json.loads(data)
+        return result
+    finally:
+        connection.close()
+
+
+def stream(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any] | None, started: float,
+           timeout_s: float = 600) -> Sample:
+    """A streamed completion; TTFT and total are measured from ``started`` (time.monotonic)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
+    tokens: list[int] = []
+    first: float | None = None
+    cached: int | None = None
+    try:
+        connection.request("POST", "/v1/completions", _body(ids, max_tokens, True, params),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status}: {response.read()[:300]!r}")
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            for choice in chunk.get("choices") or ():
+                new = choice.get("token_ids") or []
+                if (new or choice.get("text")) and first is None:
+                    first = time.monotonic()
+                tokens += new
+            usage = chunk.get("usage")
+            if usage:
+                cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    finally:
+        connection.close()
+    done = time.monotonic()
+    if first is None:
+        raise RuntimeError(f"{server.name}: the stream ended without a token")
+    return Sample(first - started, done - started, tokens, cached)
+
+
+class Route:
+    """How one request of a case reaches its engines. ``decode_first`` (kvpush only): the prefill's copy
+    is sent once the decode's block ids are out (its trace shows them) and ``ids_margin_s`` later, so the
+    ids are at the prefill before its forward starts; otherwise both copies go at once."""
+
+    def __init__(self, system: str, servers: list[Server], ids_margin_s: float = 0.03) -> None:
+        self.system = system
+        self.servers = servers
+        self.decode_first = False
+        self.ids_margin_s = ids_margin_s
+
+    def __call__(self, ids: list[int], max_tokens: int) -> Sample:
+        started = time.monotonic()
+        try:
+            sample = self._run(ids, max_tokens, started)
+        except Exception as error:  # noqa: BLE001 - one failed request fails its case, not the run
+            sample = Sample(0.0, 0.0, [], None, error=f"{type(error).__name__}: {error}")
+        sample.t_start, sample.t_end = started, time.monotonic()
+        return sample
+
+    def _run(self, ids: list[int], max_tokens: int, started: float) -> Sample:
+        if self.system == "single":
+            return stream(self.servers[0], ids, max_tokens, None, started)
+        prefill, decode = self.servers
+        if self.system.startswith("kvpush"):  # both at once, as kvpush proxy sends them
+            tid = uuid.uuid4().hex
+            to_prefill = {"do_remote_decode": True, "transfer_id": tid}
+            to_decode = {"do_remote_prefill": True, "transfer_id": tid}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                if not self.decode_first:
+                    prefilled = pool.submit(post, prefill, ids, 1, to_prefill)
+                    sample = stream(decode, ids, max_tokens, to_decode, started)
+                    prefilled.result()
+                    return sample
+                seen = _count_ids(decode.trace)
+                decoded = pool.submit(stream, decode, ids, max_tokens, to_decode, started)
+                deadline = time.monotonic() + 30
+                while _count_ids(decode.trace) == seen and time.monotonic() < deadline and not decoded.done():
+                    time.sleep(0.002)
+                time.sleep(self.ids_margin_s)
+                post(prefill, ids, 1, to_prefill)
+                return decoded.result()
+        if self.system == "example":  # the prefill writes the files; then the decode finds them
+            post(prefill, ids, 1, None)
+            return stream(decode, ids, max_tokens, None, started)
+        answer = post(prefill, ids, 1, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                         "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        params = answer.get("kv_transfer_params")
+        if not params:
+            raise RuntimeError(f"the nixl prefill returned no kv_transfer_params: {json.dumps(answer)[:300]}")
+        return stream(decode, ids, max_tokens, params, started)
+
+
+def _count_ids(trace: Path | None) -> int:
+    """How many times the decode's worker has handed out block ids (``ids`` lines of its trace)."""
+    if trace is None:
+        return 0
+    try:
+        return trace.read_bytes().count(b'"ev": "ids"')
+    except OSError:
+        return 0
+
+
+# -- the cases ----------------------------------------------------------------------------------------------
+
+def nixl_site(python: str, install: bool) -> tuple[Path | None, str | None]:
+    """A directory with NIXL's Python API for the servers' PYTHONPATH, or the reason there is none."""
+    probe = ("from nixl._api import nixl_agent, nixl_agent_config; "
+             "nixl_agent('probe', nixl_agent_config(backends=['UCX']))")
+
+    def works(site: Path | None) -> str | None:
+        env = dict(os.environ)
+        if site is not None:
+            env["PYTHONPATH"] = str(site)
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+        return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no output"])[-1]
+
+    if works(None) is None:
+        return None, None  # importable as installed
+    if not (NIXL_SITE / "nixl").exists():
+        if not install:
+            return None, f"NIXL is not importable and --no-nixl-install was given; pip install --no-deps {NIXL_WHEELS}"
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(NIXL_SITE),
+                               *NIXL_WHEELS], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return None, f"pip install --no-deps {' '.join(NIXL_WHEELS)} failed: {done.stderr.strip()[-300:]}"
+    problem = works(NIXL_SITE)
+    if problem is not None:
+        return None, f"NIXL ({' '.join(NIXL_WHEELS)}) does not run here: {problem}"
+    return NIXL_SITE, None
+
+
+def kv_configs(system: str, kv_port: int, storage: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill, decode) KVTransferConfig of a P/D case."""
+    if system.startswith("kvpush"):
+        transport = system.split("-", 1)[1]
+        def kvpush(role: str) -> dict[str, Any]:
+            return {"kv_connector": "TimedKvpushConnector", "kv_connector_module_path": "bench.vllm_timed_connector",
+                    "kv_role": role, "kv_port": kv_port,
+                    "kv_connector_extra_config": {"transport": transport, "transfer_timeout_s": 120,
+                                                  "ids_timeout_s": 120, "engine_options": KVPUSH_ENGINE_OPTIONS}}
+        return kvpush("kv_producer"), kvpush("kv_consumer")
+    if system == "example":
+        def example(role: str) -> dict[str, Any]:
+            return {"kv_connector": "ExampleConnector", "kv_role": role,
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        return example("kv_producer"), example("kv_consumer")
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return nixl, dict(nixl)
+
+
+class Bar:
+    """One progress line per case on stderr."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.started = label, total, time.monotonic()
+        self.draw(0)
+
+    def draw(self, done: int) -> None:
+        width = 24
+        filled = int(width * done / max(self.total, 1))
+        sys.stderr.write(f"\r  {self.label:<28} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
+                         f"{time.monotonic() - self.started:6.1f}s")
+        sys.stderr.flush()
+
+    def close(self, text: str) -> None:
+        sys.stderr.write(f"  {text}\n")
+        sys.stderr.flush()
+
+
+def read_trace(path: Path | None) -> list[dict[str, Any]]:
+    if path is None or not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line))
+    return events
+
+
+def run_case(system: str, settings: Settings, bench: Plan, vocab: int, reference: dict[tuple[int, int], list[int]],
+             emit: Callable[[dict[str, Any]], None], startup_s: float) -> None:
+    """Start the case's servers, warm up, measure every prompt length (and the hidden share for kvpush),
+    end the servers. Records go to ``emit``."""
+    storage = Path(tempfile.mkdtemp(prefix="kvpush-bench-example-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                    else None))
+    servers: list[Server] = []
+    extra: dict[str, Any] = {}
+    try:
+        if system == "single":
+            servers = [start_server(settings, "single", 1, None)]
+        else:
+            env: dict[str, str] = {}
+            if system == "nixl":
+                site, problem = nixl_site(settings.python, settings.nixl_install)
+                if problem is not None:
+                    emit(not_run_record(system, problem))
+                    return
+                if site is not None:
+                    env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
+            control = settings.work / f"{system}.control"
+            control.write_text("pipelined")
+            kv_port = free_port()
+            prefill_kv, decode_kv = kv_configs(system, kv_port, storage)
+            traced = system.startswith("kvpush")
+            pair = []
+            for name, core, kv in (("prefill", 0, prefill_kv), ("decode", 1, decode_kv)):
+                own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
+                if system == "nixl":
+                    own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                pair.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced))
+            servers = pair
+        began = time.monotonic()
+        try:
+            wait_healthy(servers, startup_s)
+        except RuntimeError as error:
+            emit(not_run_record(system, f"servers did not start: {str(error)[-600:]}"))
+            return
+        extra["startup_s"] = round(time.monotonic() - began, 1)
+        route = Route(system, servers)
+        warm = route(prompt(64, -1, vocab), 2)
+        if warm.error:
+            emit(not_run_record(system, f"the warm-up request failed: {warm.error}; "
+                                        f"{servers[-1].log_tail(600)}"))
+            return
+        extra["cpus"] = {s.name: sorted(allowed_cpus(s.process.pid)) for s in servers}
+        for length in bench.lengths:
+            reps = bench.reps[length]
+            bar = Bar(f"{system} {length} tokens", reps)
+            samples = []
+            for rep in range(reps):
+                samples.append(route(prompt(length, rep, vocab), bench.max_tokens))
+                bar.draw(rep + 1)
+                if system == "example":
+                    _empty(storage)
+            if system == "single":
+                for rep, sample in enumerate(samples):
+                    reference[(length, rep)] = sample.tokens
+            refs = None if system == "single" else [reference.get((length, rep), []) for rep in range(reps)]
+            measured = dict(extra)
+            if system.startswith("kvpush"):
+                time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
+                prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
+                timings = [timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end)) for s in samples]
+                measured["pushed_during_forward"] = f"{sum(1 for t in timings if t and t.pipelined_pushes)}/{reps}"
+            record = latency_record(system, length, samples, refs, measured)
+            bar.close(record.get("result") or f"TTFT p50 {record['ttft_p50_ms']} ms, total p50 "
+                                              f"{record['total_p50_ms']} ms, cached {record.get('cached_tokens')}")
+            emit(record)
+        if system.startswith("kvpush"):
+            control = settings.work / f"{system}.control"
+            route.decode_first = True  # every pair's pipelined request really pipelines (see Route)
+            for length in bench.hidden_lengths:
+                bar = Bar(f"{system} hidden {length}", 2 * bench.hidden_pairs)
+                windows: list[tuple[Sample, Sample]] = []
+                for rep in range(bench.hidden_pairs):
+                    ids = prompt(length, rep, vocab)
+                    pair_samples = []
+                    for index, mode in enumerate(("pipelined", "serial")):
+                        control.write_text(mode)
+                        pair_samples.append(route(ids, 1))
+                        bar.draw(2 * rep + index + 1)
+                    windows.append((pair_samples[0], pair_samples[1]))
+                control.write_text("pipelined")
+                time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
+                prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
+                timings = [(timing_of(prefill_trace, decode_trace, (p.t_start, p.t_end)),
+                            timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end))) for p, s in windows]
+                ttfts = [(p.ttft_s, s.ttft_s) for p, s in windows if not p.error and not s.error]
+                record = hidden_record(system, length, timings, ttfts)
+                bad = [s.error for pair in windows for s in pair if s.error]
+                wrong = [rep for rep, (p, s) in enumerate(windows)
+                         if not p.tokens == s.tokens == reference.get((length, rep), p.tokens)[:1]]
+                if bad or wrong:
+                    record = {k: v for k, v in record.items() if k not in ("hidden", "behind")}
+                    record |= {"result": "FAIL", "error": (bad[0] if bad else "a first token differs")[:300]}
+                bar.close(record.get("result") or f"{record['hidden'] * 100:.0f}% hidden, exposed "
+                                                  f"{record['exposed_pipelined_ms']} ms of "
+                                                  f"{record['transfer_serial_ms']} ms")
+                emit(record)
+    finally:
+        for server in servers:
+            _end(server.process)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def _empty(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+# -- output -------------------------------------------------------------------------------------------------
+
+def chart(records: Sequence[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("matplotlib not installed (pip install matplotlib): no chart\n")
+        return False
+    latency = [r for r in records if r["workload"].startswith("VLLM-P") and "ttft_p50_ms" in r]
+    hidden = [r for r in records if r["workload"] == "VLLM-HIDDEN" and "hidden" in r]
+    if not latency:
+        return False
+    lengths = sorted({r["prompt_tokens"] for r in latency})
+    systems = [s for s in SYSTEMS if any(r["case"] == s for r in latency)]
+    figure, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [2, 2, 1]})
+    width = 0.8 / max(len(systems), 1)
+    for panel, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "total", "Total request latency")):
+        for index, system in enumerate(systems):
+            p50 = [next((r[f"{key}_p50_ms"] for r in latency if r["case"] == system and r["prompt_tokens"] == n),
+                        0.0) for n in lengths]
+            p99 = [next((r[f"{key}_p99_ms"] for r in latency if r["case"] == system and r["prompt_tokens"] == n),
+                        0.0) for n in lengths]
+            x = [i + index * width for i in range(len(lengths))]
+            panel.bar(x, p50, width, label=system)
+            panel.scatter(x, p99, marker="_", color="black", s=80, zorder=3, label="p99" if index == 0 else None)
+        panel.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(lengths))], [str(n) for n in lengths])
+        panel.set_xlabel("prompt tokens")
+        panel.set_yscale("log")
+        panel.set_ylabel("ms (bar: p50, tick: p99; log)")
+        panel.set_title(f"{title}: single instance vs P/D")
+        panel.legend(fontsize=8)
+    names = [f"{r['case'].removeprefix('kvpush-')} {r['prompt_tokens']}" for r in hidden]
+    axes[2].bar(range(len(hidden)), [r["hidden"] * 100 for r in hidden], 0.6)
+    axes[2].set_xticks(range(len(hidden)), names, rotation=30, fontsize=8)
+    axes[2].set_ylim(0, 100)
+    axes[2].set_ylabel("% of the KV transfer hidden behind prefill compute")
+    axes[2].set_title("kvpush layer pipelining")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def vocab_of(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="prompts of 32 and 512 tokens, 3 repetitions")
+    parser.add_argument("--cases", default=",".join(SYSTEMS),
+                        help=f"comma-separated, from {','.join(SYSTEMS)} (single always runs: it is the reference)")
+    parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
+    parser.add_argument("--model", default=None, help="model directory (default: built by bench/vllm_model.py)")
+    parser.add_argument("--out", default=str(RESULTS), help=f"results directory (default {RESULTS})")
+    parser.add_argument("--startup-timeout", type=float, default=420, help="seconds for servers to become healthy")
+    parser.add_argument("--no-nixl-install", action="store_true",
+                        help=f"do not pip-install {' '.join(NIXL_WHEELS)} (--no-deps) into {NIXL_SITE}")
+    args = parser.parse_args(argv)
+    wanted = ["single"] + [s for s in args.cases.split(",") if s and s != "single"]
+    unknown = [s for s in wanted if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(SYSTEMS)}")
+    check = subprocess.run([args.python, "-c", "import vllm, kvpush"], capture_output=True, text=True)
+    if check.returncode != 0:
+        sys.stderr.write(f"{args.python} cannot import vllm and kvpush (run this with vLLM's CPU build, e.g. "
+                         f"/work/vllm-venv/bin/python, or pass --python): {check.stderr.strip()[-300:]}\n")
+        return 2
+    bench = plan(args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = "vllm-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    started = time.monotonic()
+    sys.stderr.write("model: building or reusing (bench/vllm_model.py)\n")
+    built = subprocess.run(["taskset", "-c", "1", args.python, str(HERE / "vllm_model.py"),
+                            *([args.model] if args.model else [])], capture_output=True, text=True, timeout=600)
+    if built.returncode != 0:
+        sys.stderr.write(f"model build failed: {built.stderr[-1000:]}\n")
+        return 2
+    model_info = json.loads(built.stdout.strip().splitlines()[-1])
+    model = Path(model_info["model"])
+    work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-bench-"))
+    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install)
+    records: list[dict[str, Any]] = []
+    machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
+               "python": platform.python_version(), "quick": args.quick, "model": model_info,
+               "lengths": list(bench.lengths), "reps": {str(k): v for k, v in bench.reps.items()},
+               "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg()}
+    reference: dict[tuple[int, int], list[int]] = {}
+    jsonl = out / f"{stamp}.jsonl"
+
+    def interrupted(signum: int, frame: Any) -> None:
+        _end_all()
+        sys.exit(130)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    with open(jsonl, "w") as sink:
+        sink.write(json.dumps(machine) + "\n")
+
+        def emit(record: dict[str, Any]) -> None:
+            records.append(record)
+            print(json.dumps(record), flush=True)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+
+        try:
+            for system in wanted:
+                if system != "single" and not reference:
+                    emit(not_run_record(system, "no single-instance reference to check its outputs against"))
+                    continue
+                try:
+                    run_case(system, settings, bench, vocab_of(model), reference, emit, args.startup_timeout)
+                except Exception as error:  # one broken case must not hide the others
+                    emit(not_run_record(system, f"{type(error).__name__}: {str(error)[-600:]}"))
+        finally:
+            _end_all()
+    table = tables(records)
+    elapsed = time.monotonic() - started
+    command = "python bench/vllm_bench.py" + (" --quick" if args.quick else "")
+    header = [f"# vLLM serving benchmark {stamp}", "",
+              f"`{command}` on {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}; "
+              f"{elapsed:.0f} s. Loopback only; engines pinned one per core (prefill 0, decode 1, single 1). "
+              f"Model: {model_info['bytes'] / 1e6:.0f} MB float32 Llama (bench/vllm_model.py), "
+              f"{model_info['kv_bytes_per_token'] // 1024} KiB of KV per token; {bench.max_tokens} output tokens "
+              f"per request; repetitions per prompt length: "
+              + ", ".join(f"{k}: {v}" for k, v in bench.reps.items())
+              + ". Ratios divide this row's p50 by the column's, same prompt length, same run.", ""]
+    (out / f"{stamp}.md").write_text("\n".join(header + table) + "\n")
+    drew = chart(records, out / f"{stamp}.png")
+    print("\n".join(table))
+    print(f"\nresults: {out / stamp}.{{jsonl,md{',png' if drew else ''}}} ({elapsed:.0f} s); logs in {work}")
+    failed = any(r.get("result") == "FAIL" for r in records)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""KvpushConnector with timestamps, for bench/vllm_bench.py: the same connector, and a trace of when each
+step's forward pass ran and when a transfer was reported landed.
+
+    KVTransferConfig(kv_connector="TimedKvpushConnector", kv_connector_module_path="bench.vllm_timed_connector",
+                     ...)   # with the repository root on PYTHONPATH
+
+Environment (read once, in the worker):
+- ``KVPUSH_BENCH_TRACE``: a file this worker appends JSON lines to (nothing is traced without it).
+- ``KVPUSH_BENCH_CONTROL``: a file whose content, read at every step that sends KV, is ``pipelined``
+  (default) or ``serial``. ``serial`` keeps ``save_kv_layer`` from pushing, so ``wait_for_save`` pushes
+  every layer after the forward pass (the connector's own path for a model whose layers never reach
+  ``save_kv_layer``): the same transfer, with no overlap, on the same servers.
+
+Trace lines (``time.monotonic()``, which is one clock for every process of a Linux host):
+- prefill, one per step that computes prompt tokens of a request being sent:
+  ``{"ev": "step", "t_bind": .., "t_first_layer": .., "t_last_layer": .., "t_forward_end": ..,
+  "mode": "pipelined"|"serial", "sends": n, "pushes_pipelined": d, "pushes_after_forward": d}``
+  (``t_bind``: metadata bound, just before the forward; ``t_forward_end``: ``wait_for_save`` entered,
+  every layer computed; the push counters are this step's increments of the connector's stats).
+- decode: ``{"ev": "ids", "t": ..}`` when a step hands the worker requests to receive, and
+  ``{"ev": "landed", "t": .., "reqs": [..]}`` at the first hook call that reports them in
+  ``finished_recving`` (the decode engine steps continuously while a request waits, so this is within
+  one empty step of the landing notification).
+
+The bookkeeping costs one ``time.monotonic()`` per layer and one buffered line per sending step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import IO, Any
+
+from kvpush.integrations.vllm import KvpushConnector, KvpushMetadata
+
+
+class TimedKvpushConnector(KvpushConnector):
+    """``KvpushConnector`` plus the trace described in the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        trace = os.environ.get("KVPUSH_BENCH_TRACE")
+        self._trace: IO[str] | None = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
+        self._control = os.environ.get("KVPUSH_BENCH_CONTROL")
+        self._step: dict[str, Any] | None = None
+        self._serial = False
+        self._before: dict[str, int] = {}
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps(record) + "\n")
+
+    def _mode(self) -> str:
+        if not self._control:
+            return "pipelined"
+        try:
+            with open(self._control) as control:
+                return "serial" if control.read().strip() == "serial" else "pipelined"
+        except OSError:
+            return "pipelined"
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        now = time.monotonic()
+        step = connector_metadata.step if isinstance(connector_metadata, KvpushMetadata) else None
+        if step is not None and step.send:
+            mode = self._mode()
+            self._serial = mode == "serial"
+            self._before = self.stats()
+            self._step = {"ev": "step", "t_bind": now, "t_first_layer": None, "t_last_layer": None,
+                          "mode": mode, "sends": len(step.send)}
+        if step is not None and step.recv:
+            self._write({"ev": "ids", "t": now, "n": len(step.recv)})
+        super().bind_connector_metadata(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._step is not None:
+            now = time.monotonic()
+            if self._step["t_first_layer"] is None:
+                self._step["t_first_layer"] = now
+            self._step["t_last_layer"] = now
+            if self._serial:
+                return  # wait_for_save pushes every layer after the forward
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            step["t_forward_end"] = time.monotonic()
+        super().wait_for_save()
+        if step is not None:
+            after = self.stats()
+            for key in ("pushes_pipelined", "pushes_after_forward"):
+                name = f"producer.{key}"
+                step[key] = after.get(name, 0) - self._before.get(name, 0)
+            self._write(step)
+
+    def _landed(self, recving: set[str] | None) -> None:
+        if recving:
+            self._write({"ev": "landed", "t": time.monotonic(), "reqs": sorted(recving)})
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        self._landed(results.finished_recving)
+        return results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        self._landed(recving)
+        return sending, recving
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None

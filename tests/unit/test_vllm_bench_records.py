@@ -1,0 +1,141 @@
+"""bench/vllm_bench.py's pure parts: outputs that differ from the single instance report FAIL and no
+number; percentiles; the hidden share from a trace; the ratio table. No vLLM needed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench.vllm_bench import (  # noqa: E402
+    Sample,
+    Timing,
+    hidden_record,
+    latency_record,
+    not_run_record,
+    percentile,
+    plan,
+    prompt,
+    tables,
+    timing_of,
+)
+
+NUMBERS = {"ttft_p50_ms", "ttft_p99_ms", "total_p50_ms", "total_p99_ms"}
+
+
+def samples(ttfts: list[float], tokens: list[list[int]], cached: int = 64) -> list[Sample]:
+    return [Sample(t, t + 0.5, list(tok), cached) for t, tok in zip(ttfts, tokens)]
+
+
+def test_percentiles_match_numpy() -> None:
+    values = [0.3, 0.1, 0.7, 0.2, 1.5, 0.9, 0.4]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([2.0], 99) == 2.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_prompts_are_the_same_in_every_case_and_distinct_per_repetition() -> None:
+    assert prompt(512, 0, 2048) == prompt(512, 0, 2048)
+    assert len(prompt(512, 0, 2048)) == 512
+    assert prompt(512, 0, 2048) != prompt(512, 1, 2048)
+    assert prompt(32, 0, 2048)[:16] != prompt(512, 0, 2048)[:16]  # no shared prefix between lengths
+    assert all(3 <= t < 2048 for t in prompt(2048, 2, 2048))
+
+
+def test_plans_cover_the_prompt_lengths() -> None:
+    full, quick = plan(False), plan(True)
+    assert full.lengths == (32, 128, 512, 2048)
+    assert set(full.reps) == set(full.lengths) and set(full.hidden_lengths) <= set(full.lengths)
+    assert set(quick.lengths) < set(full.lengths) and set(quick.hidden_lengths) <= set(quick.lengths)
+
+
+def test_outputs_equal_to_the_reference_give_numbers() -> None:
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    record = latency_record("kvpush-tcp", 64, samples([0.2, 0.1, 0.3], ref), ref)
+    assert "result" not in record and record["outputs_equal"] == "3/3"
+    assert record["ttft_p50_ms"] == 200.0 and record["total_p50_ms"] == 700.0
+    assert record["cached_tokens"] == 64 and record["output_tokens"] == 3
+
+
+def test_an_output_that_differs_is_fail_and_no_number() -> None:
+    ref = [[1, 2, 3], [4, 5, 6]]
+    record = latency_record("nixl", 64, samples([0.2, 0.1], [[1, 2, 3], [4, 5, 7]]), ref)
+    assert record["result"] == "FAIL" and record["outputs_equal"] == "1/2"
+    assert "differ" in record["error"]
+    assert not NUMBERS & set(record)
+
+
+def test_a_failed_request_is_fail_and_no_number() -> None:
+    ref = [[1], [2]]
+    runs = samples([0.2, 0.1], ref)
+    runs[1] = Sample(0.0, 0.0, [], None, error="RuntimeError: the stream ended without a token")
+    record = latency_record("kvpush-cma", 64, runs, ref)
+    assert record["result"] == "FAIL" and "stream ended" in record["error"]
+    assert not NUMBERS & set(record)
+
+
+def test_the_single_instance_has_no_reference() -> None:
+    record = latency_record("single", 64, samples([0.2], [[1]], cached=0), None)
+    assert "outputs_equal" not in record and record["ttft_p50_ms"] == 200.0
+
+
+def test_timing_of_picks_the_request_of_its_window() -> None:
+    prefill = [{"ev": "step", "t_bind": 10.0, "t_forward_end": 11.0, "mode": "pipelined", "pushes_pipelined": 1,
+                "pushes_after_forward": 0},
+               {"ev": "step", "t_bind": 20.0, "t_forward_end": 21.0, "mode": "pipelined", "pushes_pipelined": 0,
+                "pushes_after_forward": 0}]
+    decode = [{"ev": "ids", "t": 9.9}, {"ev": "landed", "t": 11.01, "reqs": ["a"]}, {"ev": "landed", "t": 21.2}]
+    first = timing_of(prefill, decode, (9.0, 12.0))
+    assert first == Timing(10.0, 11.0, 11.01, 1, 0)
+    second = timing_of(prefill, decode, (19.0, 22.0))
+    assert second is not None and second.pipelined_pushes == 0 and second.landed == 21.2
+    assert timing_of(prefill, decode, (30.0, 40.0)) is None
+
+
+def test_hidden_share_from_pipelined_and_serial_pairs() -> None:
+    # serial: forward 1.0 s, then the whole transfer (0.1 s); pipelined: forward 1.01 s (slowed by the
+    # pushes), and only 0.01 s left after it
+    serial = Timing(0.0, 1.0, 1.1, 1, 0)
+    pipelined = Timing(0.0, 1.01, 1.02, 1, 0)
+    record = hidden_record("kvpush-tcp", 512, [(pipelined, serial)] * 3, [(1.05, 1.13)] * 3)
+    assert record["hidden"] == pytest.approx(0.8)  # (1.1 - 1.02) / 0.1
+    assert record["behind"] == pytest.approx(0.9)  # 1 - 0.01 / 0.1
+    assert record["compute_inflation"] == pytest.approx(0.01)
+    assert record["transfer_serial_ms"] == pytest.approx(100.0)
+    assert record["exposed_pipelined_ms"] == pytest.approx(10.0)
+    assert record["pipelined_requests"] == "3/3" and record["ttft_saved_ms"] == pytest.approx(80.0)
+
+
+def test_hidden_share_is_clipped_and_needs_a_complete_pair() -> None:
+    serial = Timing(0.0, 1.0, 1.1, 1, 0)
+    faster = Timing(0.0, 0.5, 0.52, 1, 0)  # noise: the pipelined forward ran faster
+    assert hidden_record("kvpush-cma", 512, [(faster, serial)])["hidden"] == 1.0
+    failed = hidden_record("kvpush-cma", 512, [(None, serial), (faster, None)])
+    assert failed["result"] == "FAIL" and "hidden" not in failed
+
+
+def test_table_ratios_are_to_the_single_instance_and_the_other_connectors_of_the_run() -> None:
+    ref = [[1]]
+    records = [latency_record("single", 32, samples([0.1], ref), None),
+               latency_record("kvpush-tcp", 32, samples([0.15], ref), ref, {"pushed_during_forward": "1/1"}),
+               latency_record("example", 32, samples([0.3], ref), ref),
+               latency_record("nixl", 32, samples([0.2], [[2]]), ref),
+               not_run_record("kvpush-cma", "no cma here")]
+    lines = tables(records)
+    header = lines[0]
+    assert "TTFT vs single" in header and "TTFT vs example" in header and "TTFT vs nixl" in header
+    row = next(line for line in lines if line.startswith("| 32 | kvpush-tcp |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    at = dict(zip(columns, cells))
+    assert at["TTFT vs single"] == "1.50" and at["TTFT vs example"] == "0.50" and at["pushed in forward"] == "1/1"
+    assert at["TTFT vs kvpush-tcp"] == "" and at["TTFT vs nixl"] == ""  # itself; a FAIL has no number
+    nixl = next(line for line in lines if line.startswith("| 32 | nixl |"))
+    assert "FAIL" in nixl and "200.0" not in nixl
+    assert any("kvpush-cma" in line and "not run: no cma here" in line for line in lines)
