@@ -284,6 +284,87 @@ class CacheKeyByIdAndIndex:
         )
 
 
+INVALID_ID = U64_MAX  # LLM-DataDist's "no id" for a CacheKey's req_id / prefix_id
+
+# What names a slot on its owner: (kind, id, model_id), kind REQUEST_KEY (id is the req_id) or PREFIX_KEY (id is
+# the prefix_id). The two kinds are separate name spaces, as in LLM-DataDist; the cluster id only picks the owner.
+KeyName = tuple[int, int, int]
+REQUEST_KEY = 0
+PREFIX_KEY = 1
+
+
+class CacheKey:
+    """Names one batch slot of a contiguous cache by request (LLM-DataDist's ``CacheKey``).
+
+    Given to ``register_cache`` / ``allocate_cache``, ``cache_keys[i]`` names batch slot ``i`` of the new
+    cache (the cluster id is ignored there); at transfer time ``cluster_id`` picks the linked peer and
+    ``req_id`` (or ``prefix_id``) with ``model_id`` picks that peer's slot. A key names a request when
+    ``prefix_id`` is ``INVALID_ID`` (the default), else a prefix; a key with neither id (both
+    ``INVALID_ID``) is a placeholder that names nothing, for a batch slot in use by no request.
+    Equal keys (same cluster, ids and model) compare and hash equal.
+    """
+
+    def __init__(self, cluster_id: int | None = None, req_id: int = INVALID_ID, model_id: int = 0,
+                 prefix_id: int = INVALID_ID, *, prompt_cluster_id: int | None = None) -> None:
+        if cluster_id is not None and prompt_cluster_id is not None:
+            raise TypeError("give cluster_id or prompt_cluster_id, not both")
+        chosen = prompt_cluster_id if cluster_id is None else cluster_id
+        self._cluster = check_int("cluster_id", 0 if chosen is None else chosen)
+        self._req = check_int("req_id", req_id)
+        self._model = check_int("model_id", model_id)
+        self._prefix = check_int("prefix_id", prefix_id)
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster
+
+    @property
+    def prompt_cluster_id(self) -> int:
+        """LLM-DataDist's name for ``cluster_id``."""
+        return self._cluster
+
+    @property
+    def req_id(self) -> int:
+        return self._req
+
+    @property
+    def model_id(self) -> int:
+        return self._model
+
+    @property
+    def prefix_id(self) -> int:
+        return self._prefix
+
+    @property
+    def is_placeholder(self) -> bool:
+        """Neither a request nor a prefix: names no slot (holds a batch index at registration)."""
+        return self._req == INVALID_ID and self._prefix == INVALID_ID
+
+    @property
+    def has_one_id(self) -> bool:
+        """Exactly one of ``req_id`` and ``prefix_id`` is an id: the key can address a slot."""
+        return (self._req != INVALID_ID) != (self._prefix != INVALID_ID)
+
+    def name(self) -> KeyName:
+        """What names the slot on its owner: a prefix key by its prefix id, else by its request id."""
+        if self._prefix != INVALID_ID:
+            return (PREFIX_KEY, self._prefix, self._model)
+        return (REQUEST_KEY, self._req, self._model)
+
+    def _identity(self) -> tuple[int, int, int, int]:
+        return (self._cluster, self._req, self._prefix, self._model)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CacheKey) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __repr__(self) -> str:
+        return (f"CacheKey(cluster_id={self._cluster}, req_id={self._req}, prefix_id={self._prefix}, "
+                f"model_id={self._model})")
+
+
 def check_ip(name: str, ip: object) -> str:
     """A literal IPv4/IPv6 address (or an IPv4 as int, as LLM-DataDist accepts) or a host name."""
     if isinstance(ip, bool):

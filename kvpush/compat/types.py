@@ -1,10 +1,11 @@
 """LLM-DataDist's value types where they differ from kvpush's, and the ones kvpush's core has no use for.
 
-``CacheDesc`` and ``BlocksCacheKey`` are kvpush's own (so the engine takes them as they are) with
-LLM-DataDist's constructors: ``CacheDesc``'s placement defaults to DEVICE, ``BlocksCacheKey()`` without a
-cluster id is an error. The rest (``CacheKey``, ``KvCache``, ``RegisterMemStatus``, ``Memtype``,
-``MemInfo``, ``Status``) follow LLM-DataDist's definitions (package ``llm_datadist``, ``v2/llm_types.py``
-and ``status.py``): same names, arguments, defaults, checks and error classes.
+``CacheDesc``, ``BlocksCacheKey`` and ``CacheKey`` are kvpush's own (so the engine takes them as they
+are) with LLM-DataDist's constructors: ``CacheDesc``'s placement defaults to DEVICE, ``BlocksCacheKey()``
+without a cluster id is an error, ``CacheKey`` needs a cluster id and a req_id. The rest (``KvCache``,
+``RegisterMemStatus``, ``Memtype``, ``MemInfo``, ``Status``) follow LLM-DataDist's definitions (package
+``llm_datadist``, ``v2/llm_types.py`` and ``status.py``): same names, arguments, defaults, checks and
+error classes.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ class BlocksCacheKey(kvpush.BlocksCacheKey):
         super().__init__(cluster_id, model_id)
 
 
-class CacheKey:
+class CacheKey(kvpush.CacheKey):
     """LLM-DataDist's ``CacheKey(cluster_id, req_id, model_id=0, prefix_id=2**64-1)`` (also
-    ``prompt_cluster_id=``): names one batch slot of a peer's contiguous cache for ``pull_cache`` /
-    ``pull_blocks``; given to ``allocate_cache`` / ``register_cache`` it names the caller's own slots."""
+    ``prompt_cluster_id=``): ``cluster_id`` and ``req_id`` are required, at most four arguments, each a
+    uint64. It is kvpush's own ``CacheKey`` (the engine takes it as it is): given to ``allocate_cache`` /
+    ``register_cache`` it names the caller's batch slots, given to ``pull_cache`` / ``pull_blocks`` the
+    peer's slot."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require(len(args) + len(kwargs) <= 4, "Param num is over limit")
@@ -95,53 +98,24 @@ class CacheKey:
         for key in kwargs:
             require(key in ("prompt_cluster_id", "cluster_id", "req_id", "model_id", "prefix_id"),
                     f"Unsupported param:{key}")
-        self._cluster_id = check_uint("cluster_id", kwargs.get("cluster_id", kwargs.get("prompt_cluster_id")), 64)
-        self._req_id = check_uint("req_id", kwargs["req_id"], 64)
-        self._model_id = check_uint("model_id", kwargs.get("model_id", 0), 64)
-        self._prefix_id = check_uint("prefix_id", kwargs.get("prefix_id", INVALID_ID), 64)
-
-    @property
-    def prompt_cluster_id(self) -> int:
-        return self._cluster_id
-
-    @property
-    def cluster_id(self) -> int:
-        return self._cluster_id
-
-    @property
-    def req_id(self) -> int:
-        return self._req_id
-
-    @property
-    def prefix_id(self) -> int:
-        return self._prefix_id
-
-    @property
-    def model_id(self) -> int:
-        return self._model_id
-
-    def identity(self) -> tuple[int, int, int]:
-        """What names the slot on its owner: (req_id, prefix_id, model_id); the cluster id picks the owner."""
-        return (self._req_id, self._prefix_id, self._model_id)
+        cluster_id = check_uint("cluster_id", kwargs.get("cluster_id", kwargs.get("prompt_cluster_id")), 64)
+        super().__init__(cluster_id, check_uint("req_id", kwargs["req_id"], 64),
+                         check_uint("model_id", kwargs.get("model_id", 0), 64),
+                         check_uint("prefix_id", kwargs.get("prefix_id", INVALID_ID), 64))
 
     def check_one_id(self) -> None:
         """Exactly one of req_id and prefix_id is a valid id (LLM-DataDist's rule for addressing a slot)."""
-        valid = [value != INVALID_ID for value in (self._req_id, self._prefix_id)]
-        require(any(valid), f"one of req id and prefix id should contain valid value:[0, 2**64-1), "
-                            f"req id:{self._req_id},prefix id:{self._prefix_id}.")
-        require(not all(valid), f"only one of req id and prefix id should contain valid value:[0, 2**64-1), "
-                                f"req id:{self._req_id}, prefix id:{self._prefix_id}.")
+        check_one_id(self)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CacheKey) and (self._cluster_id, *self.identity()) == (
-            other._cluster_id, *other.identity())
 
-    def __hash__(self) -> int:
-        return hash((self._cluster_id, *self.identity()))
-
-    def __repr__(self) -> str:
-        return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, prefix_id={self._prefix_id}, "
-                f"model_id={self._model_id})")
+def check_one_id(key: kvpush.CacheKey) -> None:
+    """LLM-DataDist's ``check_cache_key``: LLMException(LLM_PARAM_INVALID) unless exactly one of the key's
+    req_id and prefix_id is a valid id."""
+    valid = [value != INVALID_ID for value in (key.req_id, key.prefix_id)]
+    require(any(valid), f"one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                        f"req id:{key.req_id},prefix id:{key.prefix_id}.")
+    require(not all(valid), f"only one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                            f"req id:{key.req_id}, prefix id:{key.prefix_id}.")
 
 
 class KvCache:

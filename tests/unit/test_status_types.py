@@ -7,6 +7,7 @@ import pytest
 from kvpush import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
     KvCacheExtParam,
@@ -83,6 +84,30 @@ def test_keys() -> None:
         BlocksCacheKey("1")  # type: ignore[arg-type]
     key = CacheKeyByIdAndIndex(2, 5, 1)
     assert (key.cluster_id, key.cache_id, key.batch_index) == (2, 5, 1)
+
+
+def test_cache_keys_name_a_request_or_a_prefix() -> None:
+    none = (1 << 64) - 1
+    key = CacheKey(2, 7, model_id=1)
+    assert (key.cluster_id, key.prompt_cluster_id, key.req_id, key.model_id, key.prefix_id) == (2, 2, 7, 1, none)
+    assert key.name() == (0, 7, 1) and key.has_one_id and not key.is_placeholder
+    prefix = CacheKey(prompt_cluster_id=2, prefix_id=9)
+    assert prefix.name() == (1, 9, 0) and prefix.has_one_id  # a prefix: its own name space
+    assert CacheKey(2).is_placeholder and not CacheKey(2).has_one_id  # neither id: names no slot
+    assert not CacheKey(2, 7, 0, 9).has_one_id and CacheKey(2, 7, 0, 9).name() == (1, 9, 0)
+    assert CacheKey(2, 7) == CacheKey(prompt_cluster_id=2, req_id=7) and len({CacheKey(2, 7), CacheKey(2, 7)}) == 1
+    assert CacheKey(2, 7) != CacheKey(3, 7) and CacheKey(2, 7) != CacheKey(2, 7, 1)
+    assert "req_id=7" in repr(key)
+    with pytest.raises(ValueError):
+        CacheKey(1, -1)
+    with pytest.raises(ValueError):
+        CacheKey(1, 1 << 64)
+    with pytest.raises(TypeError):
+        CacheKey(1, "7")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        CacheKey(1, 2, cluster_id=3)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CacheKey(1, prompt_cluster_id=1)
 
 
 def test_cluster_info_ipv4_ipv6_and_checks() -> None:
