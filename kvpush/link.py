@@ -35,6 +35,7 @@ from .options import EngineOptions
 from .peer import PeerTable, RemoteCache
 from .protocol import (
     FrameHeader,
+    KeyRelease,
     Kind,
     ProtocolError,
     decode_json,
@@ -42,6 +43,7 @@ from .protocol import (
     decode_status,
     encode_json,
     encode_message,
+    encode_release_key,
     encode_status,
     encode_transfer,
 )
@@ -77,6 +79,9 @@ class LinkOwner(Protocol):
     def deliver(self, link: Link, channel: int, data: bytes) -> bool:
         """A message or notification arrived; False when it cannot be queued (the sender is told)."""
 
+    def registry_changed(self) -> None:
+        """The registry changed because of a peer (it released a cache key): tell every peer."""
+
 
 class Link:
     """A linked peer. Create with ``await Link.establish(...)``."""
@@ -105,7 +110,7 @@ class Link:
         self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
         self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
                                self._send_frame, self.counters, paths.proves_reach, "?", self.loop, self.close,
-                               lambda: owner.options.sync_kv_timeout_ms)
+                               lambda: owner.options.sync_kv_timeout_ms, owner.registry_changed)
         self._handlers: dict[Kind, Handler] = {
             Kind.WRITE: self.inbound.serve_write,
             Kind.READ: self._on_read,
@@ -124,6 +129,7 @@ class Link:
             Kind.BYE: self._on_bye,
             Kind.MESSAGE: self._on_message,
             Kind.MESSAGE_ACK: self._on_message_ack,
+            Kind.RELEASE_KEY: self._on_release_key,
         }
         self.stream = connection.open(self, self.loop)
         self.stream.meta_limit = HANDSHAKE_META_LIMIT  # lifted once the link is ready
@@ -216,6 +222,15 @@ class Link:
         """This engine's registry changed: the peer gets the new table; released caches lose leases."""
         self.send_table()
         self.inbound.revoke_released()
+
+    def release_key(self, release: KeyRelease) -> None:
+        """This side pulled a slot a cache key of the peer names: tell the peer (which drops the key once
+        its whole slot was pulled), after everything sent so far, without waiting for an answer; until
+        the peer's next table, lookups of that key here miss (and so ask the peer). A link that is not
+        ready sends nothing: the key stays until the peer removes it."""
+        self.peer.forget_key(release.name)
+        if self.state == LinkState.READY:
+            self.stream.send(encode_release_key(release))
 
     async def refresh_table(self) -> None:
         """One round trip for the peer's current cache table (callers bound it with their deadline)."""
@@ -414,6 +429,9 @@ class Link:
 
     def _on_notice(self, header: FrameHeader, meta: bytes) -> None:
         self.inbound.on_notice(header, meta)
+
+    def _on_release_key(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.on_release_key(header, meta)
 
     def _on_ping(self, header: FrameHeader, meta: bytes) -> None:
         self.stream.send(encode_json(Kind.PONG, 0, decode_json(header.kind, meta)))

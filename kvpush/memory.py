@@ -14,13 +14,14 @@ import ctypes
 import logging
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import U64_MAX, Cache, CacheDesc, DataType, Placement
+from .types import REQUEST_KEY, U64_MAX, Cache, CacheDesc, CacheKey, DataType, KeyName, Placement
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +255,20 @@ class CacheEntry:
     removed: bool = False
     mapper: MemoryMapper | None = None
     maps: list[tuple[Any, bytes]] = field(default_factory=list)  # per tensor: (handle, packed rkey)
+    owned: bool = False  # kvpush allocated the memory (allocate_*), not the caller
+    keys: dict[KeyName, int] = field(default_factory=dict)  # cache keys naming batch slots: name -> slot
+    pulled: dict[KeyName, set[int]] = field(default_factory=dict)  # tensors of a keyed slot pulled so far
+    deallocated: bool = False  # its owner let go of it; kept (for peers only) while cache keys name its slots
 
     @property
     def desc(self) -> CacheDesc:
         return self.cache.cache_desc
+
+    def released_on_pull(self, name: KeyName) -> bool:
+        """A request key of a cache kvpush allocated is a reference a peer's pull consumes (LLM-DataDist):
+        once every tensor of its slot was pulled the key goes. Prefix keys (shared by many requests) and
+        keys of caller-owned memory stay until ``remove_cache_key``."""
+        return self.owned and name[0] == REQUEST_KEY and name in self.keys
 
     def pin(self) -> None:
         self.pins += 1
@@ -285,6 +296,8 @@ class CacheEntry:
         extra: dict[str, Any] = {"addrs": self.cache.tensor_addrs} if with_addresses else {}
         if with_rkeys and self.maps:
             extra["rkeys"] = [rkey.hex() for _, rkey in self.maps]
+        if self.keys:  # [kind, id, model_id, batch slot, 1 when a pull releases it]
+            extra["keys"] = [[*name, slot, int(self.released_on_pull(name))] for name, slot in self.keys.items()]
         return {**extra,
             "id": self.cache.cache_id,
             "model": self.model_id,
@@ -311,6 +324,7 @@ class CacheRegistry:
         self.mapper: MemoryMapper | None = None
         self._entries: dict[int, CacheEntry] = {}
         self._by_model: dict[int, int] = {}
+        self._by_key: dict[KeyName, int] = {}  # cache key name -> cache id
         self._next_id = 1
         self.version = 0
 
@@ -330,12 +344,16 @@ class CacheRegistry:
         is_blocks_cache: bool,
         model_id: int | None,
         mapping: mmap.mmap | None = None,
+        cache_keys: Sequence[CacheKey] = (),
     ) -> Cache:
+        """Register a cache; ``cache_keys[i]`` names batch slot i (contiguous caches; placeholders name
+        nothing). LLMException(LLM_PARAM_INVALID / LLM_FEATURE_NOT_ENABLED) before anything is kept."""
         check_placement(desc, regions)
         if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
             raise param_invalid(f"{desc!r} describes no memory (num_tensors and every dim must be >= 1)")
         if model_id is not None and model_id in self._by_model:
             raise param_invalid(f"a blocks cache with model_id={model_id} is already registered")
+        keys = self.check_keys(desc, is_blocks_cache, cache_keys)
         self._check_overlap(regions)
         if mapping is None:
             for region in regions:
@@ -357,19 +375,105 @@ class CacheRegistry:
             except Exception as error:
                 entry.release()
                 raise LLMException(LLMStatusCode.LLM_FAILED, f"cannot register the memory with UCX: {error}") from None
+        entry.owned = mapping is not None
+        entry.keys = keys
         self._entries[cache.cache_id] = entry
         if model_id is not None:
             self._by_model[model_id] = cache.cache_id
+        for name in keys:
+            self._by_key[name] = cache.cache_id
         self.version += 1
         return cache
 
+    def check_keys(self, desc: CacheDesc, is_blocks_cache: bool, cache_keys: Sequence[CacheKey]) -> dict[KeyName, int]:
+        """The slots ``cache_keys`` name (``{name: batch slot}``), checked as LLM-DataDist checks them: at
+        most one key per batch slot, none twice, none already naming a slot here; placeholders (neither a
+        request nor a prefix id) keep their slot unnamed. Stricter: a key with both ids is refused (no pull
+        could address it), and a blocks cache takes no cache keys (its BlocksCacheKey names it)."""
+        if not cache_keys:
+            return {}
+        if is_blocks_cache:
+            raise param_invalid("a blocks cache is named by its BlocksCacheKey, not by cache keys")
+        if len(cache_keys) > desc.num_blocks:
+            raise param_invalid(f"{len(cache_keys)} cache keys for {desc.num_blocks} batch slots")
+        names: dict[KeyName, int] = {}
+        for slot, key in enumerate(cache_keys):
+            if not isinstance(key, CacheKey):
+                raise TypeError(f"cache_keys[{slot}] must be a CacheKey, got {type(key).__name__}")
+            if key.is_placeholder:
+                continue
+            if not key.has_one_id:
+                raise param_invalid(f"cache_keys[{slot}] {key!r}: exactly one of req_id and prefix_id may be an id")
+            name = key.name()
+            if name in names:
+                raise param_invalid(f"cache_keys[{slot}] {key!r} repeats cache_keys[{names[name]}]")
+            if name in self._by_key:
+                raise param_invalid(f"cache_keys[{slot}] {key!r} already names a slot of cache {self._by_key[name]}")
+            names[name] = slot
+        return names
+
+    def slot_of(self, name: KeyName) -> tuple[CacheEntry, int] | None:
+        """The cache and batch slot a key names here, or None."""
+        cache_id = self._by_key.get(name)
+        entry = None if cache_id is None else self._entries.get(cache_id)
+        return None if entry is None else (entry, entry.keys[name])
+
+    def remove_key(self, name: KeyName) -> bool:
+        """The key no longer names its slot (False: it named none). A cache its owner let go of
+        (``deallocate``) is removed with its last key."""
+        found = self.slot_of(name)
+        if found is None:
+            return False
+        entry = found[0]
+        del self._by_key[name]
+        del entry.keys[name]
+        entry.pulled.pop(name, None)
+        self.version += 1
+        if entry.deallocated and not entry.keys:
+            self.remove(entry.cache.cache_id)
+        return True
+
+    def note_pulled(self, name: KeyName, cache_id: int, slot: int, first_tensor: int, num_tensors: int) -> bool:
+        """A peer pulled tensors ``[first_tensor, first_tensor + num_tensors)`` of slot ``slot`` of cache
+        ``cache_id`` by (or at) key ``name``. A request key of a cache kvpush allocated goes once every
+        tensor of its slot was pulled. True when a key went (the table changed). A key that no longer
+        names that slot (removed or pulled meanwhile) is left alone."""
+        found = self.slot_of(name)
+        if found is None or found[0].cache.cache_id != cache_id or found[1] != slot:
+            return False
+        entry = found[0]
+        if not entry.released_on_pull(name):
+            return False
+        pulled = entry.pulled.setdefault(name, set())
+        pulled.update(range(first_tensor, first_tensor + num_tensors))
+        if len(pulled) < entry.desc.num_tensors:
+            return False
+        return self.remove_key(name)
+
+    def deallocate(self, cache_id: int) -> bool:
+        """The owner lets go of a cache; True when it was removed now (like ``remove``). Memory kvpush
+        allocated whose slots cache keys still name stays for the peers that pull them and goes with the
+        last key (LLM-DataDist's reference counting): False, nothing changed for peers."""
+        entry = self._entries.get(cache_id)
+        if entry is None or entry.deallocated:
+            return False
+        if entry.owned and entry.keys:
+            entry.deallocated = True
+            return False
+        return self.remove(cache_id) is not None
+
     def remove(self, cache_id: int) -> CacheEntry | None:
-        """Forget a cache now; its memory is released once no transfer holds it."""
+        """Forget a cache now (and the cache keys naming its slots); its memory is released once no
+        transfer holds it."""
         entry = self._entries.pop(cache_id, None)
         if entry is None:
             return None
         if entry.model_id is not None:
             self._by_model.pop(entry.model_id, None)
+        for name in entry.keys:
+            self._by_key.pop(name, None)
+        entry.keys = {}
+        entry.pulled = {}
         entry.removed = True
         if entry.pins == 0:
             entry.release()

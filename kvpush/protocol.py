@@ -75,10 +75,12 @@ class Kind(IntEnum):
     # a small message or a transfer's completion notification to the peer (SPEC 10), and its answer
     MESSAGE = 19
     MESSAGE_ACK = 20
+    # the sender pulled a batch slot that a cache key of the receiver names (the receiver may drop the key)
+    RELEASE_KEY = 21
 
 
 JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
-                        Kind.PING, Kind.PONG, Kind.BYE, Kind.LEASE})
+                        Kind.PING, Kind.PONG, Kind.BYE, Kind.LEASE, Kind.RELEASE_KEY})
 PAYLOAD_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 TRANSFER_KINDS = frozenset({Kind.WRITE, Kind.READ, Kind.WRITE_INTENT, Kind.READ_INTENT, Kind.WRITE_NOTICE})
 
@@ -232,3 +234,49 @@ def decode_message(meta: bytes | bytearray | memoryview) -> tuple[int, bytes]:
     if channel not in (0, 1):
         raise ProtocolError(f"MESSAGE on unknown channel {channel}")
     return channel, bytes(meta[MESSAGE_META.size:])
+
+
+# -- cache keys ----------------------------------------------------------------------------------
+# A TABLE entry of a contiguous cache may list the cache keys naming its batch slots: "keys": [[kind, id,
+# model_id, slot, released_on_pull], ...] (kind 0: id is a request id, 1: a prefix id). A peer that lists
+# keys understands RELEASE_KEY, and a peer sends RELEASE_KEY only for keys it read in such a table, so an
+# engine that predates cache keys never receives one (same protocol version).
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class KeyRelease:
+    """RELEASE_KEY: the sender pulled tensors ``[first_tensor, first_tensor + num_tensors)`` of batch
+    slot ``slot`` of the receiver's cache ``cache_id``, the slot cache key ``name`` (kind, id, model id)
+    names. Sent after the pull's last byte arrived; never answered."""
+
+    name: tuple[int, int, int]
+    cache_id: int
+    slot: int
+    first_tensor: int
+    num_tensors: int
+
+
+def encode_release_key(release: KeyRelease) -> bytes:
+    return encode_json(Kind.RELEASE_KEY, 0, {"key": list(release.name), "cache": release.cache_id,
+                                             "slot": release.slot,
+                                             "tensors": [release.first_tensor, release.num_tensors]})
+
+
+def decode_release_key(body: dict[str, Any]) -> KeyRelease:
+    """A RELEASE_KEY body, checked for shape and ranges (the receiver checks it against its registry)."""
+    key, cache_id, slot, tensors = body.get("key"), body.get("cache"), body.get("slot"), body.get("tensors")
+
+    def ints(value: object, count: int) -> bool:
+        return isinstance(value, list) and len(value) == count and all(type(v) is int for v in value)
+
+    if not (ints(key, 3) and ints(tensors, 2) and type(cache_id) is int and type(slot) is int):
+        raise ProtocolError(f"malformed RELEASE_KEY {body!r}")
+    assert isinstance(key, list) and isinstance(tensors, list) and isinstance(cache_id, int) and isinstance(slot, int)
+    kind, key_id, model_id = key
+    first, count = tensors
+    if (kind not in (0, 1) or not 0 <= key_id < _U64 or not 0 <= model_id <= _U64 or not 0 < cache_id < (1 << 63)
+            or not 0 <= slot < (1 << 48) or not 0 <= first < (1 << 31) or not 0 < count <= (1 << 31)):
+        raise ProtocolError(f"RELEASE_KEY out of range: {body!r}")
+    return KeyRelease((kind, key_id, model_id), cache_id, slot, first, count)

@@ -1,10 +1,11 @@
 """The inbound side of one link: every transfer frame a peer initiates.
 
 Stream writes and reads (WRITE, READ), one-sided intents (WRITE_INTENT / READ_INTENT -> GRANT, then
-LANDED), standing same-host write grants (LEASE) and the notices of writes made under them
-(WRITE_NOTICE). Every request is checked by one pure function, ``resolve``, against this engine's
-registry (cache registered, tensors and every run inside it, remote access allowed) before a byte is
-written or read; a refusal is answered with its status code and logged.
+LANDED), standing same-host write grants (LEASE), the notices of writes made under them
+(WRITE_NOTICE), and the releases of cache keys whose slots the peer pulled (RELEASE_KEY). Every
+request is checked by one pure function, ``resolve``, against this engine's registry (cache
+registered, tensors and every run inside it, remote access allowed) before a byte is written or read;
+a refusal is answered with its status code and logged.
 
 ``Inbound`` is built from what it needs - the registry, whether remote access is allowed, a frame
 sender, the link's counters and what the data paths say about the peer - and knows no link.
@@ -30,6 +31,8 @@ from .protocol import (
     Kind,
     ProtocolError,
     TransferMeta,
+    decode_json,
+    decode_release_key,
     decode_status,
     decode_transfer,
     encode_json,
@@ -155,8 +158,9 @@ class Inbound:
     def __init__(self, registry: CacheRegistry, access_allowed: Callable[[], bool], send: Send,
                  counters: Counter[str], proves_reach: Callable[[str], bool], peer: str,
                  loop: asyncio.AbstractEventLoop, close_link: Callable[[str], None],
-                 limit_ms: Callable[[], int]) -> None:
+                 limit_ms: Callable[[], int], registry_changed: Callable[[], None] = lambda: None) -> None:
         self._registry = registry
+        self._registry_changed = registry_changed  # tells every peer (a pull released a cache key)
         self._loop = loop
         self._close_link = close_link
         self._limit_ms = limit_ms
@@ -319,6 +323,29 @@ class Inbound:
                 or not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size)):
             raise ProtocolError(f"a leased write to cache {transfer.cache_id} lay outside it")
         self._counters["bytes_received"] += transfer.payload_len
+
+    # -- cache keys ---------------------------------------------------------------------------------
+    def on_release_key(self, header: FrameHeader, meta: bytes) -> None:
+        """The peer pulled a slot a cache key names: the key goes once every tensor of the slot was
+        pulled, if it is a request key of memory kvpush allocated (``CacheRegistry.note_pulled``). A key
+        that no longer names that slot is left alone (removed or re-bound meanwhile: not the peer's
+        fault); tensors outside the cache are a protocol error."""
+        release = decode_release_key(decode_json(header.kind, meta))
+        if not self._access_allowed():
+            log.warning("ignored a cache key release from cluster %s: remote cache access is disabled", self._peer)
+            return
+        entry = self._registry.get(release.cache_id)
+        if entry is None:
+            log.debug("cache key release from cluster %s for cache %d, which is gone", self._peer, release.cache_id)
+            return
+        if release.first_tensor + release.num_tensors > entry.desc.num_tensors:
+            raise ProtocolError(f"RELEASE_KEY names tensors {release.first_tensor}..+{release.num_tensors} of cache "
+                                f"{release.cache_id}, which has {entry.desc.num_tensors}")
+        if self._registry.note_pulled(release.name, release.cache_id, release.slot, release.first_tensor,
+                                      release.num_tensors):
+            log.debug("cache key %s of cache %d released: cluster %s pulled its slot", release.name,
+                      release.cache_id, self._peer)
+            self._registry_changed()
 
     # -- closing ------------------------------------------------------------------------------------
     def close(self, watch: Callable[[], PeerWatch | None]) -> HeldGrants | None:

@@ -1,4 +1,5 @@
-"""kvpush/memory.py: what registration accepts (numpy, DLPack, buffer protocol, int addresses)."""
+"""kvpush/memory.py: what registration accepts (numpy, DLPack, buffer protocol, int addresses), and the
+registry's cache keys (the slots they name, their checks, their release by pulls and by their owner)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import EngineFactory
 
-from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
+from kvpush import BlocksCacheKey, Cache, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from kvpush.memory import CacheRegistry, allocate_regions, region_of
 
 DESC = CacheDesc(2, (4, 16), DataType.DT_FLOAT16)
 
@@ -122,3 +124,87 @@ async def test_views_outlive_deallocate_and_finalize(make_engine: EngineFactory)
     await engine.finalize()
     other[:] = 3
     assert (other == 3).all() and (kept == 5).all()
+
+
+# -- cache keys in the registry (no engine) ----------------------------------------------------------
+SLOTS = CacheDesc(2, (4, 16), DataType.DT_UINT8)  # 2 tensors of 4 batch slots x 16 bytes
+
+
+def _allocated(registry: CacheRegistry, keys: list[CacheKey], desc: CacheDesc = SLOTS) -> Cache:
+    mapping, regions = allocate_regions(desc)
+    return registry.add(desc, regions, False, None, mapping, cache_keys=keys)
+
+
+def test_cache_keys_name_batch_slots_and_reach_the_table() -> None:
+    registry = CacheRegistry()
+    cache = _allocated(registry, [CacheKey(1, 10), CacheKey(1), CacheKey(1, prefix_id=5)])  # slot 1: a placeholder
+    entry = registry.get(cache.cache_id)
+    assert entry is not None and entry.keys == {(0, 10, 0): 0, (1, 5, 0): 2}
+    assert registry.slot_of((0, 10, 0)) == (entry, 0) and registry.slot_of((1, 10, 0)) is None
+    (row,) = registry.table()
+    assert row["keys"] == [[0, 10, 0, 0, 1], [1, 5, 0, 2, 0]]  # a prefix key is not released by a pull
+    assert "keys" not in CacheRegistry().table() and registry.version == 1
+
+
+@pytest.mark.parametrize("keys, words", [
+    ([CacheKey(1, i) for i in range(5)], "5 cache keys for 4 batch slots"),
+    ([CacheKey(1, 3), CacheKey(2, 3)], r"repeats cache_keys\[0\]"),  # the cluster id does not tell them apart
+    ([CacheKey(1, 3, 0, 4)], "exactly one of req_id and prefix_id"),
+    ([CacheKey(1, 10)], "already names a slot of cache 1"),
+])
+def test_cache_keys_are_checked_before_anything_is_kept(keys: list[CacheKey], words: str) -> None:
+    registry = CacheRegistry()
+    _allocated(registry, [CacheKey(1, 10)])
+    with pytest.raises(LLMException, match=words) as caught:
+        _allocated(registry, keys)
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert len(registry) == 1 and registry.version == 1
+    mapping, regions = allocate_regions(SLOTS)
+    with pytest.raises(LLMException, match="BlocksCacheKey"):
+        registry.add(SLOTS, regions, True, None, mapping, cache_keys=[CacheKey(1, 11)])
+    with pytest.raises(TypeError):
+        _allocated(registry, ["key"])  # type: ignore[list-item]
+
+
+def test_a_request_key_of_allocated_memory_goes_once_every_tensor_of_its_slot_was_pulled() -> None:
+    registry = CacheRegistry()
+    cache = _allocated(registry, [CacheKey(1, 10), CacheKey(1, 11)])
+    assert not registry.note_pulled((0, 10, 0), cache.cache_id, 1, 0, 2)  # not the slot it names: left alone
+    assert not registry.note_pulled((0, 10, 0), cache.cache_id + 1, 0, 0, 2)
+    assert not registry.note_pulled((0, 10, 0), cache.cache_id, 0, 0, 1)  # one layer of two
+    assert registry.slot_of((0, 10, 0)) is not None
+    assert registry.note_pulled((0, 10, 0), cache.cache_id, 0, 1, 1)  # the other one: the key goes
+    assert registry.slot_of((0, 10, 0)) is None and registry.get(cache.cache_id) is not None
+    assert not registry.note_pulled((0, 10, 0), cache.cache_id, 0, 0, 2)  # already gone
+
+
+def test_keys_of_caller_owned_memory_and_prefix_keys_stay_until_removed() -> None:
+    registry = CacheRegistry()
+    memory = [np.zeros(64, np.uint8) for _ in range(2)]
+    registered = registry.add(SLOTS, [region_of(m, f"addrs[{i}]", SLOTS) for i, m in enumerate(memory)], False,
+                              None, cache_keys=[CacheKey(1, 10)])
+    allocated = _allocated(registry, [CacheKey(1, prefix_id=3)])
+    assert not registry.note_pulled((0, 10, 0), registered.cache_id, 0, 0, 2)
+    assert not registry.note_pulled((1, 3, 0), allocated.cache_id, 0, 0, 2)
+    assert registry.remove_key((0, 10, 0)) and registry.remove_key((1, 3, 0))
+    assert not registry.remove_key((1, 3, 0))  # names nothing any more: a no-op
+    assert registry.version == 4 and "keys" not in registry.table()[0]
+
+
+def test_deallocating_keyed_memory_waits_for_its_last_key() -> None:
+    registry = CacheRegistry()
+    cache = _allocated(registry, [CacheKey(1, 10), CacheKey(1, 11)])
+    entry = registry.get(cache.cache_id)
+    assert entry is not None
+    version = registry.version
+    assert not registry.deallocate(cache.cache_id)  # kept for its keys: peers still see it, nothing changed
+    assert entry.deallocated and not entry.removed and registry.version == version
+    assert not registry.deallocate(cache.cache_id)  # once only
+    assert registry.remove_key((0, 10, 0)) and registry.get(cache.cache_id) is entry
+    assert registry.note_pulled((0, 11, 0), cache.cache_id, 1, 0, 2)  # the last key: the cache goes
+    assert registry.get(cache.cache_id) is None and entry.removed and cache.tensors == []
+    plain = _allocated(registry, [])
+    assert registry.deallocate(plain.cache_id) and registry.get(plain.cache_id) is None
+    keyed = _allocated(registry, [CacheKey(1, 12)])
+    assert registry.remove(keyed.cache_id) is not None and registry.slot_of((0, 12, 0)) is None  # keys go with it
+    assert _allocated(registry, [CacheKey(1, 12)]).cache_id == keyed.cache_id + 1  # the name is free again

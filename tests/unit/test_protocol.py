@@ -8,14 +8,17 @@ import pytest
 from kvpush.layout import pack_runs
 from kvpush.protocol import (
     HEADER_SIZE,
+    KeyRelease,
     Kind,
     ProtocolError,
     decode_header,
     decode_json,
+    decode_release_key,
     decode_status,
     decode_transfer,
     encode_header,
     encode_json,
+    encode_release_key,
     encode_status,
     encode_transfer,
 )
@@ -74,3 +77,29 @@ def test_transfer_meta_inconsistencies_are_protocol_errors() -> None:
         decode_json(Kind.HELLO, b"[1, 2]")
     with pytest.raises(ProtocolError):
         decode_json(Kind.HELLO, b"\xff\xfe")
+
+
+def test_a_key_release_round_trips() -> None:
+    release = KeyRelease((0, 7, 1), 3, 2, 4, 2)
+    frame = encode_release_key(release)
+    header = decode_header(frame[:HEADER_SIZE])
+    assert header.kind == Kind.RELEASE_KEY and header.payload_len == 0
+    assert decode_release_key(decode_json(header.kind, frame[HEADER_SIZE:])) == release
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"key": [0, 7], "cache": 3, "slot": 0, "tensors": [0, 2]},           # a key of two fields
+    {"key": [0, 7, 1], "cache": "3", "slot": 0, "tensors": [0, 2]},      # a cache id that is not an int
+    {"key": [0, 7, 1], "cache": 3, "slot": True, "tensors": [0, 2]},     # bool is not an int here
+    {"key": [2, 7, 1], "cache": 3, "slot": 0, "tensors": [0, 2]},        # neither a request nor a prefix
+    {"key": [0, (1 << 64) - 1, 1], "cache": 3, "slot": 0, "tensors": [0, 2]},  # "no id" names nothing
+    {"key": [0, 7, 1], "cache": 0, "slot": 0, "tensors": [0, 2]},        # cache ids start at 1
+    {"key": [0, 7, 1], "cache": 3, "slot": -1, "tensors": [0, 2]},
+    {"key": [0, 7, 1], "cache": 3, "slot": 0, "tensors": [0, 0]},        # no tensor
+    {"key": [0, 7, 1], "cache": 3, "slot": 0, "tensors": [-1, 2]},
+    {"key": [0, 7, 1.0], "cache": 3, "slot": 0, "tensors": [0, 2]},
+])
+def test_a_malformed_key_release_is_a_protocol_error(body: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_release_key(body)

@@ -1,5 +1,6 @@
 """kvpush.serving without sockets: resolve() and its refusals, and the inbound side of one link
-(stream writes, one-sided grants, standing grants) driven with frames built by kvpush.protocol."""
+(stream writes, one-sided grants, standing grants, cache key releases) driven with frames built by
+kvpush.protocol."""
 
 from __future__ import annotations
 
@@ -15,18 +16,21 @@ from kvpush.layout import pack_runs
 from kvpush.memory import CacheRegistry, allocate_regions
 from kvpush.protocol import (
     HEADER_SIZE,
+    KeyRelease,
     Kind,
     ProtocolError,
     decode_header,
     decode_json,
     decode_status,
     decode_transfer,
+    encode_json,
+    encode_release_key,
     encode_status,
     encode_transfer,
 )
 from kvpush.serving import Inbound, Refusal, resolve
 from kvpush.status import LLMStatusCode
-from kvpush.types import CacheDesc, DataType
+from kvpush.types import CacheDesc, CacheKey, DataType
 
 DESC = CacheDesc(4, (8, 64), DataType.DT_UINT8)  # 4 tensors of 8 blocks x 64 bytes
 LOOP = asyncio.new_event_loop()  # never run: the inbound side's deadline timers are only scheduled on it
@@ -202,3 +206,33 @@ def test_too_many_requests_in_flight_are_refused_busy(monkeypatch: pytest.Monkey
     statuses = [body[0] for kind, body in sent.frames if kind == Kind.GRANT]
     assert statuses == [0, 0, LLMStatusCode.LLM_LINK_BUSY]
     side.close(lambda: None)
+
+
+def release_frame(name: tuple[int, int, int], cache_id: int, slot: int, first: int, count: int) -> tuple[Any, bytes]:
+    frame = encode_release_key(KeyRelease(name, cache_id, slot, first, count))
+    return decode_header(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]
+
+
+def test_a_key_release_is_checked_against_the_registry_and_tells_every_peer_when_the_key_goes() -> None:
+    registry = CacheRegistry()
+    desc = CacheDesc(4, (2, 64), DataType.DT_UINT8)
+    mapping, regions = allocate_regions(desc)
+    cache = registry.add(desc, regions, False, None, mapping, cache_keys=[CacheKey(1, 10), CacheKey(1, 11)])
+    changed: list[bool] = []
+    allowed = [True]
+    side = Inbound(registry, lambda: allowed[0], Sent(), Counter(), lambda proof: False, "9", LOOP, lambda _: None,
+                   lambda: 1000, lambda: changed.append(True))
+    side.on_release_key(*release_frame((0, 10, 0), cache.cache_id, 1, 0, 4))  # slot 1 is not key 10's: ignored
+    side.on_release_key(*release_frame((0, 10, 0), cache.cache_id + 5, 0, 0, 4))  # no such cache: ignored
+    side.on_release_key(*release_frame((0, 10, 0), cache.cache_id, 0, 0, 2))  # half of the slot's tensors
+    assert changed == [] and registry.slot_of((0, 10, 0)) is not None
+    side.on_release_key(*release_frame((0, 10, 0), cache.cache_id, 0, 2, 2))
+    assert changed == [True] and registry.slot_of((0, 10, 0)) is None
+    with pytest.raises(ProtocolError, match="which has 4"):
+        side.on_release_key(*release_frame((0, 11, 0), cache.cache_id, 1, 2, 3))  # outside the cache
+    allowed[0] = False  # remote access disabled: a peer could not have pulled, nothing is released
+    side.on_release_key(*release_frame((0, 11, 0), cache.cache_id, 1, 0, 4))
+    assert registry.slot_of((0, 11, 0)) is not None and changed == [True]
+    malformed = encode_json(Kind.RELEASE_KEY, 0, {"key": [0, 11]})
+    with pytest.raises(ProtocolError):
+        side.on_release_key(decode_header(malformed[:HEADER_SIZE]), malformed[HEADER_SIZE:])
