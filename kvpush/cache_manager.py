@@ -24,9 +24,19 @@ from .notify import NOTIFICATION, check_notify
 from .options import EngineOptions
 from .peer import RemoteCache
 from .pipeline import LayerPusher
-from .protocol import Kind
+from .protocol import KeyRelease, Kind
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import BlocksCacheKey, Cache, CacheDesc, CacheKeyByIdAndIndex, KvCacheExtParam, check_int
+from .types import (
+    REQUEST_KEY,
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KeyName,
+    KvCacheExtParam,
+    check_int,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +67,18 @@ class CacheManager:
         self.registry: CacheRegistry = engine.registry
 
     # -- registration (synchronous) ---------------------------------------------------------------
-    def _register(self, api: str, desc: object, addrs: object, is_blocks: bool, model_id: int | None) -> Cache:
+    def _register(self, api: str, desc: object, addrs: object, is_blocks: bool, model_id: int | None,
+                  cache_keys: Sequence[CacheKey] = ()) -> Cache:
         self._engine.require_init(api)
         v.check_type(api, "cache_desc", desc, CacheDesc)
         assert isinstance(desc, CacheDesc)
         v.check_type(api, "addrs", addrs, (list, tuple))
         assert isinstance(addrs, (list, tuple))
+        v.check_batch_dim(api, desc)
         if len(addrs) != desc.num_tensors:
             raise param_invalid(f"{api}: {len(addrs)} addresses given for {desc.num_tensors} tensors")
         regions = [region_of(item, f"addrs[{i}]", desc) for i, item in enumerate(addrs)]
-        cache = self.registry.add(desc, regions, is_blocks, model_id)
+        cache = self.registry.add(desc, regions, is_blocks, model_id, cache_keys=cache_keys)
         self._engine.registry_changed()
         return cache
 
@@ -78,19 +90,25 @@ class CacheManager:
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         return self._register("register_blocks_cache", cache_desc, addrs, True, model_id)
 
-    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cache_keys: Sequence[Any] = ()) -> Cache:
-        """Register caller-owned contiguous memory (``shape[0]`` is the batch dimension)."""
+    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
+                       cache_keys: Sequence[CacheKey] = ()) -> Cache:
+        """Register caller-owned contiguous memory (``shape[0]`` is the batch dimension). ``cache_keys[i]``
+        names batch slot i for peers (``pull_cache`` / ``pull_blocks`` by ``CacheKey``); see
+        ``allocate_cache``. The keys of caller-owned memory stay until ``remove_cache_key``."""
         v.check_type("register_cache", "cache_keys", cache_keys, (list, tuple))
-        return self._register("register_cache", cache_desc, addrs, False, None)
+        return self._register("register_cache", cache_desc, addrs, False, None, cache_keys)
 
-    def _allocate(self, api: str, desc: object, is_blocks: bool, model_id: int | None) -> Cache:
+    def _allocate(self, api: str, desc: object, is_blocks: bool, model_id: int | None,
+                  cache_keys: Sequence[CacheKey] = ()) -> Cache:
         self._engine.require_init(api)
         v.check_type(api, "cache_desc", desc, CacheDesc)
         assert isinstance(desc, CacheDesc)
+        v.check_batch_dim(api, desc)
         if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
             raise param_invalid(f"{api}: {desc!r} describes no memory")
         mapping, regions = allocate_regions(desc)
-        cache = self.registry.add(desc, regions, is_blocks, model_id, mapping)  # on error the mapping is dropped
+        cache = self.registry.add(desc, regions, is_blocks, model_id, mapping,  # on error the mapping is dropped
+                                  cache_keys=cache_keys)
         self._engine.registry_changed()
         return cache
 
@@ -101,14 +119,32 @@ class CacheManager:
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         return self._allocate("allocate_blocks_cache", cache_desc, True, model_id)
 
-    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[Any] = ()) -> Cache:
-        """kvpush-owned contiguous memory (``shape[0]`` is the batch dimension), page-aligned and prefaulted."""
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
+        """kvpush-owned contiguous memory (``shape[0]`` is the batch dimension), page-aligned and prefaulted.
+
+        ``cache_keys[i]`` names batch slot i for peers, as in LLM-DataDist: at most one key per slot, a
+        placeholder key (neither req_id nor prefix_id) leaves its slot unnamed, a key already naming a
+        slot here is LLM_PARAM_INVALID. A peer's successful pull of a whole slot by its request key (or
+        by ``CacheKeyByIdAndIndex`` at that slot) releases the key; ``remove_cache_key`` releases it
+        here. ``deallocate_cache`` while keys still name slots lets go of the cache id at once and of the
+        memory when the last key goes (peers may still pull those slots until then)."""
         v.check_type("allocate_cache", "cache_keys", cache_keys, (list, tuple))
-        return self._allocate("allocate_cache", cache_desc, False, None)
+        return self._allocate("allocate_cache", cache_desc, False, None, cache_keys)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """The slot ``cache_key`` names (its cluster id is ignored) is no longer named by it; peers see it
+        in this engine's next cache table. A no-op when the key names nothing (already pulled or removed),
+        as in LLM-DataDist. A cache ``deallocate_cache`` let go of goes with its last key."""
+        api = "remove_cache_key"
+        self._engine.require_init(api)
+        v.check_type(api, "cache_key", cache_key, CacheKey)
+        if self.registry.remove_key(cache_key.name()):
+            self._engine.registry_changed()
 
     def unregister_cache(self, cache_id: int) -> None:
-        """Forget a cache. Transfers addressing it afterwards fail with LLM_KV_CACHE_NOT_EXIST; memory
-        kvpush allocated is released once no transfer in flight still uses it."""
+        """Forget a cache (and the cache keys naming its slots). Transfers addressing it afterwards fail
+        with LLM_KV_CACHE_NOT_EXIST; memory kvpush allocated is released once no transfer in flight still
+        uses it."""
         self._engine.require_init("unregister_cache")
         cache_id = check_int("cache_id", cache_id)
         if self.registry.remove(cache_id) is None:
@@ -116,15 +152,23 @@ class CacheManager:
         self._engine.registry_changed()
 
     def deallocate_cache(self, cache: Cache) -> None:
-        """Release a cache (allocated or registered); like ``unregister_cache(cache.cache_id)``."""
-        v.check_type("deallocate_cache", "cache", cache, Cache)
-        self.unregister_cache(cache.cache_id)
+        """Release a cache (allocated or registered), like ``unregister_cache(cache.cache_id)`` - except
+        memory kvpush allocated whose slots cache keys still name: this engine can no longer use it, and
+        the memory goes with its last key (pulled by a peer or removed), as in LLM-DataDist."""
+        api = "deallocate_cache"
+        v.check_type(api, "cache", cache, Cache)
+        self._engine.require_init(api)
+        entry = self.registry.get(cache.cache_id)
+        if entry is None or entry.deallocated:
+            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"{api}: no cache {cache.cache_id}")
+        if self.registry.deallocate(cache.cache_id):  # (kept for its keys: nothing changed for peers)
+            self._engine.registry_changed()
 
     deallocate_blocks_cache = deallocate_cache
 
     def _local(self, api: str, name: str, cache: Cache) -> CacheEntry:
         entry = self.registry.get(cache.cache_id)
-        if entry is None or entry.cache is not cache:
+        if entry is None or entry.cache is not cache or entry.deallocated:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"{api}: {name} (cache {cache.cache_id}) is not registered here")
         return entry
@@ -133,8 +177,13 @@ class CacheManager:
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
                           dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
                           dst_layer_range: range | None = None, tensor_num_per_layer: int = 2,
-                          notify: bytes | None = None) -> None:
+                          notify: bytes | None = None, *, src_batch_index: int | None = None) -> None:
         """Write local blocks into the peer's blocks cache named by ``dst_cache_key``.
+
+        ``src_batch_index``: the source is that batch slot of the contiguous ``src_cache`` instead
+        (``src_blocks`` empty), cut into blocks of the peer's block size: block i of the slot goes to
+        ``dst_blocks[i]``, the last one partly filled if the slot is not a whole number of blocks
+        (LLM-DataDist's transfer from a cache to blocks).
 
         Returns once every byte of every requested layer is in the peer's memory. Raises before any
         byte moves for bad arguments (TypeError / ValueError / LLMException, SPEC §6 order).
@@ -154,54 +203,78 @@ class CacheManager:
         """
         api = "push_blocks"
         check_notify(api, notify)
-        link, plan = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                        src_layer_range, dst_layer_range, tensor_num_per_layer)
+        link, plan, _ = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                           src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                           local_slot=src_batch_index)
         await self._run(link, plan)
         if notify is not None:
             await link.send_message(NOTIFICATION, bytes(notify))
 
-    async def pull_blocks(self, src_cache_key: BlocksCacheKey, dst_cache: Cache, src_blocks: Sequence[int] = (),
-                          dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
-                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+    async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex, dst_cache: Cache,
+                          src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
+                          src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                          tensor_num_per_layer: int = 2) -> None:
         """Read the peer's blocks into local ones (one-sided from the caller's view).
+
+        The source may also be one batch slot of the peer's contiguous cache, named by a ``CacheKey``
+        or a ``CacheKeyByIdAndIndex`` (``src_blocks`` empty): the slot is cut into blocks of the local
+        block size and block i of it lands in ``dst_blocks[i]`` (the last one partly filled if the slot
+        is not a whole number of blocks; LLM-DataDist's pull from a cache to blocks). A cache key naming
+        that slot is then released on the peer as by ``pull_cache``.
 
         Same checks, timeout and cancellation rules as ``push_blocks``; on timeout or cancellation
         the rest of a layer's incoming bytes is discarded, never written after the exception.
         """
         api = "pull_blocks"
-        link, plan = await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
-                                      src_layer_range, dst_layer_range, tensor_num_per_layer)
+        link, plan, slot = await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                              src_layer_range, dst_layer_range, tensor_num_per_layer)
         await self._run(link, plan)
+        if slot is not None:
+            self._pulled_slot(link, plan, slot)
 
     async def _blocks(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
                       dst_blocks: object, src_range: object, dst_range: object, n: object,
-                      remote_cache_id: int | None = None) -> tuple[Link, planning.Plan]:
+                      remote_cache_id: int | None = None,
+                      local_slot: object = None) -> tuple[Link, planning.Plan, int | None]:
         """Validate (SPEC order, one pass) and plan a blocks transfer; one bounded refresh of the
-        peer's table if it lacks the cache."""
+        peer's table if it lacks the cache. The third item is the peer's batch slot a pull reads from
+        (None: the source is blocks, or local)."""
         self._engine.require_init(api)
         args = planning.check_block_args(api, kind, remote_key, local_cache, src_blocks, dst_blocks, src_range,
-                                         dst_range, n, remote_cache_id)
+                                         dst_range, n, remote_cache_id, local_slot)
         link = self._engine.link_for(api, args.cluster_id)
         local = self._local(api, args.local_name, args.local_cache)
-        remote = await self._remote_cache(api, link, model_id=args.model_id, cache_id=args.cache_id)
-        return link, planning.plan_blocks(args, local, remote)
+        remote, slot = await self._remote_cache(api, link, model_id=args.model_id, cache_id=args.cache_id,
+                                                key=args.slot_key)
+        remote_slot = slot if slot is not None else args.remote_slot
+        return link, planning.plan_blocks(args, local, remote, remote_slot), remote_slot
 
-    def _lookup(self, link: Link, model_id: int | None, cache_id: int | None) -> RemoteCache | None:
-        if model_id is not None:
-            return link.peer.by_model(model_id)
-        assert cache_id is not None
-        return link.peer.by_id(cache_id)
+    @staticmethod
+    def _lookup(link: Link, model_id: int | None, cache_id: int | None,
+                key: KeyName | None) -> tuple[RemoteCache, int | None] | None:
+        """The peer's cache by model id, cache id or cache key (then with the slot the key names)."""
+        if key is not None:
+            found = link.peer.by_key(key)
+            return None if found is None else (found[0], found[1].slot)
+        cache = link.peer.by_model(model_id) if model_id is not None else link.peer.by_id(cache_id or 0)
+        return None if cache is None else (cache, None)
 
-    def _not_there(self, api: str, link: Link, model_id: int | None, cache_id: int | None) -> LLMException:
-        what = f"model_id={model_id}" if model_id is not None else f"cache_id={cache_id}"
+    @staticmethod
+    def _not_there(api: str, link: Link, model_id: int | None, cache_id: int | None,
+                   key: KeyName | None) -> LLMException:
+        if key is not None:
+            kind = "req_id" if key[0] == REQUEST_KEY else "prefix_id"
+            what = f"a slot named by {kind}={key[1]}, model_id={key[2]}"
+        else:
+            what = f"a cache with model_id={model_id}" if model_id is not None else f"a cache with cache_id={cache_id}"
         return LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                            f"{api}: cluster {link.peer_cluster_id} has no cache with {what}")
+                            f"{api}: cluster {link.peer_cluster_id} has no {what}")
 
-    async def _remote_cache(self, api: str, link: Link, *, model_id: int | None = None,
-                            cache_id: int | None = None) -> RemoteCache:
-        """The peer's cache from its table; one round trip for a fresh table when it is not there,
-        bounded by ``sync_kv_timeout``."""
-        found = self._lookup(link, model_id, cache_id)
+    async def _remote_cache(self, api: str, link: Link, *, model_id: int | None = None, cache_id: int | None = None,
+                            key: KeyName | None = None) -> tuple[RemoteCache, int | None]:
+        """The peer's cache from its table (and the slot a cache key names); one round trip for a fresh
+        table when it is not there, bounded by ``sync_kv_timeout``."""
+        found = self._lookup(link, model_id, cache_id, key)
         if found is not None:
             return found
         try:
@@ -209,34 +282,47 @@ class CacheManager:
         except TimeoutError:
             raise LLMException(LLMStatusCode.LLM_TIMEOUT,
                                f"{api}: the peer's cache table did not arrive in time") from None
-        found = self._lookup(link, model_id, cache_id)
+        found = self._lookup(link, model_id, cache_id, key)
         if found is None:
-            raise self._not_there(api, link, model_id, cache_id)
+            raise self._not_there(api, link, model_id, cache_id, key)
         return found
 
     async def _run(self, link: Link, plan: planning.Plan) -> None:
         await transfer.run(link, plan, self._engine.options.sync_kv_timeout_ms)
 
+    @staticmethod
+    def _pulled_slot(link: Link, plan: planning.Plan, slot: int) -> None:
+        """Every byte of a pull from the peer's batch slot is here: if a cache key the peer's table
+        marks as released by a pull names that slot, tell the peer which tensors were pulled (it drops
+        the key once all of them were; LLM-DataDist drops it after the pull too)."""
+        key = link.peer.key_at(plan.remote.cache_id, slot)
+        if key is None or not key.released_on_pull:
+            return
+        first = min(step.src_first for step in plan.steps)
+        link.release_key(KeyRelease(key.name, plan.remote.cache_id, slot, first, sum(s.count for s in plan.steps)))
+
     # -- layer-pipelined pushing ---------------------------------------------------------------------
     def layer_pusher(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], tensor_num_per_layer: int = 2,
-                     notify: bytes | None = None) -> LayerPusher:
+                     notify: bytes | None = None, *, src_batch_index: int | None = None) -> LayerPusher:
         """A pusher bound to one request: ``push_layer(l)`` starts layer ``l`` (source layer l into
         destination layer l) as soon as prefill has computed it. Validates everything now, against the
         peer's cache table as this engine knows it (SPEC order; no round trip), and raises like
         ``push_blocks`` for bad arguments. ``notify``: delivered to the peer's ``notifications`` inbox
-        once every layer of the request landed (sent by ``wait()``). See ``kvpush.pipeline.LayerPusher``."""
+        once every layer of the request landed (sent by ``wait()``). ``src_batch_index``: the source is
+        that batch slot of a contiguous ``src_cache``, as in ``push_blocks``. See
+        ``kvpush.pipeline.LayerPusher``."""
         api = "layer_pusher"
         check_notify(api, notify)
         self._engine.require_init(api)
         args = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, None,
-                                         None, tensor_num_per_layer)
+                                         None, tensor_num_per_layer, local_slot=src_batch_index)
         link = self._engine.link_for(api, args.cluster_id)
         local = self._local(api, args.local_name, args.local_cache)
-        remote = self._lookup(link, args.model_id, args.cache_id)
-        if remote is None:
-            raise self._not_there(api, link, args.model_id, args.cache_id)
-        plan = planning.plan_blocks(args, local, remote)
+        found = self._lookup(link, args.model_id, args.cache_id, None)
+        if found is None:
+            raise self._not_there(api, link, args.model_id, args.cache_id, None)
+        plan = planning.plan_blocks(args, local, found[0])
         return LayerPusher(link, plan, self._engine.options.sync_kv_timeout_ms, notify)
 
     # -- contiguous caches --------------------------------------------------------------------------
@@ -246,29 +332,41 @@ class CacheManager:
         """Write one batch slot per tensor per layer into the peer's cache ``dst_cache_key.cache_id``
         at slot ``dst_cache_key.batch_index``. ``size`` bytes per tensor (-1: the whole slot).
         Timeout and cancellation as in ``push_blocks``."""
-        link, plan = await self._cache("push_cache", Kind.WRITE, dst_cache_key, src_cache, src_batch_index,
-                                      dst_layer_range, src_layer_range, size, tensor_num_per_layer)
+        link, plan, _ = await self._cache("push_cache", Kind.WRITE, dst_cache_key, src_cache, src_batch_index,
+                                          dst_layer_range, src_layer_range, size, tensor_num_per_layer)
         await self._run(link, plan)
 
-    async def pull_cache(self, src_cache_key: CacheKeyByIdAndIndex, dst_cache: Cache, batch_index: int = 0,
+    async def pull_cache(self, src_cache_key: CacheKeyByIdAndIndex | CacheKey, dst_cache: Cache, batch_index: int = 0,
                          size: int = -1, src_layer_range: range | None = None,
                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
-        """Read slot ``src_cache_key.batch_index`` of the peer's cache into local slot ``batch_index``.
-        Timeout and cancellation as in ``pull_blocks``."""
-        link, plan = await self._cache("pull_cache", Kind.READ, src_cache_key, dst_cache, batch_index,
-                                      src_layer_range, dst_layer_range, size, tensor_num_per_layer)
+        """Read a slot of the peer's contiguous cache - ``src_cache_key.batch_index`` of cache
+        ``src_cache_key.cache_id``, or the slot a ``CacheKey`` names (looked up in the peer's table, one
+        bounded refresh when it is not there; exactly one of its req_id and prefix_id must be an id) -
+        into local slot ``batch_index``.
+
+        When every byte is here and the slot is named by a request key of memory the peer allocated,
+        the key is released on the peer once all of the slot's tensors were pulled (LLM-DataDist's
+        ``pull_cache`` consumes the key): a later pull by that key fails with LLM_KV_CACHE_NOT_EXIST.
+        The release is sent behind the pull without waiting for an answer; if the link breaks first,
+        the key stays. Timeout and cancellation as in ``pull_blocks`` (a failed or cancelled pull
+        releases nothing)."""
+        link, plan, slot = await self._cache("pull_cache", Kind.READ, src_cache_key, dst_cache, batch_index,
+                                             src_layer_range, dst_layer_range, size, tensor_num_per_layer)
         await self._run(link, plan)
+        self._pulled_slot(link, plan, slot)
 
     async def _cache(self, api: str, kind: Kind, remote_key: object, local_cache: object, local_index: object,
                      remote_range: object, local_range: object, size: object,
-                     n: object) -> tuple[Link, planning.Plan]:
+                     n: object) -> tuple[Link, planning.Plan, int]:
         self._engine.require_init(api)
         args = planning.check_cache_args(api, kind, remote_key, local_cache, local_index, remote_range, local_range,
                                          size, n)
         link = self._engine.link_for(api, args.cluster_id)
         local = self._local(api, args.local_name, args.local_cache)
-        remote = await self._remote_cache(api, link, cache_id=args.cache_id)
-        return link, planning.plan_cache(args, local, remote)
+        remote, slot = await self._remote_cache(api, link, cache_id=args.cache_id, key=args.key)
+        remote_slot = slot if slot is not None else args.batch_index
+        assert remote_slot is not None
+        return link, planning.plan_cache(args, local, remote, remote_slot), remote_slot
 
     # -- local copy ----------------------------------------------------------------------------------
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
@@ -347,8 +445,8 @@ class CacheManager:
             if remote_pair != (-1, -1) and remote_pair[0] > remote_pair[1]:
                 raise param_invalid(f"{api}: remote layer range {remote_pair} has first > second")
             src_range, dst_range = (local_range, remote_range) if kind == Kind.WRITE else (remote_range, local_range)
-            link, plan = await self._blocks(api, kind, remote_index, local_cache, src_blocks, dst_blocks, src_range,
-                                          dst_range, n, remote_cache_id=remote_index.cache_id)
+            link, plan, _ = await self._blocks(api, kind, remote_index, local_cache, src_blocks, dst_blocks,
+                                               src_range, dst_range, n, remote_cache_id=remote_index.cache_id)
             await self._run(link, plan)
         except LLMException as error:
             log.info("%s failed: %s", api, error)

@@ -20,7 +20,7 @@ from .memory import CacheEntry
 from .peer import RemoteCache
 from .protocol import Kind
 from .status import param_invalid
-from .types import BlocksCacheKey, Cache, CacheKeyByIdAndIndex, check_int
+from .types import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, KeyName, check_int
 
 _EMPTY: np.ndarray[Any, Any] = np.zeros(0, np.uint64)
 
@@ -59,6 +59,16 @@ class BlockArgs:
     n: int
     ranges_given: bool
     small: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # both lists, when short and plain
+    # The source may be a batch slot of a contiguous cache, read as consecutive blocks of the destination's
+    # block size (block i of the slot -> dst_blocks[i]): the peer's slot by cache key or by (cache id, slot)
+    # for a pull, the local ``src_batch_index`` for a push.
+    slot_key: KeyName | None = None
+    remote_slot: int | None = None
+    local_slot: int | None = None
+
+    @property
+    def from_slot(self) -> bool:
+        return self.slot_key is not None or self.remote_slot is not None or self.local_slot is not None
 
 
 SMALL = 16  # block lists up to this long are checked and laid out in plain Python: numpy's per-call cost
@@ -97,14 +107,24 @@ def _names(kind: Kind) -> tuple[str, str]:
 
 def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
                      dst_blocks: object, src_range_arg: object, dst_range_arg: object, n_arg: object,
-                     remote_cache_id: int | None = None) -> BlockArgs:
-    """SPEC §6 checks 1-5: types, a blocks cache, block counts, N, the local side of the ranges."""
+                     remote_cache_id: int | None = None, local_slot: object = None) -> BlockArgs:
+    """SPEC §6 checks 1-5: types, a blocks cache, block counts, N, the local side of the ranges.
+
+    A pull's source may be a batch slot of the peer's contiguous cache (``CacheKey`` or
+    ``CacheKeyByIdAndIndex``), a push's a slot of the local contiguous cache (``local_slot``, the
+    call's ``src_batch_index``); ``src_blocks`` is then empty and the slot is read as consecutive blocks."""
     push = kind == Kind.WRITE
     local_name, remote_name = _names(kind)
     if remote_cache_id is None:
-        v.check_type(api, remote_name, remote_key, BlocksCacheKey)
+        v.check_type(api, remote_name, remote_key,
+                     BlocksCacheKey if push else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache)
+    slot_read = not push and remote_cache_id is None and isinstance(remote_key, (CacheKey, CacheKeyByIdAndIndex))
+    slot_index = None if local_slot is None or not push else check_int("src_batch_index", local_slot)
+    if slot_read or slot_index is not None:
+        return _check_slot_args(api, kind, remote_key, local_cache, src_blocks, dst_blocks, src_range_arg,
+                                dst_range_arg, n_arg, slot_index)
     small_src, small_dst = _plain(src_blocks), _plain(dst_blocks)
     small = (small_src, small_dst) if small_src is not None and small_dst is not None else None
     if small is not None:
@@ -134,8 +154,53 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
                      src_range, dst_range, n, ranges_given, small)
 
 
-def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
-    """SPEC §6 checks 8-10 against the peer's cache, then the layout."""
+def _check_slot_args(api: str, kind: Kind, remote_key: object, local_cache: Cache, src_blocks: object,
+                     dst_blocks: object, src_range_arg: object, dst_range_arg: object, n_arg: object,
+                     slot_index: int | None) -> BlockArgs:
+    """``check_block_args`` when the source is a batch slot: the same checks, in the same order, with
+    the slot side's: a contiguous source (push) or a blocks destination (pull), no ``src_blocks``, a
+    key that names one slot."""
+    push = kind == Kind.WRITE
+    local_name, remote_name = _names(kind)
+    src = v.check_blocks(api, "src_blocks", src_blocks)
+    dst = v.check_blocks(api, "dst_blocks", dst_blocks)
+    src_range = v.check_layer_range(api, "src_layer_range", src_range_arg)
+    dst_range = v.check_layer_range(api, "dst_layer_range", dst_range_arg)
+    n = v.check_tensor_num_type(api, n_arg)
+    if push and local_cache.is_blocks_cache:
+        raise param_invalid(f"{api}: src_batch_index names a batch slot, but src_cache (cache {local_cache.cache_id}) "
+                            f"is a blocks cache")
+    if not push:
+        v.check_blocks_cache(api, local_name, local_cache)
+    if src.shape[0]:
+        raise param_invalid(f"{api}: src_blocks must be empty when the source is a batch slot")
+    if dst.shape[0] == 0:
+        raise param_invalid(f"{api}: dst_blocks is empty")
+    if isinstance(remote_key, CacheKey):
+        v.check_key_ids(api, remote_name, remote_key)
+    ranges_given = src_range is not None or dst_range is not None
+    local_tensors = local_cache.cache_desc.num_tensors
+    v.check_tensor_num(api, n, local_tensors, ranges_given)
+    v.check_layer_range_values(api, "src_layer_range", src_range)
+    v.check_layer_range_values(api, "dst_layer_range", dst_range)
+    v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", src_range if push else dst_range,
+                         local_tensors, n)
+    v.check_range_lengths(api, src_range, dst_range)
+    assert isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
+    return BlockArgs(api, kind, remote_key.cluster_id,
+                     remote_key.model_id if isinstance(remote_key, BlocksCacheKey) else None,
+                     remote_key.cache_id if isinstance(remote_key, CacheKeyByIdAndIndex) else None, local_name,
+                     local_cache, src, dst, src_range, dst_range, n, ranges_given,
+                     slot_key=remote_key.name() if isinstance(remote_key, CacheKey) else None,
+                     remote_slot=remote_key.batch_index if isinstance(remote_key, CacheKeyByIdAndIndex) else None,
+                     local_slot=slot_index)
+
+
+def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
+    """SPEC §6 checks 8-10 against the peer's cache, then the layout. ``remote_slot``: the peer's batch
+    slot a cache key named (a pull from a slot by key)."""
+    if args.from_slot:
+        return _plan_slot(args, local, remote, args.remote_slot if remote_slot is None else remote_slot)
     api, push, n = args.api, args.kind == Kind.WRITE, args.n
     if not remote.is_blocks_cache:
         raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
@@ -191,6 +256,51 @@ def _plan_small(args: BlockArgs, small: tuple[tuple[int, ...], tuple[int, ...]],
     return _plan(args.api, args.kind, local, remote, _small_runs(src, dst, local_desc.block_bytes), steps)
 
 
+def _plan_slot(args: BlockArgs, local: CacheEntry, remote: RemoteCache, remote_slot: int | None) -> Plan:
+    """A batch slot into blocks: the slot's bytes, cut into blocks of the destination's block size, go to
+    ``dst_blocks`` in order (the last block may be partly filled when the slot is not a whole number of
+    blocks). Checks against the peer's cache in SPEC order: the cache kinds, the slot, the blocks, the
+    dtypes, the layers, no destination twice."""
+    api, push, n = args.api, args.kind == Kind.WRITE, args.n
+    local_desc = local.desc
+    if push:
+        if not remote.is_blocks_cache:
+            raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
+        slot, slot_bytes, num_slots, whose = args.local_slot, local_desc.block_bytes, local_desc.num_blocks, "local"
+        block_bytes, num_blocks = remote.block_bytes, remote.num_blocks
+    else:
+        if remote.is_blocks_cache:
+            raise param_invalid(f"{api}: remote cache {remote.cache_id} is a blocks cache; a CacheKey or "
+                                f"CacheKeyByIdAndIndex source names a batch slot of a contiguous cache")
+        slot, slot_bytes, num_slots, whose = remote_slot, remote.block_bytes, remote.num_blocks, "remote"
+        block_bytes, num_blocks = local_desc.block_bytes, local_desc.num_blocks
+    assert slot is not None
+    if slot >= num_slots:
+        raise param_invalid(f"{api}: {whose} batch index {slot} is out of range: the cache has {num_slots} slots")
+    v.check_block_bounds(api, "dst_blocks", args.dst, num_blocks, "remote" if push else "local")
+    if local_desc.data_type != remote.data_type:
+        raise param_invalid(f"{api}: local dtype {local_desc.data_type.name} differs from remote "
+                            f"{remote.data_type.name}")
+    count, fits = int(args.dst.shape[0]), -(-slot_bytes // block_bytes)
+    if count > fits:
+        raise param_invalid(f"{api}: dst_blocks names {count} blocks of {block_bytes} bytes, but a batch slot holds "
+                            f"{slot_bytes} bytes ({fits} blocks)")
+    if args.ranges_given and remote.num_tensors % n:
+        raise param_invalid(f"{api}: tensor_num_per_layer={n} does not divide the remote cache's "
+                            f"{remote.num_tensors} tensors")
+    v.check_range_bounds(api, "dst_layer_range" if push else "src_layer_range",
+                         args.dst_range if push else args.src_range, remote.num_tensors, n)
+    src_tensors, dst_tensors = ((local_desc.num_tensors, remote.num_tensors) if push
+                                else (remote.num_tensors, local_desc.num_tensors))
+    steps = v.layer_steps(api, src_tensors, dst_tensors, n, args.src_range, args.dst_range)
+    v.check_no_duplicates(api, "dst_blocks", args.dst)
+    runs = block_runs(np.arange(count, dtype=np.uint64), args.dst, block_bytes)  # in slot order, merged
+    length = runs.length.copy()
+    length[-1] -= np.uint64(count * block_bytes - min(count * block_bytes, slot_bytes))  # a partial last block
+    runs = Runs(runs.src_offset + np.uint64(slot * slot_bytes), runs.dst_offset, length)
+    return _plan(api, args.kind, local, remote, runs, steps)
+
+
 @dataclass(frozen=True)
 class CacheArgs:
     """A contiguous-cache transfer's arguments, checked as far as they can be without the peer."""
@@ -198,8 +308,8 @@ class CacheArgs:
     api: str
     kind: Kind
     cluster_id: int
-    cache_id: int
-    batch_index: int
+    cache_id: int | None  # the peer's cache and slot by id (CacheKeyByIdAndIndex) ...
+    batch_index: int | None
     local_name: str
     local_cache: Cache
     local_slot: int
@@ -207,13 +317,15 @@ class CacheArgs:
     local_range: range | None
     remote_range: range | None
     n: int
+    key: KeyName | None = None  # ... or by the cache key naming the slot (a pull by CacheKey)
 
 
 def check_cache_args(api: str, kind: Kind, remote_key: object, local_cache: object, local_index: object,
                      remote_range_arg: object, local_range_arg: object, size: object, n_arg: object) -> CacheArgs:
     push = kind == Kind.WRITE
-    v.check_type(api, "dst_cache_key" if push else "src_cache_key", remote_key, CacheKeyByIdAndIndex)
-    assert isinstance(remote_key, CacheKeyByIdAndIndex)
+    remote_name = "dst_cache_key" if push else "src_cache_key"
+    v.check_type(api, remote_name, remote_key, CacheKeyByIdAndIndex if push else (CacheKeyByIdAndIndex, CacheKey))
+    assert isinstance(remote_key, (CacheKeyByIdAndIndex, CacheKey))
     local_name = "src_cache" if push else "dst_cache"
     v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache)
@@ -231,12 +343,20 @@ def check_cache_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     v.check_range_lengths(api, local_range, remote_range)
     if size_value == 0:
         raise param_invalid(f"{api}: size must be > 0 or -1")
+    if isinstance(remote_key, CacheKey):
+        v.check_key_ids(api, remote_name, remote_key)
+        return CacheArgs(api, kind, remote_key.cluster_id, None, None, local_name, local_cache, local_slot,
+                         size_value, local_range, remote_range, n, remote_key.name())
     return CacheArgs(api, kind, remote_key.cluster_id, remote_key.cache_id, remote_key.batch_index, local_name,
                      local_cache, local_slot, size_value, local_range, remote_range, n)
 
 
-def plan_cache(args: CacheArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
+def plan_cache(args: CacheArgs, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
+    """The checks against the peer's cache, then one run per tensor. ``remote_slot``: the peer's batch
+    slot a cache key named (a pull by CacheKey)."""
     api, push, n = args.api, args.kind == Kind.WRITE, args.n
+    batch_index = args.batch_index if remote_slot is None else remote_slot
+    assert batch_index is not None
     local_desc = local.desc
     local_slot_bytes = local_desc.block_bytes
     remote_slot_bytes = remote.block_bytes
@@ -253,8 +373,8 @@ def plan_cache(args: CacheArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
     if args.local_slot >= local_desc.num_blocks:
         raise param_invalid(f"{api}: local batch index {args.local_slot} is out of range: "
                             f"{local_desc.num_blocks} slots")
-    if args.batch_index >= remote.num_blocks:
-        raise param_invalid(f"{api}: remote batch_index {args.batch_index} is out of range: "
+    if batch_index >= remote.num_blocks:
+        raise param_invalid(f"{api}: remote batch_index {batch_index} is out of range: "
                             f"{remote.num_blocks} slots")
     v.check_range_bounds(api, "remote layer range", args.remote_range, remote.num_tensors, n)
     local_range, remote_range = args.local_range, args.remote_range
@@ -262,7 +382,7 @@ def plan_cache(args: CacheArgs, local: CacheEntry, remote: RemoteCache) -> Plan:
     src_tensors, dst_tensors = ((local_desc.num_tensors, remote.num_tensors) if push
                                 else (remote.num_tensors, local_desc.num_tensors))
     steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
-    local_offset, remote_offset = args.local_slot * local_slot_bytes, args.batch_index * remote_slot_bytes
+    local_offset, remote_offset = args.local_slot * local_slot_bytes, batch_index * remote_slot_bytes
     if push:
         runs = contiguous_runs(local_offset, remote_offset, length)
     else:

@@ -106,7 +106,8 @@ class CacheDesc:
     batch slots, ``batch_dim``; its length is ``batch_size``), ``seq_len_dim_index`` (-1: none) and
     ``kv_tensor_format`` (a label, e.g. ``"BSH"``), and ``update_dim(i, n)`` changes one dimension.
     kvpush's transfers address blocks and batch slots along dimension 0, so a cache whose
-    ``batch_dim_index`` is not 0 can be described but is refused where it would be moved.
+    ``batch_dim_index`` is not 0 can be described but is refused (LLM_FEATURE_NOT_ENABLED) when it is
+    registered or allocated: its slots would be strided, not contiguous runs of bytes.
     """
 
     def __init__(

@@ -12,14 +12,31 @@ from typing import Any
 
 import numpy as np
 
-from .status import param_invalid
-from .types import U64_MAX, Cache, DataType
+from .status import LLMException, LLMStatusCode, param_invalid
+from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType
 
 
 def check_type(api: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
     if not isinstance(value, kind):
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise TypeError(f"{api}: {name} must be {expected}, got {type(value).__name__}")
+
+
+def check_batch_dim(api: str, desc: CacheDesc) -> None:
+    """kvpush addresses blocks and batch slots along dimension 0 (a slot is a run of bytes): a descriptor
+    whose batch dimension is elsewhere would make every slot strided, so it is refused, not read as if
+    ``shape[0]`` were the batch (LLM-DataDist accepts the field)."""
+    if desc.batch_dim_index != 0:
+        raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                           f"{api}: batch_dim_index={desc.batch_dim_index}: kvpush moves blocks and batch slots "
+                           f"along dimension 0 only")
+
+
+def check_key_ids(api: str, name: str, key: CacheKey) -> None:
+    """A key that addresses a slot has exactly one of req_id and prefix_id (LLM-DataDist's rule)."""
+    if not key.has_one_id:
+        raise param_invalid(f"{api}: {name} {key!r}: exactly one of req_id and prefix_id must be an id in "
+                            f"[0, 2**64-1)")
 
 
 def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:

@@ -26,7 +26,7 @@ HERE = os.path.abspath(__file__)
 # -- the process side -------------------------------------------------------------------------------
 async def _serve() -> None:
     import kvpush
-    from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMDataDist, LLMRole
+    from kvpush import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMDataDist, LLMRole
 
     engine: LLMDataDist | None = None
     caches: dict[str, kvpush.Cache] = {}
@@ -53,8 +53,8 @@ async def _serve() -> None:
             key = BlocksCacheKey(engine.cluster_id, cmd["model_id"]) if cmd.get("model_id") is not None else None
             if cmd.get("blocks", True):
                 cache = cm.allocate_blocks_cache(desc, key)
-            else:
-                cache = cm.allocate_cache(desc)
+            else:  # "req_ids": the request ids of the cache keys naming its slots, in slot order
+                cache = cm.allocate_cache(desc, [CacheKey(engine.cluster_id, r) for r in cmd.get("req_ids", [])])
             caches[cmd["name"]] = cache
             if cmd.get("seed") is not None:
                 fill(cache.tensors, cmd["seed"])
@@ -68,6 +68,9 @@ async def _serve() -> None:
         if op == "unregister":
             cm.deallocate_cache(caches.pop(cmd["name"]))
             return {}
+        if op == "keys":  # the request ids whose keys still name slots of the cache, by slot
+            entry = engine.registry.get(caches[cmd["name"]].cache_id)
+            return {"slots": {} if entry is None else {str(slot): name[1] for name, slot in entry.keys.items()}}
         if op == "links":
             return {"links": sorted(engine.links)}
         if op == "pins":  # how many transfers, grants or leases hold the cache

@@ -32,6 +32,7 @@ from peer import Peer, pattern
 from kvpush import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
     LLMException,
@@ -110,6 +111,56 @@ async def test_push_cache_and_pull_cache(transport: str, make_engine: EngineFact
         got = raw(local).reshape(4, -1)
         assert np.array_equal(got[:, :600], remote[:, 1024:1624])
         assert np.array_equal(got[:, 600:1024], np.stack([pattern(8, i, 2048)[600:1024] for i in range(4)]))
+
+
+SLOT_ROW = 5000  # fp16 elements per batch slot: 10 000 bytes = two 4 KiB blocks and a partial third
+
+
+async def test_a_batch_slot_into_blocks_by_cache_key_and_back(transport: str, make_engine: EngineFactory,
+                                                              tmp_path: Any) -> None:
+    with Peer(2, options=peer_options(transport)) as peer:
+        peer.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, seed=2)
+        slots_id = peer.call("allocate", name="batch", num_tensors=TENSORS, shape=[3, SLOT_ROW], blocks=False,
+                             seed=6, req_ids=[7, 8])["cache_id"]
+        engine = await make_engine(1, kvpush__transport=transport)
+        blocks = engine.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
+        fill(blocks, seed=3)
+        await link(engine, 2, peer.port)
+        batch = (await peer.asnapshot("batch", tmp_path)).reshape(TENSORS, 3, -1)
+        before = raw(blocks).copy()
+        # the peer's slot 1 (its key names request 8), cut into this side's 4 KiB blocks 5, 6 and 20
+        await engine.cache_manager.pull_blocks(CacheKey(2, 8), blocks, [], [5, 6, 20])
+        got, slot = raw(blocks), batch[:, 1]
+        assert np.array_equal(got[:, 5], slot[:, :4096]) and np.array_equal(got[:, 6], slot[:, 4096:8192])
+        assert np.array_equal(got[:, 20, :1808], slot[:, 8192:]) and np.array_equal(got[:, 20, 1808:],
+                                                                                   before[:, 20, 1808:])
+        others = [b for b in range(SRC_BLOCKS) if b not in (5, 6, 20)]
+        assert np.array_equal(got[:, others], before[:, others])
+        assert (await peer.acall("keys", name="batch"))["slots"] == {"0": 7}  # the pull released request 8
+        with pytest.raises(LLMException) as caught:
+            await engine.cache_manager.pull_blocks(CacheKey(2, 8), blocks, [], [5])
+        assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        # slot 0 by (cache id, slot), its first two blocks of one layer: the key of slot 0 stays (it goes when
+        # every tensor of the slot was pulled)
+        await engine.cache_manager.pull_blocks(CacheKeyByIdAndIndex(2, slots_id, 0), blocks, [], [30, 31],
+                                               range(1, 2), range(3, 4))
+        assert np.array_equal(raw(blocks)[6:8, 30:32].reshape(2, -1), batch[2:4, 0, :8192])
+        assert (await peer.acall("keys", name="batch"))["slots"] == {"0": 7}
+        # and back: a local slot into the peer's blocks, by push_blocks and by the layer pusher
+        local = engine.cache_manager.allocate_cache(CacheDesc(TENSORS, (2, SLOT_ROW), DataType.DT_FLOAT16))
+        fill(local, seed=9)
+        kv_before = await peer.asnapshot("kv", tmp_path)
+        await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), local, [], [40, 41, 9], src_batch_index=1)
+        async with engine.cache_manager.layer_pusher(BlocksCacheKey(2, 0), local, [], [50, 51, 52],
+                                                     src_batch_index=0) as pusher:
+            for layer in range(pusher.num_layers):
+                pusher.push_layer(layer)
+        kv, mine = await peer.asnapshot("kv", tmp_path), raw(local).reshape(TENSORS, 2, -1)
+        for dst, slot_index in (([40, 41, 9], 1), ([50, 51, 52], 0)):
+            assert np.array_equal(kv[:, dst].reshape(TENSORS, -1)[:, :10000], mine[:, slot_index])
+            assert np.array_equal(kv[:, dst[2], 1808:], kv_before[:, dst[2], 1808:])  # past the slot: untouched
+        untouched = [b for b in range(DST_BLOCKS) if b not in (40, 41, 9, 50, 51, 52)]
+        assert np.array_equal(kv[:, untouched], kv_before[:, untouched])
 
 
 async def test_sigstop_timeout_then_same_link_works(transport: str, make_engine: EngineFactory, decode_peer: Peer,
