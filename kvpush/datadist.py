@@ -1,4 +1,4 @@
-"""LLMDataDist: the engine instance — lifecycle, listening, link/unlink, switch_role.
+"""LLMDataDist: the engine instance — lifecycle, listening (``listen``), link/unlink, switch_role.
 
 Several instances may live in one process and one event loop; each has its own registry, links
 and listener. All methods must be called from the event loop the instance was initialised on.
@@ -26,7 +26,7 @@ from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
 from .options import EngineOptions, parse_options
 from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import LLMClusterInfo, LLMRole, check_int
+from .types import LLMClusterInfo, LLMRole, check_int, check_ip
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,55 @@ class LLMDataDist:
             raise RuntimeError(f"{api}: call init() first")
 
     # -- listening ----------------------------------------------------------------------------------
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        """Listen on ``host:port`` (port 0 picks a free port) and return the address actually bound.
+
+        Already listening there (port 0: anywhere on that host): nothing changes. Listening elsewhere:
+        the listener moves - the new address is bound first, then the old listener stops, so a bind
+        that fails (LLM_PARAM_INVALID, naming the address and the reason) leaves the old one as it was
+        (moving to another host address on the same port has to let go of the port first; if the new
+        bind then fails, the old address is bound again). Existing links, whichever side made them, are
+        not touched (unlike ``switch_role``, which needs none to exist), and handshakes already under
+        way on the old listener finish.
+
+        Cancellation and timeout: nothing to wait for. The bind happens before the coroutine first
+        yields, so a cancelled call either never ran (the listener is as it was) or has already moved it;
+        it never blocks, so it needs no deadline."""
+        api = "listen"
+        self.require_init(api)
+        if not isinstance(host, str):
+            raise TypeError(f"{api}: host must be a str, got {type(host).__name__}")
+        address = (check_ip("host", host), check_int("port", port, 0, 65535))
+        current = self.listen_address
+        if current is not None and current[0] == address[0] and address[1] in (0, current[1]):
+            return current
+        if current is not None and current[1] == address[1]:  # the port is taken by the old listener
+            self._stop_listening()
+            try:
+                self._start_listening(*address)
+            except LLMException:
+                try:
+                    self._start_listening(*current)
+                except LLMException as error:
+                    log.warning("%s: could not listen on %s:%d again: %s", api, *current, error)
+                raise
+        else:
+            old_listener, old_task = self._listener, self._accept_task
+            self._listener, self._accept_task = None, None
+            try:
+                self._start_listening(*address)
+            except BaseException:
+                self._listener, self._accept_task = old_listener, old_task
+                raise
+            if old_task is not None:
+                old_task.cancel()
+            if old_listener is not None:
+                old_listener.close()
+        bound = self.listen_address
+        assert bound is not None
+        log.info("engine cluster=%d now listens on %s", self.cluster_id, bound)
+        return bound
+
     def _start_listening(self, host: str, port: int) -> None:
         try:
             self._listener = self._control.listen(host, port)

@@ -1,4 +1,4 @@
-"""Engine lifecycle, switch_role, finalize with transfers in flight, copy_blocks, the kv_* forms, IPv6."""
+"""Engine lifecycle, switch_role, listen, finalize with transfers in flight, copy_blocks, the kv_* forms, IPv6."""
 
 from __future__ import annotations
 
@@ -75,6 +75,47 @@ async def test_switch_role(make_engine: EngineFactory) -> None:
     await link(first, 2, second.listen_address[1])  # now the other way round
     with pytest.raises(TypeError):
         await second.switch_role(2)  # type: ignore[arg-type]
+
+
+async def test_listen_starts_and_moves_the_listener_and_leaves_links_alone(make_engine: EngineFactory) -> None:
+    first = await make_engine(1)  # not listening
+    with pytest.raises(RuntimeError):
+        await LLMDataDist(LLMRole.PROMPT, 9).listen("127.0.0.1", 0)  # before init
+    second = await make_engine(2, listen=True)
+    await link(first, 2, second.listen_address[1])  # type: ignore[index]
+    address = await first.listen("127.0.0.1", 0)  # with a link: switch_role would refuse
+    assert address == first.listen_address and address[1] > 0 and 2 in first.links
+    assert await first.listen("127.0.0.1", 0) == address  # already listening on that host: nothing changes
+    assert await first.listen("127.0.0.1", address[1]) == address
+    third = await make_engine(3)
+    await link(third, 1, address[1])
+    with socket.socket() as busy:  # a bind that fails leaves the listener as it was
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        with pytest.raises(LLMException, match=f"127.0.0.1:{busy.getsockname()[1]}") as caught:
+            await first.listen("127.0.0.1", busy.getsockname()[1])
+        assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert first.listen_address == address
+    moved = await first.listen("127.0.0.1", _free_port())  # moves: the old port stops, the links stay
+    assert moved != address and sorted(first.links) == [2, 3]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", address[1]), timeout=1).close()
+    fourth = await make_engine(4)
+    await link(fourth, 1, moved[1])
+    assert sorted(first.links) == [2, 3, 4]
+    cache = first.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
+    second.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(2, 0))
+    await first.cache_manager.push_blocks(BlocksCacheKey(2, 0), cache, [0], [1])  # the first link still works
+    for bad, error in ((("127.0.0.1", 70000), ValueError), ((None, 0), TypeError), (("127.0.0.1", "1"), TypeError)):
+        with pytest.raises(error):
+            await first.listen(*bad)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 async def test_finalize_ends_in_flight_transfers(make_engine: EngineFactory) -> None:
