@@ -11,14 +11,17 @@ LLM-DataDist's defaults, kept:
 - ``push_blocks`` / ``push_cache`` without layer ranges move layers ``0 .. num_tensors // N - 1`` of
   ``N = tensor_num_per_layer`` tensors each: a 1-tensor cache with the default N=2 moves nothing, as
   there. ``pull_blocks`` / ``pull_cache`` without layer ranges move every tensor, whatever N.
-- ``pull_blocks`` from a ``CacheKeyByIdAndIndex`` (a batch slot of the peer's contiguous cache) into
-  ``dst_blocks`` needs ``src_blocks=[]``; ``pull_cache`` takes a contiguous local cache.
+- ``pull_blocks`` from a ``CacheKey`` or ``CacheKeyByIdAndIndex`` (a batch slot of the peer's contiguous
+  cache) into ``dst_blocks`` needs ``src_blocks=[]``: the slot is cut into blocks of the local block
+  size, block i into ``dst_blocks[i]``; ``pull_cache`` takes a contiguous local cache.
+- cache keys (``allocate_cache`` / ``register_cache``): ``cache_keys[i]`` names batch slot i and reaches
+  peers in the engine's cache table; a successful pull of a slot of allocated memory releases its
+  request key on the owner, ``remove_cache_key`` releases it there, and ``deallocate_cache`` while keys
+  still name slots frees the memory when the last key goes.
 - ``deallocate_cache`` refuses a blocks cache and ``deallocate_blocks_cache`` a contiguous one.
 
-Not possible on kvpush yet (LLM_FEATURE_NOT_ENABLED, saying so): addressing a peer's slot by
-``CacheKey`` (kvpush's cache table does not carry cache keys: use ``CacheKeyByIdAndIndex``), a
-``CacheKeyByIdAndIndex`` pull into more than one destination block, and descriptors whose
-``batch_dim_index`` is not 0.
+Refused by the engine (LLM_FEATURE_NOT_ENABLED, saying so): descriptors whose ``batch_dim_index`` is
+not 0 (their slots would be strided).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from .checks import (
     block_list,
     check_desc,
     check_n,
-    not_enabled,
     note_remote_accessible,
     pull_layers,
     push_layers,
@@ -57,7 +59,7 @@ from .transfer_async import (
     plan_transfer,
     run_transfer,
 )
-from .types import CacheKey, MemInfo, Memtype, check_uint, require
+from .types import CacheKey, MemInfo, Memtype, check_one_id, check_uint, require
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -73,7 +75,6 @@ class CacheManager:
     def __init__(self, runner: Callable[[str], Runner]) -> None:
         self._runner = runner
         self._live: dict[int, Cache] = {}  # caches registered through this facade (loop thread only)
-        self._keys: dict[CacheKey, tuple[int, int]] = {}  # own cache keys -> (cache_id, batch_index)
 
     def _call(self, api: str, call: Callable[[kvpush.CacheManager], Coroutine[Any, Any, T]]) -> T:
         runner = self._runner(api)
@@ -84,23 +85,19 @@ class CacheManager:
         return runner.call_sync(api, lambda: call(runner.engine.cache_manager))
 
     # -- registration -----------------------------------------------------------------------------------
-    def _keep(self, cache: Cache, keys: Sequence[CacheKey] = ()) -> Cache:
+    def _keep(self, cache: Cache) -> Cache:
         self._live[cache.cache_id] = cache
-        for batch_index, key in enumerate(keys):
-            self._keys[key] = (cache.cache_id, batch_index)
         return cache
 
     def _forget(self, cache_id: int) -> None:
         self._live.pop(cache_id, None)
-        for key in [key for key, (owner, _) in self._keys.items() if owner == cache_id]:
-            del self._keys[key]
 
     @staticmethod
-    def _cache_keys(cache_keys: object) -> list[CacheKey]:
+    def _cache_keys(cache_keys: object) -> list[kvpush.CacheKey]:
         if not isinstance(cache_keys, (list, tuple)):
             raise TypeError(f"cache_keys only support ['tuple', 'list'], but got {type(cache_keys)}.")
         for key in cache_keys:
-            if not isinstance(key, CacheKey):
+            if not isinstance(key, kvpush.CacheKey):
                 raise TypeError(f"cache_keys inner type only support [{CacheKey}], but got {type(key)}.")
         return list(cache_keys)
 
@@ -127,7 +124,7 @@ class CacheManager:
         check_desc(api, cache_desc)
         keys = self._cache_keys(cache_keys)
         note_remote_accessible(api, remote_accessible)
-        return self._sync(api, lambda cm: self._keep(cm.register_cache(cache_desc, addrs, keys), keys))
+        return self._sync(api, lambda cm: self._keep(cm.register_cache(cache_desc, addrs, keys)))
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
         """kvpush-owned page-aligned paged memory; ``cache.tensors`` are numpy views of it."""
@@ -137,13 +134,15 @@ class CacheManager:
         return self._sync(api, lambda cm: self._keep(cm.allocate_blocks_cache(cache_desc, blocks_cache_key)))
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
-        """kvpush-owned contiguous memory; ``cache_keys[i]`` names batch slot i; ``cache.tensors`` are
-        numpy views of it."""
+        """kvpush-owned contiguous memory; ``cache_keys[i]`` names batch slot i for peers (a placeholder key,
+        ``req_id=2**64-1``, leaves its slot unnamed); ``cache.tensors`` are numpy views of it. As in
+        LLM-DataDist a peer's successful pull of a slot releases its request key, and ``deallocate_cache``
+        while keys still name slots frees the memory only when the last key goes."""
         api = "allocate_cache"
         self._runner(api)  # before any check: not inside an event loop, initialised
         check_desc(api, cache_desc)
         keys = self._cache_keys(cache_keys)
-        return self._sync(api, lambda cm: self._keep(cm.allocate_cache(cache_desc, keys), keys))
+        return self._sync(api, lambda cm: self._keep(cm.allocate_cache(cache_desc, keys)))
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a cache; transfers addressing it afterwards fail with LLM_KV_CACHE_NOT_EXIST."""
@@ -175,12 +174,13 @@ class CacheManager:
         """Release a blocks cache."""
         self._release("deallocate_blocks_cache", cache, blocks=True)
 
-    def remove_cache_key(self, cache_key: CacheKey) -> None:
-        """The slot ``cache_key`` named is no longer named by it (a no-op when it no longer was)."""
+    def remove_cache_key(self, cache_key: kvpush.CacheKey) -> None:
+        """The slot ``cache_key`` named is no longer named by it, here and (with this engine's next cache
+        table) for peers; a no-op when it no longer was (pulled, or removed before)."""
         self._runner("remove_cache_key")
-        if not isinstance(cache_key, CacheKey):
+        if not isinstance(cache_key, kvpush.CacheKey):
             raise TypeError(f"cache_key only support ['CacheKey'], but got {type(cache_key)}.")
-        self._sync("remove_cache_key", lambda cm: self._keys.pop(cache_key, None))
+        self._sync("remove_cache_key", lambda cm: cm.remove_cache_key(cache_key))
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """After a device memory fault LLM-DataDist re-registers the physical pages with the NIC. Host
@@ -273,11 +273,13 @@ class CacheManager:
                     src_layer_range: range | None = None, dst_layer_range: range | None = None,
                     tensor_num_per_layer: int = TENSORS_PER_LAYER) -> None:
         """Read the peer's ``src_blocks`` (a blocks cache) or one batch slot of its contiguous cache
-        (``CacheKeyByIdAndIndex``, ``src_blocks=[]``) into local ``dst_blocks``; returns when every byte
-        is here. After a timeout or an interrupt the rest of the incoming bytes is discarded."""
+        (``CacheKey`` or ``CacheKeyByIdAndIndex``, ``src_blocks=[]``: block i of the slot into
+        ``dst_blocks[i]``) into local ``dst_blocks``; returns when every byte is here (a slot's request key
+        is then released on the peer, as by ``pull_cache``). After a timeout or an interrupt the rest of
+        the incoming bytes is discarded."""
         api = "pull_blocks"
         self._runner(api)  # before any check: not inside an event loop, initialised
-        if not isinstance(src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)):
+        if not isinstance(src_cache_key, (kvpush.CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)):
             raise TypeError(f"src_cache_key only support ['CacheKey', 'CacheKeyByIdAndIndex', 'BlocksCacheKey'], "
                             f"but got {type(src_cache_key)}.")
         if not isinstance(dst_cache, Cache):
@@ -289,24 +291,13 @@ class CacheManager:
         src_range, dst_range, n = pull_layers(dst_cache.cache_desc.num_tensors, src_layer_range, dst_layer_range, n)
         if isinstance(src_cache_key, BlocksCacheKey):
             require(len(sources) > 0, "src_blocks can not be empty.")
-            self._call(api, lambda cm: cm.pull_blocks(src_cache_key, dst_cache, sources, targets, src_range,
-                                                      dst_range, n))
-            return
-        require(len(sources) == 0, "src_blocks should be empty when src_cache_key is not instance of BlocksCacheKey.")
-        slot = self._slot(api, src_cache_key)
-        if len(targets) != 1:
-            raise not_enabled(f"{api}: a batch slot into {len(targets)} blocks needs a byte offset into the peer's "
-                               f"slot, which kvpush's pull does not take yet; pull one block per call")
-        self._call(api, lambda cm: cm.pull_cache(slot, dst_cache, targets[0], -1, src_range, dst_range, n))
-
-    @staticmethod
-    def _slot(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> CacheKeyByIdAndIndex:
-        if isinstance(key, CacheKeyByIdAndIndex):
-            return key
-        key.check_one_id()
-        raise not_enabled(f"{api}: {key!r}: addressing a peer's batch slot by CacheKey needs the peer's cache "
-                           f"keys, which kvpush's cache table does not carry yet; address it by "
-                           f"CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index)")
+        else:
+            if isinstance(src_cache_key, kvpush.CacheKey):
+                check_one_id(src_cache_key)
+            require(len(sources) == 0,
+                    "src_blocks should be empty when src_cache_key is not instance of BlocksCacheKey.")
+        self._call(api, lambda cm: cm.pull_blocks(src_cache_key, dst_cache, sources, targets, src_range, dst_range,
+                                                  n))
 
     def pull_cache(self, cache_key: CacheKeyByIdAndIndex | CacheKey, cache: Cache, batch_index: int = 0,
                    size: int = -1, src_layer_range: range | None = None, dst_layer_range: range | None = None,
@@ -315,7 +306,7 @@ class CacheManager:
         (``size`` bytes per tensor, -1: all). Timeout and Ctrl-C as in ``pull_blocks``."""
         api = "pull_cache"
         self._runner(api)  # before any check: not inside an event loop, initialised
-        if not isinstance(cache_key, (CacheKey, CacheKeyByIdAndIndex)):
+        if not isinstance(cache_key, (kvpush.CacheKey, CacheKeyByIdAndIndex)):
             raise TypeError(f"cache_key only support ['CacheKey', 'CacheKeyByIdAndIndex'], but got {type(cache_key)}.")
         if not isinstance(cache, Cache):
             raise TypeError(f"cache only support ['Cache'], but got {type(cache)}.")
@@ -327,8 +318,9 @@ class CacheManager:
                                         f"or > 0")
         n = check_n(api, tensor_num_per_layer)
         src_range, dst_range, n = pull_layers(cache.cache_desc.num_tensors, src_layer_range, dst_layer_range, n)
-        slot = self._slot(api, cache_key)
-        self._call(api, lambda cm: cm.pull_cache(slot, cache, batch_index, size, src_range, dst_range, n))
+        if isinstance(cache_key, kvpush.CacheKey):
+            check_one_id(cache_key)
+        self._call(api, lambda cm: cm.pull_cache(cache_key, cache, batch_index, size, src_range, dst_range, n))
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None, size: int = -1,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 
-from kvpush import CacheDesc, LLMException, LLMStatusCode
+from kvpush import CacheDesc
 
 from .transfer_async import check_layer_range
 from .types import check_uint, require
@@ -22,16 +22,10 @@ from .types import check_uint, require
 log = logging.getLogger(__name__)
 
 
-def not_enabled(message: str) -> LLMException:
-    return LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, message)
-
-
 def check_desc(api: str, desc: object) -> None:
+    """LLM-DataDist's type check (the engine refuses a ``batch_dim_index`` other than 0)."""
     if not isinstance(desc, CacheDesc):
         raise TypeError(f"cache_desc only support ['CacheDesc'], but got {type(desc)}.")
-    if desc.batch_dim_index != 0:
-        raise not_enabled(f"{api}: batch_dim_index={desc.batch_dim_index}: kvpush moves blocks and batch slots "
-                           f"along dimension 0 only")
 
 
 def check_n(api: str, n: object) -> int:

@@ -304,11 +304,7 @@ class LLMDataDist:
             raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
                                f"{api}: the rank table places this engine at {_host_port(address)}, but it listens "
                                f"on {_host_port(current)}")
-        if self._engine.links:
-            raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                               f"{api}: this engine must listen on {_host_port(address)} for the rank table, and it "
-                               f"can start listening only while it has no link; give llm.listenIpInfo at init")
-        await self._engine.switch_role(self._engine.role, {"llm.listenIpInfo": _host_port(address)})
+        await self._engine.listen(*address)  # existing links (e.g. of another comm) stay as they are
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """PREPARING while the comm's links are being made, OK once all are up, FAILED when one was not

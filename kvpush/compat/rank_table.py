@@ -10,7 +10,8 @@ cross: **the higher rank dials the lower rank**, which listens. Where:
   ``server_id``) and ``device_port`` (kvpush's reading of the rank table; 26000, the port the
   LLM-DataDist samples listen on, when the entry has none);
 - a rank that some higher rank dials must listen there: if its engine is not listening yet, ``link``
-  starts the listener at that address; if it listens elsewhere, ``link`` raises LLM_PARAM_INVALID.
+  starts the listener at that address (``kvpush.LLMDataDist.listen``: links the engine already has stay);
+  if it listens elsewhere, ``link`` raises LLM_PARAM_INVALID.
 
 ``link`` returns at once with a comm id (1, 2, ... per instance). The links are made in the background:
 the dialing side retries until the peer listens, the listening side waits for the peer's link, both

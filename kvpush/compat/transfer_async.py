@@ -14,6 +14,12 @@ one status per config. As in LLM-DataDist:
 - ``synchronize(timeout_in_millis)`` / ``get_results(timeout_in_millis)`` give LLM_TIMEOUT while the
   task is still running.
 
+A contiguous source into a peer's blocks cache (``dst_block_indices`` and ``dst_block_memory_size``
+given, no ``src_block_indices``) moves slot ``src_batch_index`` cut into blocks: block i of the slot
+into ``dst_block_indices[i]`` (the engine's ``push_blocks(..., src_batch_index=)``); the peer's own
+block size is used (``dst_block_memory_size`` is checked as LLM-DataDist checks it: > 0 and below the
+tensor size).
+
 Where kvpush differs: a HOST source is accepted (kvpush moves host memory; LLM-DataDist refuses it),
 ``TransferWithCacheKeyConfig`` is checked for equal range lengths (LLM-DataDist compares the wrong
 ends), and ``TransferConfig`` (raw peer addresses, LLM-DataDist's mode without remote cache access) is
@@ -160,6 +166,12 @@ class TransferPlan:
     layers: list[int]  # source layers some config covers, in order
     src_blocks: list[int]
     dst_blocks: list[int]
+    dst_block_memory_size: int | None = None
+
+    @property
+    def from_slot(self) -> bool:
+        """A contiguous source into blocks: its batch slot, cut into the destination's blocks."""
+        return not self.src_cache.is_blocks_cache and bool(self.dst_blocks)
 
 
 def _indices(name: str, value: object) -> list[int] | None:
@@ -177,8 +189,8 @@ def plan_transfer(src_cache: object, synchronizer: object, configs: object, src_
         raise TypeError(f"src_cache only support ['Cache'], but got {type(src_cache)}.")
     dst_blocks = _indices("dst_block_indices", dst_block_indices)
     src_blocks = _indices("src_block_indices", src_block_indices)
-    if dst_block_memory_size is not None:
-        check_uint("dst_block_memory_size", dst_block_memory_size, 64)
+    memory_size = None if dst_block_memory_size is None else check_uint("dst_block_memory_size",
+                                                                        dst_block_memory_size, 64)
     if src_blocks:
         require(bool(dst_blocks), "transfer from blocks to cache is not supported")
         require(len(src_blocks) == len(dst_blocks or []), f"num_block_indices mismatches, src_num = "
@@ -208,10 +220,8 @@ def plan_transfer(src_cache: object, synchronizer: object, configs: object, src_
         require(0 <= src_range.start < src_range.stop <= num_layers,
                 f"src_layer_range: {src_range} out of range, src_layer_num = {num_layers}")
         if isinstance(config.cache_key, BlocksCacheKey):
-            if not src_cache.is_blocks_cache:
-                raise LLMException(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                                   "transfer_cache_async: a contiguous cache into a peer's blocks needs a byte offset "
-                                   "into the source slot, which kvpush's push does not take yet")
+            require(src_cache.is_blocks_cache or bool(dst_blocks),
+                    "transfer_cache_async: a contiguous source into a peer's blocks cache needs dst_block_indices")
         else:
             require(not src_cache.is_blocks_cache and not src_blocks and not dst_blocks,
                     "transfer_cache_async: a CacheKeyByIdAndIndex destination takes a contiguous source cache and "
@@ -220,7 +230,7 @@ def plan_transfer(src_cache: object, synchronizer: object, configs: object, src_
         src_blocks = dst_blocks = list(range(desc.num_blocks))
     checked = [config for config in configs if isinstance(config, TransferWithCacheKeyConfig)]
     layers = sorted({layer for config in checked for layer in config.src_layer_range})
-    return TransferPlan(src_cache, synchronizer, checked, layers, src_blocks or [], dst_blocks or [])
+    return TransferPlan(src_cache, synchronizer, checked, layers, src_blocks or [], dst_blocks or [], memory_size)
 
 
 class Route:
@@ -235,15 +245,22 @@ class Route:
         self._tasks: list[asyncio.Task[None]] = []
         key = config.cache_key
         self._pusher: Any = None  # kvpush's LayerPusher
+        # a contiguous source into blocks: its slot src_batch_index, cut into blocks of the peer's block size
+        self._slot = config.src_batch_index if plan.from_slot else None
+        if plan.from_slot:
+            size, tensor_bytes = plan.dst_block_memory_size or 0, plan.src_cache.cache_desc.size
+            require(0 < size < tensor_bytes, f"block_mem_size[{size}] must > 0 and < tensor size[{tensor_bytes}] when "
+                                             f"transfer from continuous cache to blocks")
         if isinstance(key, BlocksCacheKey) and config.src_layer_range == config.dst_layer_range:
-            self._pusher = cm.layer_pusher(key, plan.src_cache, plan.src_blocks, plan.dst_blocks, TENSORS_PER_LAYER)
+            self._pusher = cm.layer_pusher(key, plan.src_cache, plan.src_blocks, plan.dst_blocks, TENSORS_PER_LAYER,
+                                           src_batch_index=self._slot)
 
     def _layer(self, layer: int, dst_layer: int) -> Coroutine[Any, Any, None]:
         key, plan, one, other = self.config.cache_key, self._plan, range(layer, layer + 1), range(dst_layer,
                                                                                                  dst_layer + 1)
         if isinstance(key, BlocksCacheKey):
             return self._cm.push_blocks(key, plan.src_cache, plan.src_blocks, plan.dst_blocks, one, other,
-                                        TENSORS_PER_LAYER)
+                                        TENSORS_PER_LAYER, src_batch_index=self._slot)
         return self._cm.push_cache(key, plan.src_cache, self.config.src_batch_index, one, other, -1,
                                    TENSORS_PER_LAYER)
 

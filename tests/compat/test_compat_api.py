@@ -191,6 +191,26 @@ def test_a_rank_table_that_places_a_listening_engine_elsewhere_is_refused() -> N
         engine.finalize()
 
 
+def test_a_linked_engine_that_does_not_listen_yet_starts_listening_for_a_rank_table(
+        linked: tuple[LLMDataDist, LLMDataDist]) -> None:
+    _, decoder = linked  # linked to the prompt, by its own dial: it does not listen
+    assert decoder.listen_address is None
+    third = LLMDataDist(LLMRole.DECODER, 3)
+    third.init({})
+    try:
+        port = _free_port()
+        table = rank_table(port)
+        listener_comm = decoder.link("link", {DECODER: 0, 3: 1}, table)  # rank 0: it listens where the table says
+        dialer_comm = third.link("link", {DECODER: 0, 3: 1}, table)
+        assert wait_status(decoder, listener_comm) == RegisterMemStatus.OK
+        assert wait_status(third, dialer_comm) == RegisterMemStatus.OK
+        assert decoder.listen_address == ("127.0.0.1", port)
+        decoder.check_link_status(PROMPT)  # the link it had is still there
+        decoder.check_link_status(3)
+    finally:
+        third.finalize()
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as probe:
@@ -310,6 +330,58 @@ def test_transfer_cache_async_failures_arrive_as_codes_and_bad_arguments_raise(
         TransferWithCacheKeyConfig(BlocksCacheKey(9), range(0, 2), range(0, 1))
     with pytest.raises(LLMException, match="src_batch_index"):
         TransferWithCacheKeyConfig(BlocksCacheKey(9), range(0, 1), range(0, 1), 1)
+
+
+def test_transfer_cache_async_from_a_contiguous_slot_into_the_peers_blocks(
+        linked: tuple[LLMDataDist, LLMDataDist]) -> None:
+    prompt, decoder = linked
+    slot_memory = arrays(4)  # 6 slots of 256 bytes
+    slots = prompt.cache_manager.register_cache(desc(4), ptrs(slot_memory))
+    small = [np.zeros((12, ROW // 2), np.float32) for _ in range(4)]  # 128-byte blocks: a slot is two of them
+    decoder.cache_manager.register_blocks_cache(CacheDesc(4, [12, ROW // 2], DataType.DT_FLOAT, Placement.HOST),
+                                                ptrs(small), BlocksCacheKey(DECODER, 0))
+    gate = Gate()
+    gate.release(0, 1)
+    # as in LLM-DataDist, the source of a BlocksCacheKey config is slot 0 (src_batch_index must be 0 there)
+    config = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0), range(0, 2), range(0, 2))
+    task = prompt.cache_manager.transfer_cache_async(slots, gate, [config], None, [7, 3], 128)
+    assert task.get_results() == [LLMStatusCode.LLM_SUCCESS]
+    for t in range(4):
+        assert np.array_equal(small[t][7], slot_memory[t][0][:32])
+        assert np.array_equal(small[t][3], slot_memory[t][0][32:])
+        assert not small[t][[0, 1, 2, 4, 5, 6, 8, 9, 10, 11]].any()
+    one_layer = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0), range(1, 2), range(0, 1))
+    gate = Gate()
+    gate.release(1)
+    task = prompt.cache_manager.transfer_cache_async(slots, gate, [one_layer], None, [10], 128)  # half a slot
+    assert task.synchronize() == LLMStatusCode.LLM_SUCCESS
+    assert np.array_equal(small[0][10], slot_memory[2][0][:32]) and np.array_equal(small[1][10], slot_memory[3][0][:32])
+    for size in (0, 4 * BLOCKS * ROW):  # LLM-DataDist's bounds on the block size: a code, as there
+        task = prompt.cache_manager.transfer_cache_async(slots, gate, [config], None, [7, 3], size)
+        assert task.get_results() == [LLMStatusCode.LLM_PARAM_INVALID]
+    with pytest.raises(LLMException, match="dst_block_indices"):
+        prompt.cache_manager.transfer_cache_async(slots, gate, [config])
+
+
+def test_pull_blocks_by_cache_key_into_several_blocks_consumes_the_key(
+        linked: tuple[LLMDataDist, LLMDataDist]) -> None:
+    prompt, decoder = linked
+    slots = prompt.cache_manager.allocate_cache(desc(2), [CacheKey(PROMPT, 5), CacheKey(PROMPT, 6)])
+    theirs = slots.tensors  # numpy views of the memory kvpush allocated
+    for t, tensor in enumerate(theirs):
+        tensor[:] = arrays(2)[t]
+    small = [np.zeros((12, ROW // 2), np.float32) for _ in range(2)]
+    mine = decoder.cache_manager.register_blocks_cache(CacheDesc(2, [12, ROW // 2], DataType.DT_FLOAT,
+                                                                 Placement.HOST), ptrs(small))
+    decoder.cache_manager.pull_blocks(CacheKey(PROMPT, 6), mine, [], [9, 4])  # slot 1 into blocks 9 and 4
+    for t in range(2):
+        assert np.array_equal(small[t][9], theirs[t][1][:32]) and np.array_equal(small[t][4], theirs[t][1][32:])
+    with pytest.raises(LLMException) as caught:  # consumed by the pull, as in LLM-DataDist
+        decoder.cache_manager.pull_blocks(CacheKey(PROMPT, 6), mine, [], [0])
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    prompt.cache_manager.remove_cache_key(CacheKey(PROMPT, 6))  # a no-op now
+    prompt.cache_manager.remove_cache_key(CacheKey(PROMPT, 5))
+    prompt.cache_manager.deallocate_cache(slots)
 
 
 # -- LLM-DataDist's layer defaults ----------------------------------------------------------------

@@ -2,15 +2,12 @@
 
 Two variants of each: ``as-sample`` keeps everything the sample does (``Placement.DEVICE`` memory,
 ``CacheKey`` addressing); ``host-memory`` describes the same memory as HOST and, where the sample
-addresses a peer's slot by ``CacheKey``, uses the slot's ``CacheKeyByIdAndIndex``. Tests the engine
-cannot pass yet are strict xfails naming what it needs.
+addresses a peer's slot by ``CacheKey``, uses the slot's ``CacheKeyByIdAndIndex``.
 
 Every role checks the bytes the sample only logs; a role that finds a difference exits non-zero.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
@@ -19,13 +16,7 @@ from flows.harness import free_port, run  # noqa: E402
 
 from kvpush.compat.llm_datadist import Placement
 
-CACHE_KEY = "needs engine: CacheKey addressing (cache keys in the peer's cache table)"
 BOTH = ["host-memory", "as-sample"]
-
-
-def _variants(sample_needs: str) -> list[Any]:
-    """Both variants, the as-sample one a strict xfail naming what the engine lacks for it."""
-    return ["host-memory", pytest.param("as-sample", marks=pytest.mark.xfail(reason=sample_needs, strict=True))]
 
 
 def _run(module: str, roles: list[str], variant: str, values: dict[int, int] | None = None) -> None:
@@ -44,12 +35,12 @@ def test_pull_blocks_over_a_rank_table_link(variant: str) -> None:
     _run("pull_blocks", ["prompt", "decoder"], variant, {0: free_port()})
 
 
-@pytest.mark.parametrize("variant", _variants(CACHE_KEY))
+@pytest.mark.parametrize("variant", BOTH)
 def test_pull_cache_over_a_rank_table_link(variant: str) -> None:
     _run("pull_cache", ["prompt", "decoder"], variant, {0: free_port()})
 
 
-@pytest.mark.parametrize("variant", _variants(CACHE_KEY))
+@pytest.mark.parametrize("variant", BOTH)
 def test_pull_from_cache_to_blocks(variant: str) -> None:
     _run("pull_from_cache_to_blocks", ["prompt", "decoder"], variant, {0: free_port()})
 

@@ -1,7 +1,8 @@
 """pull_cache_sample.py: a rank-table link; the prompt allocates a 4-tensor contiguous cache whose two
 batch slots are named by CacheKey(1, req 0) and CacheKey(1, req 1) and fills tensor 0 with ones; the
-decoder allocates its own and pulls both slots; the prompt removes the keys and deallocates. The
-host-memory variant addresses the slots by CacheKeyByIdAndIndex."""
+decoder allocates its own and pulls both slots (then, as-sample, checks that a pull consumed its key); the
+prompt removes the keys and deallocates. The host-memory variant addresses the slots by
+CacheKeyByIdAndIndex."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch
 
 from flows.harness import Ctx, check, tensors_at
 from flows.rank_table_link import init_llm_datadist, link
-from kvpush.compat.llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole
+from kvpush.compat.llm_datadist import (
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
 
 SHAPE = [2, 64 * 1024]  # the sample: [2, 1024 * 1024]
 PROMPT_CACHE_ID = 1  # Ctx slot
@@ -28,6 +37,12 @@ def decoder(ctx: Ctx) -> None:
     if ctx.as_sample:
         cache_manager.pull_cache(CacheKey(prompt_cluster_id=1, req_id=0, model_id=0), cache, batch_index=0)
         cache_manager.pull_cache(CacheKey(prompt_cluster_id=1, req_id=1, model_id=0), cache, batch_index=1)
+        try:  # a successful pull released the key on the prompt, as in LLM-DataDist
+            cache_manager.pull_cache(CacheKey(prompt_cluster_id=1, req_id=0, model_id=0), cache, batch_index=0)
+        except LLMException as error:
+            check(error.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"pulled again: {error}")
+        else:
+            check(False, "a pulled cache key could be pulled again")
     else:
         cache_id = ctx.get(PROMPT_CACHE_ID)
         cache_manager.pull_cache(CacheKeyByIdAndIndex(1, cache_id, 0), cache, batch_index=0)
