@@ -1,0 +1,266 @@
+"""Helpers for tests that start ``vllm serve`` processes and ``kvpush proxy`` (standard library only).
+
+Every process is started in its own session (process group), so ``stop`` ends it with whatever it
+started (vLLM's engine core, its worker): SIGTERM to the group, a bounded wait, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+MODEL_NAME = "tiny"
+KV_CONNECTOR = {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm"}
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port (with ``pair``: ``p`` such that ``p + 1`` is free too, for a connector's
+    ``kv_port``: a decode listens on ``kv_port + 1``)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not pair:
+            return port
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+@dataclass
+class Server:
+    """A started process (a ``vllm serve`` or a proxy): its URL, process, log file."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    _file: BinaryIO | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, chars: int = 4000) -> str:
+        try:
+            return f"--- {self.name} log ({self.log}) ---\n" + self.log.read_text(errors="replace")[-chars:]
+        except OSError as error:
+            return f"--- {self.name}: no log ({error}) ---"
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the process group this server started (its engine core and worker too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the group, up to ``grace_s`` for the leader, then SIGKILL to the group."""
+        try:
+            if self.alive():
+                self.signal_group(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.signal_group(signal.SIGKILL)  # whatever of the group is left (children that outlived it)
+            self.process.wait(timeout=30)
+        finally:
+            if self._file is not None:
+                self._file.close()
+
+
+def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path, url: str) -> Server:
+    handle = open(log, "wb")
+    try:
+        process = subprocess.Popen(list(command), env=dict(env), stdout=handle, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        handle.close()
+        raise
+    return Server(name, url, process, log, handle)
+
+
+def start_vllm(name: str, model: Path, core: str, kv_transfer_config: Mapping[str, Any] | None, workdir: Path,
+               *extra: str, port: int | None = None) -> Server:
+    """``python -m vllm.entrypoints.openai.api_server`` with its OpenMP threads pinned to ``core``
+    (``VLLM_CPU_OMP_THREADS_BIND``), loopback only, tests/vllm's engine settings (float32, eager, block
+    size 32) and the worker inside the engine-core process (``uni`` executor: one process less to start)."""
+    port = free_port() if port is None else port
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--distributed-executor-backend", "uni",
+               "--host", "127.0.0.1", "--port", str(port), "--model", str(model), "--served-model-name", MODEL_NAME,
+               "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
+               "--max-num-seqs", "8", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
+               *extra]
+    if kv_transfer_config is not None:
+        command += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    return _spawn(name, command, env, workdir / f"{name}.log", f"http://127.0.0.1:{port}")
+
+
+def kvpush_command() -> list[str]:
+    """The kvpush CLI of this Python's environment."""
+    script = Path(sys.executable).parent / "kvpush"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvpush"]
+
+
+def start_proxy(name: str, prefills: Sequence[str], decodes: Sequence[str], workdir: Path, *extra: str,
+                timeout_s: float = 60.0) -> Server:
+    """``kvpush proxy`` on a free loopback port (``--port 0``; the URL is read from its first line)."""
+    command = [*kvpush_command(), "proxy", "--host", "127.0.0.1", "--port", "0", "--timeout", str(timeout_s), "-v",
+               *[a for p in prefills for a in ("--prefill", p)], *[a for d in decodes for a in ("--decode", d)],
+               *extra]
+    log = workdir / f"{name}.log"
+    server = _spawn(name, command, dict(os.environ, PYTHONUNBUFFERED="1"), log, "")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"serving (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
+        if found:
+            server.url = found.group(1)
+            return server
+        if not server.alive():
+            break
+        time.sleep(0.1)
+    text = server.tail()
+    server.stop(5)
+    raise AssertionError(f"kvpush proxy did not start within 30 s\n{text}")
+
+
+def healthy(url: str, timeout: float = 3) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+            return bool(response.status == 200)
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def wait_healthy(servers: Sequence[Server], timeout_s: float) -> float:
+    """Wait until every server's /health answers 200 (at most ``timeout_s``); the seconds it took."""
+    started = time.monotonic()
+    pending = list(servers)
+    while pending:
+        dead = [s for s in pending if not s.alive()]
+        assert not dead, "a server exited during start-up\n" + "\n".join(s.tail() for s in dead)
+        pending = [s for s in pending if not healthy(s.url)]
+        if pending and time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not healthy within {timeout_s:g} s\n" + "\n".join(s.tail() for s in pending))
+        if pending:
+            time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def post(url: str, body: Mapping[str, Any], timeout: float = 120,
+         headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """POST JSON; (status, JSON body) for success and error statuses alike."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return int(response.status), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raw = error.read()
+        try:
+            return int(error.code), json.loads(raw)
+        except ValueError:
+            return int(error.code), {"raw": raw.decode("utf-8", "replace")}
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout), parts.path
+
+
+def open_request(url: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None,
+                 timeout: float = 120) -> http.client.HTTPConnection:
+    """Send a JSON POST and return its connection without reading the answer (see ``hang_up``)."""
+    connection, path = _connection(url, timeout)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    return connection
+
+
+def hang_up(connection: http.client.HTTPConnection) -> None:
+    """Close a client connection at once, as a client that leaves does."""
+    if connection.sock is not None:
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+def stream_events(url: str, body: Mapping[str, Any], timeout: float = 120,
+                  headers: Mapping[str, str] | None = None) -> Generator[dict[str, Any], None, None]:
+    """POST a ``stream`` request and yield its server-sent events' JSON until ``[DONE]``. Closing the
+    generator early closes the connection (a client that leaves)."""
+    connection = open_request(url, body, headers, timeout)
+    try:
+        response = connection.getresponse()
+        if response.status != 200:
+            raise AssertionError(f"{url}: status {response.status}: {response.read()[:2000]!r}")
+        for line in response:
+            text = line.decode().strip()
+            if not text.startswith("data:"):
+                continue
+            data = text[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+        raise AssertionError(f"{url}: the stream ended without [DONE]")
+    finally:
+        hang_up(connection)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def log_lines(server: Server, *needles: str, since: int = 0) -> list[str]:
+    """The lines of ``server``'s log (from byte ``since``, see ``log_size``) that contain every one of
+    ``needles``."""
+    with open(server.log, "rb") as f:
+        f.seek(since)
+        text = f.read().decode("utf-8", "replace")
+    return [line for line in text.splitlines() if all(n in line for n in needles)]
+
+
+def log_size(server: Server) -> int:
+    return server.log.stat().st_size
+
+
+def metrics(url: str, timeout: float = 5) -> dict[str, float]:
+    """A vLLM server's Prometheus samples, ``name{labels}`` (as printed) -> value."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                values[name] = float(value)
+    return values
+
+
+def metric_sum(values: Mapping[str, float], name: str, label: str = "") -> float:
+    """The sum of ``name``'s samples over its labels (only those whose labels contain ``label``)."""
+    return sum(v for k, v in values.items() if (k == name or k.startswith(name + "{")) and label in k)

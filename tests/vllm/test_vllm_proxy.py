@@ -1,0 +1,453 @@
+"""``kvpush proxy`` in front of two ``vllm serve`` processes with KvpushConnector, for real.
+
+One module-scoped stack: a prefill (``kv_producer``, OpenMP threads on core 0,
+``--max-num-batched-tokens 64`` so long prompts are prefilled in chunks), a decode (``kv_consumer``,
+core 1, ``kv_load_failure_policy`` recompute, a short ``transfer_timeout_s``) and ``kvpush proxy`` (a
+subprocess of the kvpush CLI) in front of both; a single offline engine without a connector
+(tests/vllm/single_reference.py) gives the reference tokens while the servers start. Greedy
+decoding, loopback only. Every prompt is distinct (no shared first block), so the tokens a decode
+reports as cached came from the pushed KV, not from its own prefix cache.
+
+The failure tests come last, in this order: a client that leaves (mid-stream; while the decode waits
+for the KV), a hung prefill (woken up after), a prefill killed mid-request. A test that finds the
+prefill dead (run out of order) starts it again on the same ports.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serving import (  # noqa: E402
+    KV_CONNECTOR,
+    MODEL_NAME,
+    Server,
+    free_port,
+    hang_up,
+    healthy,
+    log_lines,
+    log_size,
+    metric_sum,
+    metrics,
+    open_request,
+    post,
+    start_proxy,
+    start_vllm,
+    stream_events,
+    wait_for,
+    wait_healthy,
+)
+
+MAX_TOKENS = 12
+PREFILL_BATCH_TOKENS = 64  # the prefill's token budget per step: prompts longer than this are chunked
+TRANSFER_TIMEOUT_S = 10.0  # the decode's deadline from allocation to the last byte
+IDS_TIMEOUT_S = 10.0  # how long a prefill keeps a finished request's blocks for block ids that do not come
+ABORT_GRACE_S = 3.0  # how long a decode waits for the prefill to confirm an abort
+STARTUP_S = 300.0
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+WORDS = ("the cache block layer prefill decode push token model engine request memory page tensor head value key "
+         "attention batch queue stream socket link cluster transfer river mountain city garden window").split()
+
+# token-id prompts: shorter than a block (32), around a block, several blocks, chunked on the prefill (> 64)
+_rng = random.Random(20261211)
+
+
+def _ids(n: int) -> list[int]:
+    return [_rng.randrange(50, 1900) for _ in range(n)]
+
+
+def _chat(words: int) -> list[dict[str, str]]:
+    text = " ".join(_rng.choice(WORDS) for _ in range(words))
+    return [{"role": "system", "content": f"Request {_rng.randrange(10**6)}."}, {"role": "user", "content": text}]
+
+
+COMPLETIONS = [_ids(n) for n in (1, 5, 31, 32, 33, 64, 100, 300, 700)]
+STREAMED = [_ids(n) for n in (2, 20, 48, 96, 257, 520)]
+CONCURRENT = [_ids(n) for n in (3, 30, 33, 65, 128, 200, 350, 600)]
+AFTER_ABORT = [_ids(n) for n in (7, 90)]
+AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN = _ids(36), _ids(120), _ids(66), _ids(150), _ids(70)
+ABORTED, LEFT_WAITING = _ids(50), _ids(80)  # no reference: never answered
+CHATS = [_chat(n) for n in (1, 6, 25, 60, 150, 300)]
+STREAMED_CHATS = [_chat(n) for n in (10, 120)]
+PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN]
+assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING]}) == len(PROMPTS) + 2  # no shared first block
+
+
+@dataclass
+class Stack:
+    prefill: Server
+    decode: Server
+    proxy: Server
+    reference: dict[str, list[dict[str, Any]]]  # "prompts" (PROMPTS' order), "chats" (CHATS + STREAMED_CHATS)
+    startup_s: float
+    start_prefill: Callable[[], Server]  # the prefill again, on the same ports
+
+    def ref(self, prompt: list[int]) -> list[int]:
+        tokens: list[int] = self.reference["prompts"][PROMPTS.index(prompt)]["tokens"]
+        return tokens
+
+    def chat_ref(self, chat: list[dict[str, str]]) -> dict[str, Any]:
+        row: dict[str, Any] = self.reference["chats"][(CHATS + STREAMED_CHATS).index(chat)]
+        return row
+
+
+def _kv_config(role: str, kv_port: int, **extra: Any) -> dict[str, Any]:
+    config = {**KV_CONNECTOR, "kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra}
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = "recompute"
+    return config
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("proxy")
+    started = time.monotonic()
+    requests = work / "requests.json"
+    requests.write_text(json.dumps({"prompts": PROMPTS, "chats": CHATS + STREAMED_CHATS, "chat_template": CHAT_TEMPLATE,
+                                    "max_tokens": MAX_TOKENS, "max_num_batched_tokens": PREFILL_BATCH_TOKENS}))
+    (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    chat = ["--chat-template", str(work / "chat_template.jinja")]
+    reference_out = work / "reference.json"
+    with open(work / "reference.log", "wb") as log:  # the child keeps its own copy of the descriptor
+        reference = subprocess.Popen(
+            [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests", str(requests), "--out",
+             str(reference_out), "--core", "1"], stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), start_new_session=True)
+    kv_port, prefill_port = free_port(pair=True), free_port()
+    servers: dict[str, Server] = {}
+
+    def start_prefill() -> Server:
+        servers["prefill"] = start_vllm(
+            "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S), work,
+            "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port)
+        return servers["prefill"]
+
+    try:
+        start_prefill()
+        servers["decode"] = start_vllm("decode", tiny_model, "1", _kv_config(
+            "kv_consumer", kv_port, transfer_timeout_s=TRANSFER_TIMEOUT_S, abort_grace_s=ABORT_GRACE_S), work,
+            "--max-num-batched-tokens", "128", "--enable-log-requests", *chat)
+        wait_healthy(list(servers.values()), STARTUP_S)
+        assert reference.wait(timeout=max(10.0, STARTUP_S - (time.monotonic() - started))) == 0, \
+            (work / "reference.log").read_text()[-4000:]
+        servers["proxy"] = start_proxy("proxy", [f"{servers['prefill'].url}#kv={kv_port}"], [servers["decode"].url],
+                                       work)
+        wait_healthy([servers["proxy"]], 30)
+        yield Stack(servers["prefill"], servers["decode"], servers["proxy"], json.loads(reference_out.read_text()),
+                    time.monotonic() - started, start_prefill)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+        reference.wait(timeout=30)
+        for name in ("proxy", "decode", "prefill"):
+            if name in servers:
+                servers[name].stop()
+
+
+@pytest.fixture
+def pd(stack: Stack) -> Stack:
+    """The stack with a live prefill (started again if a test killed it)."""
+    if not stack.prefill.alive():
+        stack.prefill.stop()
+        stack.prefill = stack.start_prefill()
+        wait_healthy([stack.prefill, stack.proxy], STARTUP_S)
+    return stack
+
+
+def _body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+
+
+def _cached(usage: dict[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
+
+
+def _all_cached(prompt_len: int, cached: int | None) -> bool:
+    """vLLM reports the whole prompt as cached when the connector loaded it (a one-token prompt has no
+    KV to push: it is computed on the decode)."""
+    return cached is not None and cached >= prompt_len - (1 if prompt_len == 1 else 0)
+
+
+def _complete(url: str, prompt: list[int], timeout: float = 120) -> dict[str, Any]:
+    status, answer = post(f"{url}/v1/completions", _body(prompt), timeout=timeout)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    return {"tokens": choice["token_ids"], "finish": choice["finish_reason"], "cached": _cached(answer.get("usage")),
+            "prompt_tokens": answer["usage"]["prompt_tokens"]}
+
+
+def _stream(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    tokens: list[int] = []
+    finish, usage, chunks = None, None, 0
+    for event in stream_events(f"{url}{path}", {**body, "stream": True, "stream_options": {"include_usage": True}}):
+        for choice in event.get("choices") or []:
+            tokens += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+            chunks += 1
+        usage = event.get("usage") or usage
+    return {"tokens": tokens, "finish": finish, "cached": _cached(usage), "chunks": chunks,
+            "prompt_tokens": (usage or {}).get("prompt_tokens")}
+
+
+def _check(rows: list[tuple[int, list[int], dict[str, Any]]], what: str) -> None:
+    """Print the equality table; assert every row equal to the reference and all its prompt cached."""
+    print(f"\n{what}\n| prompt tokens | tokens equal | cached tokens | finish |\n|---|---|---|---|")
+    bad = []
+    for length, expected, got in rows:
+        equal = got["tokens"] == expected
+        print(f"| {length} | {'yes' if equal else 'NO'} | {got['cached']} | {got['finish']} |")
+        if not (equal and got["finish"] == "length" and _all_cached(length, got["cached"])):
+            bad.append((length, expected, got))
+    assert not bad, bad
+
+
+@pytest.mark.timeout(STARTUP_S + 200)
+def test_completions_through_the_proxy_equal_a_single_instance_and_use_the_pushed_kv(pd: Stack) -> None:
+    print(f"stack healthy and reference done in {pd.startup_s:.1f} s")
+    rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in COMPLETIONS]
+    _check(rows, "/v1/completions through kvpush proxy")
+
+
+@pytest.mark.timeout(200)
+def test_streamed_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -> None:
+    rows = [(len(p), pd.ref(p), _stream(pd.proxy.url, "/v1/completions", _body(p))) for p in STREAMED]
+    _check(rows, "/v1/completions, stream, through kvpush proxy")
+    assert all(got["chunks"] >= MAX_TOKENS // 2 for _, _, got in rows)  # streamed, not one final chunk
+
+
+@pytest.mark.timeout(200)
+def test_chat_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -> None:
+    rows = []
+    for chat in CHATS:
+        reference = pd.chat_ref(chat)
+        status, answer = post(f"{pd.proxy.url}/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert status == 200, answer
+        assert answer["prompt_token_ids"] == reference["prompt_ids"]  # the server rendered the chat as LLM.chat did
+        choice = answer["choices"][0]
+        rows.append((len(reference["prompt_ids"]), reference["tokens"], {
+            "tokens": choice["token_ids"], "finish": choice["finish_reason"], "cached": _cached(answer["usage"])}))
+    for chat in STREAMED_CHATS:
+        reference = pd.chat_ref(chat)
+        got = _stream(pd.proxy.url, "/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert got["prompt_tokens"] == len(reference["prompt_ids"])
+        rows.append((len(reference["prompt_ids"]), reference["tokens"], got))
+    _check(rows, "/v1/chat/completions through kvpush proxy (the last two streamed)")
+    assert len(rows) >= 6 and any(length > PREFILL_BATCH_TOKENS for length, _, _ in rows)
+
+
+@pytest.mark.timeout(200)
+def test_eight_concurrent_requests_through_the_proxy_all_equal(pd: Stack) -> None:
+    before = metrics(pd.decode.url)
+    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        answers = list(pool.map(lambda p: _complete(pd.proxy.url, p), CONCURRENT))
+    _check([(len(p), pd.ref(p), got) for p, got in zip(CONCURRENT, answers)], "8 concurrent /v1/completions")
+    after = metrics(pd.decode.url)
+    # vLLM's own count of prompt tokens that came from the connector ("external" prefix-cache hits)
+    external = metric_sum(after, "vllm:external_prefix_cache_hits_total") - metric_sum(
+        before, "vllm:external_prefix_cache_hits_total")
+    print(f"decode external prefix-cache hits for the 8 requests: {external:g} tokens")
+    assert external >= sum(len(p) - 1 for p in CONCURRENT)
+
+
+def _idle(url: str) -> dict[str, float]:
+    values = metrics(url)
+    return {"running": metric_sum(values, "vllm:num_requests_running"),
+            "waiting": metric_sum(values, "vllm:num_requests_waiting"),
+            "kv_usage": metric_sum(values, "vllm:kv_cache_usage_perc")}
+
+
+def _wait_idle(server: Server, timeout_s: float) -> dict[str, float]:
+    """Wait until ``server`` runs and waits for nothing and uses no KV block (at most ``timeout_s``)."""
+    state: dict[str, float] = {}
+
+    def idle() -> bool:
+        state.update(_idle(server.url))
+        return not any(state.values())
+
+    wait_for(idle, timeout_s, 0.5)
+    return state
+
+
+def _waiting(server: Server, timeout_s: float = 10) -> bool:
+    """Wait until ``server`` has a request waiting (for remote KV, here) and holds KV blocks for it."""
+    def waiting() -> bool:
+        state = _idle(server.url)
+        return state["waiting"] >= 1 and state["kv_usage"] > 0
+
+    return wait_for(waiting, timeout_s)
+
+
+def _aborted(server: Server, request_id: str, timeout_s: float = 15) -> list[str]:
+    """Wait until ``server``'s log says it aborted the request (``--enable-log-requests``)."""
+    wait_for(lambda: bool(log_lines(server, "Aborted request", request_id)), timeout_s)
+    return log_lines(server, "Aborted request", request_id)
+
+
+def _wake(server: Server, signal_all: bool) -> None:
+    """SIGCONT a stopped server (its API server alone, or every process), then let it settle before the
+    next request: on waking, its HTTP server at once closes the keep-alive connections whose idle timeout
+    (vLLM's 5 s) passed while it was stopped, and a POST the proxy sends on one of them before it saw the
+    close fails ("Server disconnected"; aiohttp retries only idempotent requests), after which the decode
+    waits out its transfer_timeout_s before it recomputes."""
+    if signal_all:
+        server.signal_group(signal.SIGCONT)
+    else:
+        os.kill(server.process.pid, signal.SIGCONT)
+    wait_healthy([server], 30)
+    time.sleep(0.5)
+
+
+def _kvpush_lines(server: Server, since: int) -> str:
+    """The connector's log lines (vLLM's format) since byte ``since`` of ``server``'s log, for the report."""
+    modules = ("consumer", "producer", "scheduler", "vllm_worker")
+    return "\n".join(line[-320:] for line in log_lines(server, since=since)
+                     if any(f"[{module}.py:" in line for module in modules))
+
+
+@pytest.mark.timeout(200)
+def test_a_client_that_leaves_mid_stream_leaves_the_servers_healthy(pd: Stack) -> None:
+    max_tokens, request_id = 900, f"leave-mid-stream-{uuid.uuid4().hex}"
+    events = stream_events(f"{pd.proxy.url}/v1/completions", _body(ABORTED, max_tokens=max_tokens, stream=True),
+                           headers={"X-Request-Id": request_id})
+    received: list[int] = []
+    for event in events:
+        received += event["choices"][0].get("token_ids") or []
+        if len(received) >= 3:
+            break
+    events.close()  # the client closes its connection mid-stream
+    left = time.monotonic()
+    aborted = _aborted(pd.decode, request_id)
+    print(f"decode: {aborted[-1][-160:] if aborted else 'no abort logged'} ({time.monotonic() - left:.2f} s after "
+          f"the client left with {len(received)} of {max_tokens} tokens)")
+    assert aborted, "the decode did not abort the request of the client that left"
+    assert all(healthy(s.url) for s in (pd.proxy, pd.prefill, pd.decode))
+    rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in AFTER_ABORT]
+    _check(rows, "/v1/completions after a client left mid-stream")
+    decode_state, prefill_state = _wait_idle(pd.decode, 15), _wait_idle(pd.prefill, IDS_TIMEOUT_S + 10)
+    print(f"then: decode {decode_state}, prefill {prefill_state}")
+    assert not any(decode_state.values()) and not any(prefill_state.values()), (decode_state, prefill_state)
+
+
+@pytest.mark.timeout(200)
+def test_a_client_that_leaves_while_the_decode_waits_for_the_kv_frees_both_sides(pd: Stack) -> None:
+    request_id, decode_log, prefill_log = f"leave-waiting-{uuid.uuid4().hex}", log_size(pd.decode), log_size(pd.prefill)
+    os.kill(pd.prefill.process.pid, signal.SIGSTOP)  # its API server takes the request, its engine never gets it
+    try:
+        connection = open_request(f"{pd.proxy.url}/v1/completions", _body(LEFT_WAITING, stream=True),
+                                  {"X-Request-Id": request_id})
+        assert _waiting(pd.decode), f"the decode never waited for the KV: {_idle(pd.decode.url)}"
+        hang_up(connection)  # the client leaves before the first token
+        left = time.monotonic()
+        aborted = _aborted(pd.decode, request_id)
+        state = _wait_idle(pd.decode, ABORT_GRACE_S + 10)
+        freed = time.monotonic() - left
+        print(f"decode {freed:.2f} s after the client left: {state}; {len(aborted)} abort line(s)\n"
+              f"{_kvpush_lines(pd.decode, decode_log)}")
+        assert aborted and not any(state.values()), state
+    finally:
+        _wake(pd.prefill, signal_all=False)
+    # the prefill's API server wakes up to a request whose client left: it still serves the next one
+    _check([(len(AFTER_LEAVE), pd.ref(AFTER_LEAVE), _complete(pd.proxy.url, AFTER_LEAVE))],
+           "through the prefill after its API server woke up")
+    woke = time.monotonic()
+    state = _wait_idle(pd.prefill, IDS_TIMEOUT_S + 10)
+    print(f"prefill {time.monotonic() - woke:.2f} s after answering: {state}\n{_kvpush_lines(pd.prefill, prefill_log)}")
+    assert not any(state.values()), state
+
+
+@pytest.mark.timeout(200)
+def test_a_hung_prefill_makes_the_decode_recompute_and_the_link_comes_back(pd: Stack) -> None:
+    request_id, decode_log = f"hung-{uuid.uuid4().hex}", log_size(pd.decode)
+    pd.prefill.signal_group(signal.SIGSTOP)  # every process of it: its kvpush engine stops answering too
+    try:
+        started = time.monotonic()
+        status, answer = post(f"{pd.proxy.url}/v1/completions", _body(HUNG), timeout=TRANSFER_TIMEOUT_S + 60,
+                              headers={"X-Request-Id": request_id})
+        elapsed = time.monotonic() - started
+    finally:
+        _wake(pd.prefill, signal_all=True)
+    print(f"answer {elapsed:.2f} s after the request to a frozen prefill: status {status}\n"
+          f"{_kvpush_lines(pd.decode, decode_log)}")
+    assert elapsed < TRANSFER_TIMEOUT_S + ABORT_GRACE_S + 5  # within the connector's deadline, never a hang
+    assert status == 200, answer
+    choice, cached = answer["choices"][0], _cached(answer["usage"])
+    print(f"recomputed: tokens equal {choice['token_ids'] == pd.ref(HUNG)}, cached tokens {cached}")
+    assert choice["token_ids"] == pd.ref(HUNG) and choice["finish_reason"] == "length"
+    assert cached is not None and cached < len(HUNG)
+    _check([(len(AFTER_HANG), pd.ref(AFTER_HANG), _complete(pd.proxy.url, AFTER_HANG))],
+           "through the prefill after it woke up")
+
+
+@pytest.mark.timeout(200)
+def test_a_prefill_killed_mid_request_makes_the_decode_recompute_promptly(pd: Stack) -> None:
+    """Kills the module's prefill (a later test would start it again)."""
+    prefill, request_id, decode_log = pd.prefill, f"killed-{uuid.uuid4().hex}", log_size(pd.decode)
+    # the prefill's API server is stopped first, so the request is in the prefill when it dies: the decode has
+    # allocated its blocks and sent their ids to the prefill's (still running) worker, and waits for the KV
+    os.kill(prefill.process.pid, signal.SIGSTOP)
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        started = time.monotonic()
+        try:
+            result["status"], result["answer"] = post(f"{pd.proxy.url}/v1/completions", _body(KILLED),
+                                                      timeout=120, headers={"X-Request-Id": request_id})
+        finally:
+            result["elapsed"] = time.monotonic() - started
+
+    client = threading.Thread(target=request)
+    client.start()
+    waiting = _waiting(pd.decode)
+    prefill.signal_group(signal.SIGKILL)  # the API server, the engine core and its worker
+    killed = time.monotonic()
+    client.join(timeout=TRANSFER_TIMEOUT_S + ABORT_GRACE_S + 30)
+    assert not client.is_alive(), "the request hung after its prefill was killed"
+    after_kill = time.monotonic() - killed
+    prefill.process.wait(timeout=30)
+    print(f"the decode waited for the KV: {waiting}; answer {after_kill:.2f} s after the kill "
+          f"({result['elapsed']:.2f} s after the request): status {result['status']}\n"
+          f"{_kvpush_lines(pd.decode, decode_log)}")
+    assert waiting, "the decode never waited for the KV: the kill was not mid-request"
+    assert after_kill < TRANSFER_TIMEOUT_S / 2  # the lost link ended the wait, not the deadline
+    if result["status"] == 200:  # recomputed: the same tokens, the prompt not (all) cached
+        choice, cached = result["answer"]["choices"][0], _cached(result["answer"]["usage"])
+        print(f"recomputed: tokens equal {choice['token_ids'] == pd.ref(KILLED)}, cached tokens {cached}")
+        assert choice["token_ids"] == pd.ref(KILLED) and choice["finish_reason"] == "length"
+        assert cached is not None and cached < len(KILLED)
+    else:  # failed cleanly: an error status with an OpenAI error body
+        print(f"failed cleanly: {result['answer']}")
+        assert 500 <= result["status"] < 600 and "error" in result["answer"], result
+    assert healthy(pd.decode.url) and not healthy(pd.proxy.url)  # the proxy's /health names the dead prefill
+    # with the prefill gone, a request through the proxy is still answered right, by the decode alone
+    started, decode_log = time.monotonic(), log_size(pd.decode)
+    status, answer = post(f"{pd.proxy.url}/v1/completions", _body(PREFILL_DOWN), timeout=60)
+    elapsed = time.monotonic() - started
+    print(f"with the prefill down: status {status} in {elapsed:.2f} s\n{_kvpush_lines(pd.decode, decode_log)}")
+    assert status == 200 and answer["choices"][0]["token_ids"] == pd.ref(PREFILL_DOWN), answer
+    assert elapsed < TRANSFER_TIMEOUT_S / 2
+    state = _wait_idle(pd.decode, 15)
+    assert not any(state.values()), state
