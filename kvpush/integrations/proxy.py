@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig.kv_port default: a prefill's connector listens there
 DEFAULT_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 10.0
+UPSTREAM_KEEPALIVE_S = 4.0
 PREFILL_GRACE_S = 2.0  # after the decode answered, how long a prefill's answer may still come (then cancelled)
 MAX_BODY_BYTES = 64 << 20
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -214,7 +215,11 @@ class Proxy:
     async def _client(self, app: web.Application) -> AsyncIterator[None]:
         total = self.config.timeout_s
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT_S))
-        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as self._session:
+        # Idle pooled connections are dropped before vLLM's HTTP server (uvicorn, 5 s keep-alive) closes
+        # them: a POST on a connection the server is closing fails ("Server disconnected") and is not
+        # retried, which would leave the decode waiting for KV its prefill never got the request for.
+        connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector) as self._session:
             yield
         self._session = None
 
