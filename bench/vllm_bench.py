@@ -9,21 +9,29 @@ The model (bench/vllm_model.py, built once into a temp directory): a Llama with 
 24 layers, hidden 512, 8 KV heads of 64, 334 MB; 96 KiB of KV per token (a 2048-token prompt is
 192 MiB of KV). Greedy decoding, ``ignore_eos``; every prompt is distinct random token ids.
 
-Cases (each one ``vllm serve`` per engine, engines pinned to their own core with ``taskset`` and
-``VLLM_CPU_OMP_THREADS_BIND``, prefix caching off, one request at a time):
+Cases (one ``vllm serve`` per engine, each engine pinned to its own core with ``taskset`` and
+``VLLM_CPU_OMP_THREADS_BIND``, and pinned again after start-up if it moved itself; prefix caching
+off; one request at a time; the client does the routing a proxy would, so no proxy hop is measured):
 - ``single``: one instance, no connector, on core 1. The reference for every output and ratio.
-- ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, core 0) and a decode (``kv_consumer``,
-  core 1) with KvpushConnector (its timed subclass, bench/vllm_timed_connector.py) and
-  ``kv_connector_extra_config={"transport": ...}``. Each request goes to both at once, as
-  ``kvpush proxy`` sends it (the prefill with ``max_tokens=1``); the client streams the decode.
+- ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, on core 1, where the single instance
+  computed the same prompts) and a decode (``kv_consumer``, core 0) with KvpushConnector (its timed
+  subclass, bench/vllm_timed_connector.py) and ``kv_connector_extra_config={"transport": ...}``.
+  Each request goes to both at once, as ``kvpush proxy`` sends it (the prefill's copy with
+  ``max_tokens=1``); the client streams the decode's. "pushed in forward" counts the requests whose
+  block ids reached the prefill before its forward started (the others are pushed after it).
 - ``example``: vLLM's ExampleConnector (prefill ``kv_producer``, decode ``kv_consumer``): the prefill
-  writes every layer's KV to files (here on tmpfs, /dev/shm), the decode reads them. vLLM's pull
-  flow, as upstream's toy proxy drives it: the prefill request first, then the decode's.
-- ``nixl``: vLLM's NixlConnector (both ``kv_both``, ``kv_buffer_device="cpu"``, NIXL's UCX backend
-  with UCX's defaults), the prefill first, its ``kv_transfer_params`` handed to the decode, which
-  reads the blocks. NIXL is NIXL's ``nixl``/``nixl-cu12`` 1.5.1 wheels (installed with ``--no-deps``
-  into a private directory on first use, put on the servers' ``PYTHONPATH``: the CUDA wheel's
-  Python API and UCX backend run on a CPU host). If it does not import or run, the case says why.
+  writes every layer's KV to files (on tmpfs, /dev/shm, emptied after each request), the decode
+  reads them. vLLM's pull flow, as upstream's toy proxy drives it: the prefill's request, then the
+  decode's. It matches whole blocks of the prompt less its last token, so a 32-token prompt (one
+  block) is recomputed by the decode (cached 0).
+- ``nixl``: vLLM's NixlConnector (prefill ``kv_producer``, decode ``kv_consumer``,
+  ``kv_buffer_device="cpu"``, NIXL's UCX backend with UCX's defaults): the prefill's request, its
+  ``kv_transfer_params`` handed to the decode, which pulls the blocks. NIXL comes from NIXL's
+  ``nixl``/``nixl-cu12`` 1.5.1 wheels, installed with ``--no-deps`` into a private directory on first
+  use and put on the servers' ``PYTHONPATH`` (the CUDA wheel's Python API and UCX backend run on a
+  CPU host). If it does not import or run, the case says why instead of a number. On a CPU host its
+  worker moves itself to the NUMA node's last core (reserved for KV transfer): the JSON line records
+  that under ``repinned`` and the engines are pinned back to their own cores.
 
 Per prompt length and case (one JSON line each): TTFT p50/p99 (client side: from the first request
 sent to the first streamed token of the decode) and total latency p50/p99 (to the last token), the
@@ -88,6 +96,7 @@ RESULTS = HERE / "results"
 NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
 NIXL_SITE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush-bench" / "nixl-1.5.1"
 SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "example", "nixl")
+RUN_ORDER = ("single", "nixl", "example", "kvpush-tcp", "kvpush-cma")
 PD_SYSTEMS = SYSTEMS[1:]
 SERVED = "bench"
 BLOCK_SIZE = 32
@@ -346,6 +355,20 @@ def allowed_cpus(pid: int) -> set[int]:
     return cpus
 
 
+def pin_tree(pid: int, core: int) -> None:
+    """Pin every thread of ``pid`` and its descendants to ``core`` again (vLLM's NixlConnector moves its
+    worker to the last core of the NUMA node, reserved for KV transfer on a many-core host)."""
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task), {core})
+                with contextlib.suppress(OSError), open(f"/proc/{current}/task/{task}/children") as children:
+                    pids += [int(child) for child in children.read().split()]
+
+
 def _cpu_list(text: str) -> set[int]:
     cpus: set[int] = set()
     for part in text.split(","):
@@ -395,8 +418,9 @@ def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, 
     trace_path = settings.work / f"{name}.trace.jsonl" if trace else None
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
                VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-               **settings.extra_env, **(env_extra or {}))
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    env.update(settings.extra_env)
+    env.update(env_extra or {})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if trace_path is not None:
         trace_path.unlink(missing_ok=True)
@@ -550,6 +574,9 @@ class Route:
         params = answer.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"the nixl prefill returned no kv_transfer_params: {json.dumps(answer)[:300]}")
+        # vLLM 0.32 makes the decode report the prefill's own cache hits when this key is present; without
+        # it the decode reports its cached tokens, i.e. whether it used the pulled KV (as for the others)
+        params.pop("remote_prefill_cached_tokens", None)
         return stream(decode, ids, max_tokens, params, started)
 
 
@@ -607,8 +634,9 @@ def kv_configs(system: str, kv_port: int, storage: Path) -> tuple[dict[str, Any]
             return {"kv_connector": "ExampleConnector", "kv_role": role,
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         return example("kv_producer"), example("kv_consumer")
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    return nixl, dict(nixl)
+    def nixl(role: str) -> dict[str, Any]:
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    return nixl("kv_producer"), nixl("kv_consumer")
 
 
 class Bar:
@@ -666,7 +694,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, reference
             prefill_kv, decode_kv = kv_configs(system, kv_port, storage)
             traced = system.startswith("kvpush")
             pair = []
-            for name, core, kv in (("prefill", 0, prefill_kv), ("decode", 1, decode_kv)):
+            for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
                 own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
                 if system == "nixl":
                     own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
@@ -685,6 +713,12 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, reference
             emit(not_run_record(system, f"the warm-up request failed: {warm.error}; "
                                         f"{servers[-1].log_tail(600)}"))
             return
+        cpus = {s.name: allowed_cpus(s.process.pid) for s in servers}
+        moved = {s.name: sorted(cpus[s.name]) for s in servers if cpus[s.name] != {s.core}}
+        if moved:  # every engine computes on its own core in every case
+            extra["repinned"] = moved
+            for server in servers:
+                pin_tree(server.process.pid, server.core)
         extra["cpus"] = {s.name: sorted(allowed_cpus(s.process.pid)) for s in servers}
         for length in bench.lengths:
             reps = bench.reps[length]
@@ -817,10 +851,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-nixl-install", action="store_true",
                         help=f"do not pip-install {' '.join(NIXL_WHEELS)} (--no-deps) into {NIXL_SITE}")
     args = parser.parse_args(argv)
-    wanted = ["single"] + [s for s in args.cases.split(",") if s and s != "single"]
-    unknown = [s for s in wanted if s not in SYSTEMS]
+    asked = [s for s in args.cases.split(",") if s]
+    unknown = [s for s in asked if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {', '.join(SYSTEMS)}")
+    wanted = [s for s in RUN_ORDER if s == "single" or s in asked]
     check = subprocess.run([args.python, "-c", "import vllm, kvpush"], capture_output=True, text=True)
     if check.returncode != 0:
         sys.stderr.write(f"{args.python} cannot import vllm and kvpush (run this with vLLM's CPU build, e.g. "
@@ -879,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/vllm_bench.py" + (" --quick" if args.quick else "")
     header = [f"# vLLM serving benchmark {stamp}", "",
               f"`{command}` on {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}; "
-              f"{elapsed:.0f} s. Loopback only; engines pinned one per core (prefill 0, decode 1, single 1). "
+              f"{elapsed:.0f} s. Loopback only; engines pinned one per core (prefill 1, decode 0, single 1). "
               f"Model: {model_info['bytes'] / 1e6:.0f} MB float32 Llama (bench/vllm_model.py), "
               f"{model_info['kv_bytes_per_token'] // 1024} KiB of KV per token; {bench.max_tokens} output tokens "
               f"per request; repetitions per prompt length: "
