@@ -34,31 +34,41 @@ off; one request at a time; the client does the routing a proxy would, so no pro
   that under ``repinned`` and the engines are pinned back to their own cores.
 
 Per prompt length and case (one JSON line each): TTFT p50/p99 (client side: from the first request
-sent to the first streamed token of the decode) and total latency p50/p99 (to the last token), the
-prompt tokens the decode reports as cached (``--enable-prompt-tokens-details``; the prompt length
-when it used the transferred KV), and whether every output equals the single instance's token for
-token: a case whose outputs differ reports FAIL and no number. Percentiles are numpy's linear
-interpolation over the repetitions (with n samples, p99 is close to the maximum). The engines are
-warmed up first (one short request through the same path, which also links the connectors).
+sent to the first streamed token of the decode), total latency p50/p99 (to the last token) and TPOT
+(per output token after the first), the prompt tokens the decode reports as cached
+(``--enable-prompt-tokens-details``; the prompt length when it used the transferred KV), and whether
+every output equals the single instance's token for token: a case whose outputs differ reports FAIL
+and no number. Percentiles are numpy's linear interpolation over the repetitions (with n samples,
+p99 is close to the maximum). Engines are warmed up first (a short request through the same path,
+which also links the connectors); ``idle_core_share`` is the share of a core each server uses with
+no request in flight.
+
+The single instance stays up for the whole run, and one of its requests runs right before every P/D
+request of the same prompt: "vs single" divides a case's p50 by the p50 of those interleaved single
+requests (``single_ttft_p50_ms``), so both were measured seconds apart on this shared host, whose
+load drifts over minutes. Its own rows pool all of its requests. Ratios between connectors divide
+their p50s directly (cases run minutes apart: read them with their "vs single").
 
 Hidden share (``VLLM-HIDDEN``, kvpush cases, on the same servers after the latency pass): pairs of
-requests of the same prompt, back to back, one ``pipelined`` (KvpushConnector as it is: each layer
-pushed from ``save_kv_layer`` while the forward computes the next) and one ``serial`` (the timed
-connector's control file stops ``save_kv_layer`` from pushing, so the connector pushes every layer
-from ``wait_for_save``, after the forward: the same bytes, no overlap). From the trace, per request,
-on one clock (``time.monotonic``, shared by every process of the host):
+requests of one prompt, back to back, both sent decode first (the prefill's copy once the decode's
+block ids are out, so the pipelined one really pipelines). One is ``pipelined`` (KvpushConnector as
+it is: each layer pushed from ``save_kv_layer`` while the forward computes the next), one ``serial``
+(the timed connector's control file stops ``save_kv_layer`` from pushing, so the connector pushes
+every layer from ``wait_for_save``, after the forward: the same bytes, no overlap). From the trace,
+on one clock (``time.monotonic``, shared by every process of the host), per request:
     S = the prefill's forward start (metadata bound), F = its forward end (``wait_for_save``),
-    L = the decode reporting the transfer landed (``finished_recving``).
-With the serial request's transfer time ``T = L - F`` (all of it after the forward), per pair:
-    hidden = ((L - S)_serial - (L - S)_pipelined) / T_serial
-the share of the transfer time the pipeline took off the critical path, compute slowed by the
-concurrent pushes included (as W-LAYER in bench/run.py). Also reported: ``behind`` =
-1 - (L - F)_pipelined / T_serial (the share of the transfer that ran during the forward, which may have
-slowed), ``inflation`` = (F - S)_pipelined / (F - S)_serial - 1, the exposed tail ``(L - F)_pipelined``,
-and how many pipelined requests really pushed during their forward (the decode's block ids must
-reach the prefill before its forward starts; later ones are pushed after it). Medians over pairs.
-vLLM's own connectors move KV after the prefill finished (pull after ``request_finished``): nothing of
-their transfer is hidden by design.
+    L = the decode reporting the transfer landed (``finished_recving``, after the prefill's notice
+        that every byte of every layer landed).
+The serial request's ``L - F`` is the whole transfer (``transfer after the forward``); the pipelined
+one's ``L - F`` is what was left of it after the forward. Per pair:
+    hidden = 1 - (L - F)_pipelined / (L - F)_serial
+the share of the KV transfer (its notice and the decode's report included) that ran behind the
+prefill's compute; the median over pairs. The price is reported beside it: ``forward slowed`` =
+(F - S)_pipelined / (F - S)_serial - 1 (the pushes share the prefill's core: with TCP the kernel copies
+on the sender; this also carries the host's load noise, which on a shared host can exceed the
+transfer), and ``net saved`` = (L - S)_serial - (L - S)_pipelined, which counts both (W-LAYER in
+bench/run.py defines its "hidden" that way). vLLM's own connectors move KV after the prefill finished
+(the decode pulls or reads after ``request_finished``): nothing of their transfer is hidden, by design.
 
 Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
 ratios to the single instance and to every other connector of the same run) and ``.png``, and
@@ -182,6 +192,9 @@ def latency_record(system: str, length: int, samples: Sequence[Sample], referenc
     record.update(ttft_p50_ms=round(median(ttft), 1), ttft_p99_ms=round(percentile(ttft, 99), 1),
                   total_p50_ms=round(median(total), 1), total_p99_ms=round(percentile(total, 99), 1),
                   output_tokens=len(samples[0].tokens))
+    if len(samples[0].tokens) > 1:  # time per output token after the first, the decode engine's own pace
+        record["tpot_p50_ms"] = round(median([(s.total_s - s.ttft_s) * 1e3 / (len(s.tokens) - 1)
+                                              for s in samples]), 1)
     return record
 
 
@@ -224,20 +237,18 @@ def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None,
         record["result"] = "FAIL"
         record["error"] = "no pair with a complete trace (forward start and end on the prefill, landed on the decode)"
         return record
-    hidden, behind, inflation = [], [], []
+    hidden, saved, inflation = [], [], []
     for p, s in good:
         transfer = s.landed - s.forward_end
-        hidden.append(((s.landed - s.start) - (p.landed - p.start)) / transfer)
-        behind.append(1 - (p.landed - p.forward_end) / transfer)
+        hidden.append(1 - (p.landed - p.forward_end) / transfer)
+        saved.append((s.landed - s.start) - (p.landed - p.start))
         inflation.append((p.forward_end - p.start) / (s.forward_end - s.start) - 1)
 
-    def clip(value: float) -> float:
-        return round(min(1.0, max(0.0, value)), 3)
-
     record.update(
-        hidden=clip(median(hidden)), behind=clip(median(behind)), compute_inflation=round(median(inflation), 3),
+        hidden=round(min(1.0, max(0.0, median(hidden))), 3),
         transfer_serial_ms=round(median([(s.landed - s.forward_end) * 1e3 for _, s in good]), 2),
         exposed_pipelined_ms=round(median([(p.landed - p.forward_end) * 1e3 for p, _ in good]), 2),
+        compute_inflation=round(median(inflation), 3), net_saved_ms=round(median(saved) * 1e3, 1),
         forward_serial_ms=round(median([(s.forward_end - s.start) * 1e3 for _, s in good]), 1),
         forward_pipelined_ms=round(median([(p.forward_end - p.start) * 1e3 for p, _ in good]), 1),
         pipelined_requests=f"{sum(1 for p, _ in good if p.pipelined_pushes and not p.after_forward_pushes)}"
@@ -259,9 +270,10 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
     run. A ratio below 1 is faster than the column's case."""
     latency = [r for r in records if r["workload"].startswith("VLLM-P")]
     others = [s for s in SYSTEMS if any(r["case"] == s for r in latency)]
-    lines = ["| prompt | case | TTFT p50 / p99 ms | total p50 / p99 ms | cached | equal | pushed in forward | "
-             "TTFT vs single | total vs single | " + " | ".join(f"TTFT vs {o}" for o in others if o != "single") + " |",
-             "|---|---|---|---|---|---|---|---|---|" + "---|" * len([o for o in others if o != "single"])]
+    versus = [o for o in others if o != "single"]
+    lines = ["| prompt | case | TTFT p50 / p99 ms | total p50 / p99 ms | TPOT ms | cached | equal | pushed in forward "
+             "| TTFT vs single | total vs single | " + " | ".join(f"TTFT vs {o}" for o in versus) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(versus)]
     by_length: dict[int, dict[str, dict[str, Any]]] = {}
     for record in latency:
         by_length.setdefault(record["prompt_tokens"], {})[record["case"]] = record
@@ -273,29 +285,34 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
                 continue
             if "result" in record:
                 result = f"{record['result']}: {record.get('error', '')}"
-                cells = [result, "", str(record.get("cached_tokens", "")), record.get("outputs_equal", "")]
+                cells = [result, "", "", str(record.get("cached_tokens", "")), record.get("outputs_equal", "")]
             else:
                 cells = [f"{record['ttft_p50_ms']:.1f} / {record['ttft_p99_ms']:.1f}",
                          f"{record['total_p50_ms']:.1f} / {record['total_p99_ms']:.1f}",
-                         str(record.get("cached_tokens", "")), record.get("outputs_equal", "ref")]
+                         str(record.get("tpot_p50_ms", "")), str(record.get("cached_tokens", "")),
+                         record.get("outputs_equal", "ref")]
             cells.append(record.get("pushed_during_forward", ""))
-            single = cases.get("single")
+            if "single_ttft_p50_ms" in record:  # the single instance's requests interleaved with this case's
+                single: dict[str, Any] | None = {"ttft_p50_ms": record["single_ttft_p50_ms"],
+                                                 "total_p50_ms": record.get("single_total_p50_ms")}
+            else:
+                single = cases.get("single")
             cells += [_ratio(record, single, "ttft_p50_ms"), _ratio(record, single, "total_p50_ms")]
-            cells += [_ratio(record, cases.get(o), "ttft_p50_ms") for o in others if o != "single"]
+            cells += [_ratio(record, cases.get(o), "ttft_p50_ms") for o in versus]
             lines.append(f"| {length} | {name} | " + " | ".join(cells) + " |")
     hidden = [r for r in records if r["workload"] == "VLLM-HIDDEN"]
     if hidden:
-        lines += ["", "| prompt | case | hidden | behind | compute slowed | transfer after forward (serial) ms | "
-                  "exposed (pipelined) ms | TTFT saved ms | pushed during forward |",
+        lines += ["", "| prompt | case | hidden | transfer after the forward, serial ms | left after the forward, "
+                  "pipelined ms | forward slowed | net saved ms | TTFT saved ms | pushed during forward |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(hidden, key=lambda r: (r["prompt_tokens"], r["case"])):
             if "result" in r:
                 lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['result']}: {r.get('error', '')} "
                              "| | | | | | |")
                 continue
-            lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['hidden'] * 100:.0f}% | {r['behind'] * 100:.0f}% "
-                         f"| {r['compute_inflation'] * 100:+.0f}% | {r['transfer_serial_ms']} | "
-                         f"{r['exposed_pipelined_ms']} | {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} |")
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['hidden'] * 100:.0f}% | {r['transfer_serial_ms']} "
+                         f"| {r['exposed_pipelined_ms']} | {r['compute_inflation'] * 100:+.0f}% | {r['net_saved_ms']} "
+                         f"| {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} |")
     skipped = [r for r in records if r["workload"] == "VLLM"]
     if skipped:
         lines += [""] + [f"- **{r['case']}**: {r['result']}" for r in skipped]
@@ -367,6 +384,30 @@ def pin_tree(pid: int, core: int) -> None:
                     os.sched_setaffinity(int(task), {core})
                 with contextlib.suppress(OSError), open(f"/proc/{current}/task/{task}/children") as children:
                     pids += [int(child) for child in children.read().split()]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) used so far by every thread of ``pid`` and its descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pids = 0.0, [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{current}/task/{task}/stat") as stat:
+                        fields = stat.read().rsplit(")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+                with contextlib.suppress(OSError), open(f"/proc/{current}/task/{task}/children") as children:
+                    pids += [int(child) for child in children.read().split()]
+    return total
+
+
+def idle_load(servers: Sequence[Server], seconds: float = 2.0) -> dict[str, float]:
+    """The share of a core each server's processes use while no request is in flight."""
+    before = {s.name: cpu_seconds(s.process.pid) for s in servers}
+    time.sleep(seconds)
+    return {s.name: round((cpu_seconds(s.process.pid) - before[s.name]) / seconds, 2) for s in servers}
 
 
 def _cpu_list(text: str) -> set[int]:
@@ -668,38 +709,78 @@ def read_trace(path: Path | None) -> list[dict[str, Any]]:
     return events
 
 
-def run_case(system: str, settings: Settings, bench: Plan, vocab: int, reference: dict[tuple[int, int], list[int]],
+@dataclass
+class Baseline:
+    """The single instance, up for the whole run: one of its requests runs right before every P/D
+    request of the same prompt, so each case's "vs single" compares requests seconds apart (the host
+    is shared and its load drifts over minutes). Its first output per prompt is the reference."""
+
+    route: Route
+    reference: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    samples: dict[int, list[Sample]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    drifted: list[str] = field(default_factory=list)
+
+    def measure(self, length: int, rep: int, ids: list[int], max_tokens: int) -> Sample:
+        sample = self.route(ids, max_tokens)
+        self.samples.setdefault(length, []).append(sample)
+        first = self.reference.setdefault((length, rep), sample.tokens)
+        if not sample.error and sample.tokens != first:
+            self.drifted.append(f"prompt {length}/{rep}: the single instance's greedy output changed between runs")
+        return sample
+
+    def records(self) -> list[dict[str, Any]]:
+        records = []
+        for length in sorted(self.samples):
+            record = latency_record("single", length, self.samples[length], None, dict(self.extra))
+            drift = [d for d in self.drifted if d.startswith(f"prompt {length}/")]
+            if drift and "result" not in record:
+                record = {k: v for k, v in record.items() if not k.endswith("_ms")} | {"result": "FAIL",
+                                                                                      "error": drift[0]}
+            records.append(record)
+        return records
+
+
+def start_baseline(settings: Settings, vocab: int, startup_s: float) -> tuple[Server, Baseline]:
+    server = start_server(settings, "single", 1, None)
+    began = time.monotonic()
+    wait_healthy([server], startup_s)
+    baseline = Baseline(Route("single", [server]))
+    baseline.extra["startup_s"] = round(time.monotonic() - began, 1)
+    warm = baseline.route(prompt(64, -1, vocab), 2)
+    if warm.error:
+        raise RuntimeError(f"the single instance's warm-up failed: {warm.error}")
+    baseline.extra["idle_core_share"] = idle_load([server])
+    return server, baseline
+
+
+def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline: Baseline,
              emit: Callable[[dict[str, Any]], None], startup_s: float) -> None:
-    """Start the case's servers, warm up, measure every prompt length (and the hidden share for kvpush),
-    end the servers. Records go to ``emit``."""
+    """Start the case's servers, warm up, measure every prompt length (each request after the single
+    instance's of the same prompt) and the hidden share for kvpush, end the servers. Records go to
+    ``emit``."""
     storage = Path(tempfile.mkdtemp(prefix="kvpush-bench-example-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                     else None))
     servers: list[Server] = []
     extra: dict[str, Any] = {}
     try:
-        if system == "single":
-            servers = [start_server(settings, "single", 1, None)]
-        else:
-            env: dict[str, str] = {}
+        env: dict[str, str] = {}
+        if system == "nixl":
+            site, problem = nixl_site(settings.python, settings.nixl_install)
+            if problem is not None:
+                emit(not_run_record(system, problem))
+                return
+            if site is not None:
+                env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
+        control = settings.work / f"{system}.control"
+        control.write_text("pipelined")
+        prefill_kv, decode_kv = kv_configs(system, free_port(), storage)
+        traced = system.startswith("kvpush")
+        for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
+            own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
             if system == "nixl":
-                site, problem = nixl_site(settings.python, settings.nixl_install)
-                if problem is not None:
-                    emit(not_run_record(system, problem))
-                    return
-                if site is not None:
-                    env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
-            control = settings.work / f"{system}.control"
-            control.write_text("pipelined")
-            kv_port = free_port()
-            prefill_kv, decode_kv = kv_configs(system, kv_port, storage)
-            traced = system.startswith("kvpush")
-            pair = []
-            for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
-                own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
-                if system == "nixl":
-                    own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-                pair.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced))
-            servers = pair
+                own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            servers.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced))
         began = time.monotonic()
         try:
             wait_healthy(servers, startup_s)
@@ -720,64 +801,74 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, reference
             for server in servers:
                 pin_tree(server.process.pid, server.core)
         extra["cpus"] = {s.name: sorted(allowed_cpus(s.process.pid)) for s in servers}
+        extra["idle_core_share"] = idle_load(servers)
         for length in bench.lengths:
             reps = bench.reps[length]
             bar = Bar(f"{system} {length} tokens", reps)
-            samples = []
+            samples, paired = [], []
             for rep in range(reps):
-                samples.append(route(prompt(length, rep, vocab), bench.max_tokens))
+                ids = prompt(length, rep, vocab)
+                paired.append(baseline.measure(length, rep, ids, bench.max_tokens))
+                samples.append(route(ids, bench.max_tokens))
                 bar.draw(rep + 1)
                 if system == "example":
                     _empty(storage)
-            if system == "single":
-                for rep, sample in enumerate(samples):
-                    reference[(length, rep)] = sample.tokens
-            refs = None if system == "single" else [reference.get((length, rep), []) for rep in range(reps)]
             measured = dict(extra)
+            good = [s for s in paired if not s.error]
+            if good:
+                measured["single_ttft_p50_ms"] = round(median([s.ttft_s * 1e3 for s in good]), 1)
+                measured["single_total_p50_ms"] = round(median([s.total_s * 1e3 for s in good]), 1)
             if system.startswith("kvpush"):
                 time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
                 prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
                 timings = [timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end)) for s in samples]
                 measured["pushed_during_forward"] = f"{sum(1 for t in timings if t and t.pipelined_pushes)}/{reps}"
+            refs = [baseline.reference.get((length, rep), []) for rep in range(reps)]
             record = latency_record(system, length, samples, refs, measured)
-            bar.close(record.get("result") or f"TTFT p50 {record['ttft_p50_ms']} ms, total p50 "
+            bar.close(record.get("result") or f"TTFT p50 {record['ttft_p50_ms']} ms (single "
+                                              f"{record.get('single_ttft_p50_ms')}), total p50 "
                                               f"{record['total_p50_ms']} ms, cached {record.get('cached_tokens')}")
             emit(record)
         if system.startswith("kvpush"):
-            control = settings.work / f"{system}.control"
             route.decode_first = True  # every pair's pipelined request really pipelines (see Route)
             for length in bench.hidden_lengths:
-                bar = Bar(f"{system} hidden {length}", 2 * bench.hidden_pairs)
-                windows: list[tuple[Sample, Sample]] = []
-                for rep in range(bench.hidden_pairs):
-                    ids = prompt(length, rep, vocab)
-                    pair_samples = []
-                    for index, mode in enumerate(("pipelined", "serial")):
-                        control.write_text(mode)
-                        pair_samples.append(route(ids, 1))
-                        bar.draw(2 * rep + index + 1)
-                    windows.append((pair_samples[0], pair_samples[1]))
-                control.write_text("pipelined")
-                time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
-                prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
-                timings = [(timing_of(prefill_trace, decode_trace, (p.t_start, p.t_end)),
-                            timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end))) for p, s in windows]
-                ttfts = [(p.ttft_s, s.ttft_s) for p, s in windows if not p.error and not s.error]
-                record = hidden_record(system, length, timings, ttfts)
-                bad = [s.error for pair in windows for s in pair if s.error]
-                wrong = [rep for rep, (p, s) in enumerate(windows)
-                         if not p.tokens == s.tokens == reference.get((length, rep), p.tokens)[:1]]
-                if bad or wrong:
-                    record = {k: v for k, v in record.items() if k not in ("hidden", "behind")}
-                    record |= {"result": "FAIL", "error": (bad[0] if bad else "a first token differs")[:300]}
-                bar.close(record.get("result") or f"{record['hidden'] * 100:.0f}% hidden, exposed "
-                                                  f"{record['exposed_pipelined_ms']} ms of "
-                                                  f"{record['transfer_serial_ms']} ms")
-                emit(record)
+                emit(measure_hidden(system, route, servers, control, length, bench.hidden_pairs, vocab,
+                                    baseline.reference))
     finally:
         for server in servers:
             _end(server.process)
         shutil.rmtree(storage, ignore_errors=True)
+
+
+def measure_hidden(system: str, route: Route, servers: Sequence[Server], control: Path, length: int, pairs: int,
+                   vocab: int, reference: dict[tuple[int, int], list[int]]) -> dict[str, Any]:
+    """Pipelined and serial requests of the same prompt, back to back (see the module docstring)."""
+    bar = Bar(f"{system} hidden {length}", 2 * pairs)
+    windows: list[tuple[Sample, Sample]] = []
+    for rep in range(pairs):
+        ids = prompt(length, rep, vocab)
+        pair_samples = []
+        for index, mode in enumerate(("pipelined", "serial")):
+            control.write_text(mode)
+            pair_samples.append(route(ids, 1))
+            bar.draw(2 * rep + index + 1)
+        windows.append((pair_samples[0], pair_samples[1]))
+    control.write_text("pipelined")
+    time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
+    prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
+    timings = [(timing_of(prefill_trace, decode_trace, (p.t_start, p.t_end)),
+                timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end))) for p, s in windows]
+    ttfts = [(p.ttft_s, s.ttft_s) for p, s in windows if not p.error and not s.error]
+    record = hidden_record(system, length, timings, ttfts)
+    bad = [s.error for pair in windows for s in pair if s.error]
+    wrong = [rep for rep, (p, s) in enumerate(windows)
+             if not p.tokens == s.tokens == reference.get((length, rep), p.tokens)[:1]]
+    if bad or wrong:
+        record = {k: v for k, v in record.items() if k not in ("hidden", "behind")}
+        record |= {"result": "FAIL", "error": (bad[0] if bad else "a first token differs")[:300]}
+    bar.close(record.get("result") or f"{record['hidden'] * 100:.0f}% hidden: {record['exposed_pipelined_ms']} ms "
+                                      f"of {record['transfer_serial_ms']} ms left after the forward")
+    return record
 
 
 def _empty(directory: Path) -> None:
@@ -834,6 +925,19 @@ def chart(records: Sequence[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def render(jsonl: Path) -> int:
+    """The table and chart of an earlier run, from its JSON lines."""
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    records = [r for r in lines if r.get("case") != "machine"]
+    table = tables(records)
+    markdown = jsonl.with_suffix(".md")
+    header = markdown.read_text().split("\n| prompt |")[0].rstrip("\n").splitlines() if markdown.exists() else []
+    markdown.write_text("\n".join([*header, ""] + table) + "\n" if header else "\n".join(table) + "\n")
+    chart(records, jsonl.with_suffix(".png"))
+    print("\n".join(table))
+    return 0
+
+
 def vocab_of(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
@@ -848,9 +952,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: built by bench/vllm_model.py)")
     parser.add_argument("--out", default=str(RESULTS), help=f"results directory (default {RESULTS})")
     parser.add_argument("--startup-timeout", type=float, default=420, help="seconds for servers to become healthy")
+    parser.add_argument("--render", default=None, metavar="JSONL",
+                        help="only write the table and chart of an earlier run's .jsonl (beside it)")
     parser.add_argument("--no-nixl-install", action="store_true",
                         help=f"do not pip-install {' '.join(NIXL_WHEELS)} (--no-deps) into {NIXL_SITE}")
     args = parser.parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
     asked = [s for s in args.cases.split(",") if s]
     unknown = [s for s in asked if s not in SYSTEMS]
     if unknown:
@@ -881,7 +989,6 @@ def main(argv: list[str] | None = None) -> int:
                "python": platform.python_version(), "quick": args.quick, "model": model_info,
                "lengths": list(bench.lengths), "reps": {str(k): v for k, v in bench.reps.items()},
                "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg()}
-    reference: dict[tuple[int, int], list[int]] = {}
     jsonl = out / f"{stamp}.jsonl"
 
     def interrupted(signum: int, frame: Any) -> None:
@@ -899,14 +1006,28 @@ def main(argv: list[str] | None = None) -> int:
             sink.flush()
 
         try:
+            single = None
+            try:
+                single, baseline = start_baseline(settings, vocab_of(model), args.startup_timeout)
+            except RuntimeError as error:
+                emit(not_run_record("single", str(error)[-600:]))
+                baseline = None
             for system in wanted:
-                if system != "single" and not reference:
-                    emit(not_run_record(system, "no single-instance reference to check its outputs against"))
+                if system == "single" or baseline is None:
                     continue
                 try:
-                    run_case(system, settings, bench, vocab_of(model), reference, emit, args.startup_timeout)
+                    run_case(system, settings, bench, vocab_of(model), baseline, emit, args.startup_timeout)
                 except Exception as error:  # one broken case must not hide the others
                     emit(not_run_record(system, f"{type(error).__name__}: {str(error)[-600:]}"))
+            if baseline is not None:
+                if not baseline.samples:  # only the single instance was asked for
+                    for length in bench.lengths:
+                        for rep in range(bench.reps[length]):
+                            baseline.measure(length, rep, prompt(length, rep, vocab_of(model)), bench.max_tokens)
+                for record in baseline.records():
+                    emit(record)
+            if single is not None:
+                _end(single.process)
         finally:
             _end_all()
     table = tables(records)

@@ -3,18 +3,20 @@ prefill compute and real KV sizes, built once and reused.
 
     python bench/vllm_model.py [DIR]        # prints the directory; builds it unless it is already there
 
-Geometry (``GEOMETRY``): hidden 768, 24 layers, 12 query heads and 6 KV heads of 64, MLP 2048, a
-byte-level BPE vocabulary of ~2k trained here (tests/vllm/tiny_model.py does the building): 157 M
-parameters, 630 MB of random float32 weights; 72 KiB of KV per token (24 layers x 2 x 6 x 64 x 4 B),
-so a 2048-token prompt is 144 MiB of KV in 64 blocks per layer.
+Geometry (``GEOMETRY``): hidden 512, 24 layers, 8 query and 8 KV heads of 64 (no grouping, as in
+Llama-2-7B), MLP 1536, a byte-level BPE vocabulary of ~2k trained here (tests/vllm/tiny_model.py does
+the building): 83 M parameters, 334 MB of random float32 weights; 96 KiB of KV per token (24 layers x
+2 x 8 heads x 64 x 4 B), so a 2048-token prompt is 192 MiB of KV, 64 blocks of 32 tokens per layer.
 
-Why this size on this host (2 cores, AVX2 without AVX-512 or BF16 units): float32, because one core
-does ~80 GFLOP/s in fp32 matmuls and under 1 GFLOP/s in bf16 (no native bf16: every op converts), and
-because P/D outputs are compared token for token with a single instance (fp32 keeps the greedy
-argmax stable across the prefill and decode kernels' different summation orders). 24 layers are tens
-of layer boundaries for the layer pipeline to use; hidden 768 keeps a 2048-token prefill on one core
-at ~8 s, so the full benchmark (one single instance and four P/D pairs) fits in ~15 minutes. The
-hidden 1024 / 24-layer geometry (283 M parameters) takes ~20 s per 2048-token prefill here.
+Why this size on this host (2 cores, AVX2 without AVX-512 or BF16 units, shared with other work):
+float32, because one core does ~80 GFLOP/s in fp32 matmuls and under 1 GFLOP/s in bf16 (no native
+bf16: every op converts), and because P/D outputs are compared token for token with a single instance
+(fp32 keeps the greedy argmax stable across the prefill and decode kernels' different summation
+orders). 24 layers give the layer pipeline tens of boundaries; hidden 512 keeps a 2048-token prefill
+on one core at ~9 s (~1.5 s for 512 tokens), so the full benchmark (a single instance and four P/D
+pairs, each started and measured) ends in about half an hour. The first candidate, hidden 768 with 6 KV
+heads and MLP 2048 (157 M parameters), took 8 s for 512 tokens and 25-50 s for 2048 on this
+(then busy) machine, too long for repeated 2048-token requests in every case.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ def test_outputs_equal_to_the_reference_give_numbers() -> None:
     assert "result" not in record and record["outputs_equal"] == "3/3"
     assert record["ttft_p50_ms"] == 200.0 and record["total_p50_ms"] == 700.0
     assert record["cached_tokens"] == 64 and record["output_tokens"] == 3
+    assert record["tpot_p50_ms"] == pytest.approx(250.0)  # 0.5 s for the 2 tokens after the first
 
 
 def test_an_output_that_differs_is_fail_and_no_number() -> None:
@@ -68,7 +69,7 @@ def test_an_output_that_differs_is_fail_and_no_number() -> None:
     record = latency_record("nixl", 64, samples([0.2, 0.1], [[1, 2, 3], [4, 5, 7]]), ref)
     assert record["result"] == "FAIL" and record["outputs_equal"] == "1/2"
     assert "differ" in record["error"]
-    assert not NUMBERS & set(record)
+    assert not NUMBERS & set(record) and "tpot_p50_ms" not in record
 
 
 def test_a_failed_request_is_fail_and_no_number() -> None:
@@ -100,23 +101,26 @@ def test_timing_of_picks_the_request_of_its_window() -> None:
 
 def test_hidden_share_from_pipelined_and_serial_pairs() -> None:
     # serial: forward 1.0 s, then the whole transfer (0.1 s); pipelined: forward 1.01 s (slowed by the
-    # pushes), and only 0.01 s left after it
+    # pushes), and only 0.01 s of transfer left after it
     serial = Timing(0.0, 1.0, 1.1, 1, 0)
     pipelined = Timing(0.0, 1.01, 1.02, 1, 0)
     record = hidden_record("kvpush-tcp", 512, [(pipelined, serial)] * 3, [(1.05, 1.13)] * 3)
-    assert record["hidden"] == pytest.approx(0.8)  # (1.1 - 1.02) / 0.1
-    assert record["behind"] == pytest.approx(0.9)  # 1 - 0.01 / 0.1
+    assert record["hidden"] == pytest.approx(0.9)  # 1 - 0.01 / 0.1
+    assert record["net_saved_ms"] == pytest.approx(80.0)  # (1.1 - 0.0) - (1.02 - 0.0)
     assert record["compute_inflation"] == pytest.approx(0.01)
     assert record["transfer_serial_ms"] == pytest.approx(100.0)
     assert record["exposed_pipelined_ms"] == pytest.approx(10.0)
     assert record["pipelined_requests"] == "3/3" and record["ttft_saved_ms"] == pytest.approx(80.0)
 
 
-def test_hidden_share_is_clipped_and_needs_a_complete_pair() -> None:
+def test_hidden_share_is_the_median_clipped_and_needs_a_complete_pair() -> None:
     serial = Timing(0.0, 1.0, 1.1, 1, 0)
-    faster = Timing(0.0, 0.5, 0.52, 1, 0)  # noise: the pipelined forward ran faster
-    assert hidden_record("kvpush-cma", 512, [(faster, serial)])["hidden"] == 1.0
-    failed = hidden_record("kvpush-cma", 512, [(None, serial), (faster, None)])
+    slower = Timing(0.0, 1.0, 1.3, 0, 1)  # its ids came late: pushed after the forward, and slowly
+    record = hidden_record("kvpush-cma", 512, [(slower, serial)])
+    assert record["hidden"] == 0.0 and record["pipelined_requests"] == "0/1"
+    mixed = [(Timing(0.0, 1.0, 1.0 + e, 1, 0), serial) for e in (0.01, 0.02, 0.09)]
+    assert hidden_record("kvpush-cma", 512, mixed)["hidden"] == pytest.approx(0.8)
+    failed = hidden_record("kvpush-cma", 512, [(None, serial), (slower, None)])
     assert failed["result"] == "FAIL" and "hidden" not in failed
 
 
@@ -124,6 +128,9 @@ def test_table_ratios_are_to_the_single_instance_and_the_other_connectors_of_the
     ref = [[1]]
     records = [latency_record("single", 32, samples([0.1], ref), None),
                latency_record("kvpush-tcp", 32, samples([0.15], ref), ref, {"pushed_during_forward": "1/1"}),
+               latency_record("kvpush-cma", 64, samples([0.3], ref), ref, {"single_ttft_p50_ms": 200.0,
+                                                                           "single_total_p50_ms": 400.0}),
+               latency_record("single", 64, samples([0.1], ref), None),
                latency_record("example", 32, samples([0.3], ref), ref),
                latency_record("nixl", 32, samples([0.2], [[2]]), ref),
                not_run_record("kvpush-cma", "no cma here")]
@@ -136,6 +143,9 @@ def test_table_ratios_are_to_the_single_instance_and_the_other_connectors_of_the
     at = dict(zip(columns, cells))
     assert at["TTFT vs single"] == "1.50" and at["TTFT vs example"] == "0.50" and at["pushed in forward"] == "1/1"
     assert at["TTFT vs kvpush-tcp"] == "" and at["TTFT vs nixl"] == ""  # itself; a FAIL has no number
+    paired = next(line for line in lines if line.startswith("| 64 | kvpush-cma |"))
+    at = dict(zip(columns, [c.strip() for c in paired.strip("|").split("|")]))
+    assert at["TTFT vs single"] == "1.50" and at["total vs single"] == "2.00"  # its interleaved single requests
     nixl = next(line for line in lines if line.startswith("| 32 | nixl |"))
     assert "FAIL" in nixl and "200.0" not in nixl
     assert any("kvpush-cma" in line and "not run: no cma here" in line for line in lines)
