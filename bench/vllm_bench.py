@@ -31,7 +31,11 @@ off; one request at a time; the client does the routing a proxy would, so no pro
   use and put on the servers' ``PYTHONPATH`` (the CUDA wheel's Python API and UCX backend run on a
   CPU host). If it does not import or run, the case says why instead of a number. On a CPU host its
   worker moves itself to the NUMA node's last core (reserved for KV transfer): the JSON line records
-  that under ``repinned`` and the engines are pinned back to their own cores.
+  that under ``repinned`` and the engines are pinned back to their own cores. Its agent's progress
+  thread polls (vLLM creates the agent with ``enable_prog_thread`` on and no option to turn it off):
+  an idle NIXL server takes ~0.7 of its core (``idle_core_share``), which its forward passes and
+  decode steps lose (measured with NIXL's API alone: 0.5-0.7 of a core with the progress thread,
+  0.0 without).
 
 Per prompt length and case (one JSON line each): TTFT p50/p99 (client side: from the first request
 sent to the first streamed token of the decode), total latency p50/p99 (to the last token) and TPOT
@@ -86,6 +90,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -925,14 +930,41 @@ def chart(records: Sequence[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def header_lines(stamp: str, machine: dict[str, Any], elapsed: float | None) -> list[str]:
+    model = machine.get("model") or {}
+    command = "python bench/vllm_bench.py" + (" --quick" if machine.get("quick") else "")
+    took = f"{elapsed:.0f} s" if elapsed is not None else "time not recorded"
+    load = machine.get("loadavg_start")
+    busy = f"; load average {load[0]:.1f} at the start (a shared host)" if load else ""
+    return [f"# vLLM serving benchmark {stamp}", "",
+            f"`{command}` on {machine.get('cpus')} cores, {machine.get('platform')}, Python {machine.get('python')}; "
+            f"{took}{busy}. "
+            "Loopback only; one `vllm serve` per engine, each pinned to its core (single instance and prefill: "
+            "core 1, decode: core 0); prefix caching off; one request at a time; greedy, `ignore_eos`. "
+            f"Model: {model.get('bytes', 0) / 1e6:.0f} MB float32 Llama, 24 layers (bench/vllm_model.py), "
+            f"{model.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token; {machine.get('max_tokens')} output "
+            "tokens per request; requests per prompt length and case: "
+            + ", ".join(f"{k}: {v}" for k, v in (machine.get("reps") or {}).items()) + ".",
+            "",
+            "\"vs single\" divides a case's p50 by the p50 of the single-instance requests interleaved with it "
+            "(the same prompts, seconds apart); \"vs X\" divides it by case X's p50 (same prompt length, same run, "
+            "minutes apart). Below 1 is faster. FAIL: an output differed from the single instance's (no number). "
+            "Definitions: bench/vllm_bench.py's docstring.", ""]
+
+
 def render(jsonl: Path) -> int:
     """The table and chart of an earlier run, from its JSON lines."""
     lines = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    records = [r for r in lines if r.get("case") != "machine"]
-    table = tables(records)
+    machine = next((r for r in lines if r.get("case") == "machine"), {})
+    records = [r for r in lines if r.get("case") not in ("machine", "run")]
+    elapsed = next((r.get("elapsed_s") for r in lines if r.get("case") == "run"), None)
     markdown = jsonl.with_suffix(".md")
-    header = markdown.read_text().split("\n| prompt |")[0].rstrip("\n").splitlines() if markdown.exists() else []
-    markdown.write_text("\n".join([*header, ""] + table) + "\n" if header else "\n".join(table) + "\n")
+    if elapsed is None and markdown.exists():  # a run from before the "run" line: its table's header says it
+        found = re.search(r"; (\d+) s\.", markdown.read_text())
+        elapsed = float(found.group(1)) if found else None
+    table = tables(records)
+    header = header_lines(jsonl.stem, machine, elapsed)
+    markdown.write_text("\n".join(header + table) + "\n")
     chart(records, jsonl.with_suffix(".png"))
     print("\n".join(table))
     return 0
@@ -1030,17 +1062,11 @@ def main(argv: list[str] | None = None) -> int:
                 _end(single.process)
         finally:
             _end_all()
+            sink.write(json.dumps({"workload": "-", "case": "run", "elapsed_s": round(time.monotonic() - started),
+                                   "loadavg_end": os.getloadavg()}) + "\n")
     table = tables(records)
     elapsed = time.monotonic() - started
-    command = "python bench/vllm_bench.py" + (" --quick" if args.quick else "")
-    header = [f"# vLLM serving benchmark {stamp}", "",
-              f"`{command}` on {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}; "
-              f"{elapsed:.0f} s. Loopback only; engines pinned one per core (prefill 1, decode 0, single 1). "
-              f"Model: {model_info['bytes'] / 1e6:.0f} MB float32 Llama (bench/vllm_model.py), "
-              f"{model_info['kv_bytes_per_token'] // 1024} KiB of KV per token; {bench.max_tokens} output tokens "
-              f"per request; repetitions per prompt length: "
-              + ", ".join(f"{k}: {v}" for k, v in bench.reps.items())
-              + ". Ratios divide this row's p50 by the column's, same prompt length, same run.", ""]
+    header = header_lines(stamp, machine, elapsed)
     (out / f"{stamp}.md").write_text("\n".join(header + table) + "\n")
     drew = chart(records, out / f"{stamp}.png")
     print("\n".join(table))
