@@ -533,10 +533,14 @@ class Link:
         Cancellation closes the link at once (force)."""
         try:
             if self.state == LinkState.READY:
+                self._unlinking = True  # from now on a BYE from the peer answers ours (both ends unlink)
                 if self.onesided is not None:
                     self.onesided.close_leases()  # nothing new starts, so the drain below is final
                 done = self.onesided is None or await self.onesided.drain_leases(timeout)
-                self._unlinking = True
+                if self._bye.done() and self._bye.exception() is None:
+                    return True  # the peer's own unlink crossed ours while we drained: both ends agreed
+                if self.state != LinkState.READY:
+                    return False
                 self.stream.send(encode_json(Kind.BYE, 0, {"leases_done": done}))
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True

@@ -159,7 +159,10 @@ def test_engine_options_from_config() -> None:
                              engine_options={"kvpush.transport": "tcp"})
     assert config.engine_options_for(("127.0.0.1", 14579)) == {
         "llm.SyncKvCacheWaitTime": "250", "kvpush.transport": "tcp", "kvpush.auth_token": "s3cret",
-        "llm.listenIpInfo": "127.0.0.1:14579"}
+        "llm.listenIpInfo": "127.0.0.1:14579",
+        "kvpush.keepalive_interval_ms": "500", "kvpush.keepalive_timeout_ms": "5000"}  # tolerant of a busy host
+    tuned = ConnectorConfig(engine_options={"kvpush.keepalive_timeout_ms": "1000"}).engine_options_for(None)
+    assert tuned["kvpush.keepalive_timeout_ms"] == "1000"  # engine_options win
     assert ConnectorConfig().engine_options_for(("::1", 9))["llm.listenIpInfo"] == "[::1]:9"
     assert "llm.listenIpInfo" not in ConnectorConfig().engine_options_for(None)
 

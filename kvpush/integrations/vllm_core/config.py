@@ -87,7 +87,11 @@ class ConnectorConfig:
 
     def engine_options_for(self, listen: tuple[str, int] | None) -> dict[str, str]:
         """kvpush ``LLMDataDist`` options for this worker's engine."""
-        options = {"llm.SyncKvCacheWaitTime": str(self.sync_kv_timeout_ms), "kvpush.transport": self.transport}
+        # A serving process's event-loop thread can be starved for a second on a busy host (a 1 s keepalive
+        # dropped links during the vLLM benchmark on 2 shared cores); a peer that dies is still noticed at
+        # once by its socket closing. engine_options may set other values.
+        options = {"llm.SyncKvCacheWaitTime": str(self.sync_kv_timeout_ms), "kvpush.transport": self.transport,
+                   "kvpush.keepalive_interval_ms": "500", "kvpush.keepalive_timeout_ms": "5000"}
         if listen is not None:
             host, port = listen
             options["llm.listenIpInfo"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
