@@ -12,7 +12,7 @@ straight from the source memory, resuming after partial writes, and waits with `
 when the socket is full. A frame that has started is always finished (or the stream closed), so
 the byte stream never holds half a frame.
 
-One idea, TCP (about 470 lines): the stream, its in-place receive state machine and its set-up
+One idea, TCP (about 480 lines): the stream, its in-place receive state machine and its set-up
 (listener, connect) belong together.
 """
 
