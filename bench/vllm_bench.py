@@ -25,8 +25,8 @@ off; one request at a time; the client does the routing a proxy would, so no pro
   decode's. It matches whole blocks of the prompt less its last token, so a 32-token prompt (one
   block) is recomputed by the decode (cached 0).
 - ``nixl``: vLLM's NixlConnector (prefill ``kv_producer``, decode ``kv_consumer``,
-  ``kv_buffer_device="cpu"``, NIXL's UCX backend with UCX's defaults): the prefill's request, its
-  ``kv_transfer_params`` handed to the decode, which pulls the blocks. NIXL comes from NIXL's
+  ``kv_buffer_device="cpu"``, NIXL's UCX backend with UCX's defaults but ``UCX_NET_DEVICES=lo``):
+  the prefill's request, its ``kv_transfer_params`` handed to the decode, which pulls the blocks. NIXL comes from NIXL's
   ``nixl``/``nixl-cu12`` 1.5.1 wheels, installed with ``--no-deps`` into a private directory on first
   use and put on the servers' ``PYTHONPATH`` (the CUDA wheel's Python API and UCX backend run on a
   CPU host). If it does not import or run, the case says why instead of a number. On a CPU host its
@@ -45,7 +45,9 @@ every output equals the single instance's token for token: a case whose outputs 
 and no number. Percentiles are numpy's linear interpolation over the repetitions (with n samples,
 p99 is close to the maximum). Engines are warmed up first (a short request through the same path,
 which also links the connectors); ``idle_core_share`` is the share of a core each server uses with
-no request in flight.
+no request in flight, ``core_share_in_request`` the median share of its core each engine used while
+a request ran (a decode waiting for KV steps without pause: vLLM's engine loop with a request in
+``WAITING_FOR_REMOTE_KVS``).
 
 The single instance stays up for the whole run, and one of its requests runs right before every P/D
 request of the same prompt: "vs single" divides a case's p50 by the p50 of those interleaved single
@@ -784,7 +786,8 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
         for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
             own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
             if system == "nixl":
-                own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+                own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                        "UCX_NET_DEVICES": "lo"}  # loopback only; same-host peers use UCX's shared memory
             servers.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced))
         began = time.monotonic()
         try:
@@ -811,14 +814,21 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             reps = bench.reps[length]
             bar = Bar(f"{system} {length} tokens", reps)
             samples, paired = [], []
+            busy: dict[str, list[float]] = {s.name: [] for s in servers}
             for rep in range(reps):
                 ids = prompt(length, rep, vocab)
                 paired.append(baseline.measure(length, rep, ids, bench.max_tokens))
-                samples.append(route(ids, bench.max_tokens))
+                before = {s.name: cpu_seconds(s.process.pid) for s in servers}
+                sample = route(ids, bench.max_tokens)
+                samples.append(sample)
+                for server in servers:  # how much of its core each engine used while the request ran
+                    used = cpu_seconds(server.process.pid) - before[server.name]
+                    busy[server.name].append(used / max(sample.t_end - sample.t_start, 1e-3))
                 bar.draw(rep + 1)
                 if system == "example":
                     _empty(storage)
             measured = dict(extra)
+            measured["core_share_in_request"] = {name: round(median(shares), 2) for name, shares in busy.items()}
             good = [s for s in paired if not s.error]
             if good:
                 measured["single_ttft_p50_ms"] = round(median([s.ttft_s * 1e3 for s in good]), 1)
