@@ -911,29 +911,48 @@ def chart(records: Sequence[dict[str, Any]], path: Path) -> bool:
         return False
     lengths = sorted({r["prompt_tokens"] for r in latency})
     systems = [s for s in SYSTEMS if any(r["case"] == s for r in latency)]
-    figure, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [2, 2, 1]})
+    figure, grid = plt.subplots(2, 2, figsize=(16, 10))
+    axes = [grid[0][0], grid[0][1], grid[1][0], grid[1][1]]
     width = 0.8 / max(len(systems), 1)
+    ticks = [i + width * (len(systems) - 1) / 2 for i in range(len(lengths))]
+
+    def value(system: str, length: int, key: str) -> float:
+        return float(next((r.get(key) or 0.0 for r in latency if r["case"] == system and r["prompt_tokens"] == length),
+                          0.0))
+
     for panel, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "total", "Total request latency")):
         for index, system in enumerate(systems):
-            p50 = [next((r[f"{key}_p50_ms"] for r in latency if r["case"] == system and r["prompt_tokens"] == n),
-                        0.0) for n in lengths]
-            p99 = [next((r[f"{key}_p99_ms"] for r in latency if r["case"] == system and r["prompt_tokens"] == n),
-                        0.0) for n in lengths]
             x = [i + index * width for i in range(len(lengths))]
-            panel.bar(x, p50, width, label=system)
-            panel.scatter(x, p99, marker="_", color="black", s=80, zorder=3, label="p99" if index == 0 else None)
-        panel.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(lengths))], [str(n) for n in lengths])
+            panel.bar(x, [value(system, n, f"{key}_p50_ms") for n in lengths], width, label=system)
+            panel.scatter(x, [value(system, n, f"{key}_p99_ms") for n in lengths], marker="_", color="black", s=80,
+                          zorder=3, label="p99" if index == 0 else None)
+        panel.set_xticks(ticks, [str(n) for n in lengths])
         panel.set_xlabel("prompt tokens")
         panel.set_yscale("log")
         panel.set_ylabel("ms (bar: p50, tick: p99; log)")
         panel.set_title(f"{title}: single instance vs P/D")
         panel.legend(fontsize=8)
+    pd_systems = [s for s in systems if s != "single"]
+    for index, system in enumerate(pd_systems):
+        ratios = []
+        for n in lengths:
+            mine, single = value(system, n, "ttft_p50_ms"), value(system, n, "single_ttft_p50_ms")
+            ratios.append(mine / single if mine and single else 0.0)
+        axes[2].bar([i + index * 0.8 / max(len(pd_systems), 1) for i in range(len(lengths))], ratios,
+                    0.8 / max(len(pd_systems), 1), label=system, color=f"C{systems.index(system)}")
+    axes[2].axhline(1.0, color="black", linewidth=0.8)
+    axes[2].set_xticks([i + 0.4 - 0.4 / max(len(pd_systems), 1) for i in range(len(lengths))],
+                       [str(n) for n in lengths])
+    axes[2].set_xlabel("prompt tokens")
+    axes[2].set_ylabel("TTFT p50 / interleaved single-instance TTFT p50")
+    axes[2].set_title("TTFT relative to the single instance (requests seconds apart)")
+    axes[2].legend(fontsize=8)
     names = [f"{r['case'].removeprefix('kvpush-')} {r['prompt_tokens']}" for r in hidden]
-    axes[2].bar(range(len(hidden)), [r["hidden"] * 100 for r in hidden], 0.6)
-    axes[2].set_xticks(range(len(hidden)), names, rotation=30, fontsize=8)
-    axes[2].set_ylim(0, 100)
-    axes[2].set_ylabel("% of the KV transfer hidden behind prefill compute")
-    axes[2].set_title("kvpush layer pipelining")
+    axes[3].bar(range(len(hidden)), [r["hidden"] * 100 for r in hidden], 0.6)
+    axes[3].set_xticks(range(len(hidden)), names)
+    axes[3].set_ylim(0, 100)
+    axes[3].set_ylabel("% of the KV transfer hidden behind prefill compute")
+    axes[3].set_title("kvpush layer pipelining: 1 - (left after the forward) / (serial transfer)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
