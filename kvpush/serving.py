@@ -127,8 +127,10 @@ class HeldGrants:
         """The engine is finalizing: release what no one can write into any more; caches a live
         same-host writer may still reach stay pinned for good (never unmapped under it)."""
         if self.watch is not None and self.watch.alive():
-            log.warning("engine finalized while cluster %s's process may still write into %d cache(s): "
-                        "they stay mapped", self.peer, len(self.entries))
+            # INFO, not WARNING: an ordinary finalize while a same-host writer lives ends this way (the demo
+            # does); the memory stays mapped until this process exits, which is what keeps it safe.
+            log.info("engine finalized while cluster %s's process may still write into %d cache(s): "
+                     "they stay mapped", self.peer, len(self.entries))
             self.watch.close()
             self.watch = None
             self.entries = []
