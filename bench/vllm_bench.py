@@ -117,8 +117,9 @@ RUN_ORDER = ("single", "nixl", "example", "kvpush-tcp", "kvpush-cma")
 PD_SYSTEMS = SYSTEMS[1:]
 SERVED = "bench"
 BLOCK_SIZE = 32
-# kvpush's default keepalive timeout (1 s) dropped a link here when the prefill's core was taken by other
-# work for longer than that (its event-loop thread shares the core with the forward): 5 s for the benchmark.
+# A 1 s keepalive timeout (kvpush's engine default) dropped a link here when the prefill's core was taken by other
+# work for longer (its event-loop thread shares the core with the forward); the connector now defaults to 5 s,
+# set here too so runs before and after that change compare.
 KVPUSH_ENGINE_OPTIONS = {"kvpush.keepalive_timeout_ms": "5000"}
 
 
