@@ -105,6 +105,20 @@ def _names(kind: Kind) -> tuple[str, str]:
     return ("src_cache", "dst_cache_key") if kind == Kind.WRITE else ("dst_cache", "src_cache_key")
 
 
+def _check_local_layers(api: str, push: bool, local_cache: Cache, src_range: range | None, dst_range: range | None,
+                        n: int) -> bool:
+    """SPEC §6 checks 4-5 on the local side (N, then the ranges); True when a range was given."""
+    ranges_given = src_range is not None or dst_range is not None
+    local_tensors = local_cache.cache_desc.num_tensors
+    v.check_tensor_num(api, n, local_tensors, ranges_given)
+    v.check_layer_range_values(api, "src_layer_range", src_range)
+    v.check_layer_range_values(api, "dst_layer_range", dst_range)
+    v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", src_range if push else dst_range,
+                         local_tensors, n)
+    v.check_range_lengths(api, src_range, dst_range)
+    return ranges_given
+
+
 def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
                      dst_blocks: object, src_range_arg: object, dst_range_arg: object, n_arg: object,
                      remote_cache_id: int | None = None, local_slot: object = None) -> BlockArgs:
@@ -140,14 +154,7 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     v.check_blocks_cache(api, local_name, local_cache)
     if small is None or src is not _EMPTY:
         v.check_block_counts(api, src, dst)
-    ranges_given = src_range is not None or dst_range is not None
-    local_tensors = local_cache.cache_desc.num_tensors
-    v.check_tensor_num(api, n, local_tensors, ranges_given)
-    v.check_layer_range_values(api, "src_layer_range", src_range)
-    v.check_layer_range_values(api, "dst_layer_range", dst_range)
-    v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", src_range if push else dst_range,
-                         local_tensors, n)
-    v.check_range_lengths(api, src_range, dst_range)
+    ranges_given = _check_local_layers(api, push, local_cache, src_range, dst_range, n)
     assert isinstance(remote_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
     model_id = remote_key.model_id if remote_cache_id is None and isinstance(remote_key, BlocksCacheKey) else None
     return BlockArgs(api, kind, remote_key.cluster_id, model_id, remote_cache_id, local_name, local_cache, src, dst,
@@ -178,14 +185,7 @@ def _check_slot_args(api: str, kind: Kind, remote_key: object, local_cache: Cach
         raise param_invalid(f"{api}: dst_blocks is empty")
     if isinstance(remote_key, CacheKey):
         v.check_key_ids(api, remote_name, remote_key)
-    ranges_given = src_range is not None or dst_range is not None
-    local_tensors = local_cache.cache_desc.num_tensors
-    v.check_tensor_num(api, n, local_tensors, ranges_given)
-    v.check_layer_range_values(api, "src_layer_range", src_range)
-    v.check_layer_range_values(api, "dst_layer_range", dst_range)
-    v.check_range_bounds(api, "src_layer_range" if push else "dst_layer_range", src_range if push else dst_range,
-                         local_tensors, n)
-    v.check_range_lengths(api, src_range, dst_range)
+    ranges_given = _check_local_layers(api, push, local_cache, src_range, dst_range, n)
     assert isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     return BlockArgs(api, kind, remote_key.cluster_id,
                      remote_key.model_id if isinstance(remote_key, BlocksCacheKey) else None,
