@@ -60,6 +60,7 @@ PREFILL_BATCH_TOKENS = 64  # the prefill's token budget per step: prompts longer
 TRANSFER_TIMEOUT_S = 10.0  # the decode's deadline from allocation to the last byte
 IDS_TIMEOUT_S = 10.0  # how long a prefill keeps a finished request's blocks for block ids that do not come
 ABORT_GRACE_S = 3.0  # how long a decode waits for the prefill to confirm an abort
+DECODE_MODEL_LEN = 4096  # the decode's context (the tiny model's whole): long generations for clients that leave
 STARTUP_S = 300.0
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -144,7 +145,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         start_prefill()
         servers["decode"] = start_vllm("decode", tiny_model, "1", _kv_config(
             "kv_consumer", kv_port, transfer_timeout_s=TRANSFER_TIMEOUT_S, abort_grace_s=ABORT_GRACE_S), work,
-            "--max-num-batched-tokens", "128", "--enable-log-requests", *chat)
+            "--max-num-batched-tokens", "128", "--enable-log-requests", "--max-model-len", str(DECODE_MODEL_LEN),
+            *chat)
         wait_healthy(list(servers.values()), STARTUP_S)
         assert reference.wait(timeout=max(10.0, STARTUP_S - (time.monotonic() - started))) == 0, \
             (work / "reference.log").read_text()[-4000:]
@@ -330,20 +332,26 @@ def _kvpush_lines(server: Server, since: int) -> str:
 
 @pytest.mark.timeout(200)
 def test_a_client_that_leaves_mid_stream_leaves_the_servers_healthy(pd: Stack) -> None:
-    max_tokens, request_id = 900, f"leave-mid-stream-{uuid.uuid4().hex}"
+    # as many tokens as the decode's context allows, so that the decode is still generating when the
+    # client leaves after its first tokens, however fast the machine
+    max_tokens, request_id = DECODE_MODEL_LEN - len(ABORTED), f"leave-mid-stream-{uuid.uuid4().hex}"
+    finished_before = metric_sum(metrics(pd.decode.url), "vllm:request_success_total")
     events = stream_events(f"{pd.proxy.url}/v1/completions", _body(ABORTED, max_tokens=max_tokens, stream=True),
                            headers={"X-Request-Id": request_id})
     received: list[int] = []
     for event in events:
         received += event["choices"][0].get("token_ids") or []
-        if len(received) >= 3:
+        if received:
             break
     events.close()  # the client closes its connection mid-stream
     left = time.monotonic()
     aborted = _aborted(pd.decode, request_id)
     print(f"decode: {aborted[-1][-160:] if aborted else 'no abort logged'} ({time.monotonic() - left:.2f} s after "
           f"the client left with {len(received)} of {max_tokens} tokens)")
-    assert aborted, "the decode did not abort the request of the client that left"
+    finished = metric_sum(metrics(pd.decode.url), "vllm:request_success_total") - finished_before
+    assert aborted, (f"the decode did not abort the request of the client that left ({finished:.0f} request(s) "
+                     f"finished meanwhile); decode log: {log_lines(pd.decode, request_id)[-4:]}; proxy log: "
+                     f"{log_lines(pd.proxy)[-6:]}")
     assert all(healthy(s.url) for s in (pd.proxy, pd.prefill, pd.decode))
     rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in AFTER_ABORT]
     _check(rows, "/v1/completions after a client left mid-stream")
