@@ -29,7 +29,7 @@ class PendingOp:
     exactly once) and, once granted, the transport's ``copy`` future."""
 
     __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "move_args", "held", "granted", "notice", "_release")
+                 "copy", "move_args", "held", "granted", "notice", "waiter", "_release")
 
     def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
         self.request_id = request_id
@@ -45,6 +45,9 @@ class PendingOp:
         self.granted = False
         self.notice: bytes | None = None  # set for a write under a lease: the WRITE_NOTICE to send after the copy
         self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
+        # set by whoever awaits the request (``transfer.await_layer``): woken in the same loop pass as
+        # ``future`` ends, and cancelled instead of ``future`` when that caller is cancelled
+        self.waiter: asyncio.Future[None] | None = None
         self._release: Callable[[], None] | None = None
 
     def hold(self, release: Callable[[], None]) -> None:
@@ -67,6 +70,12 @@ class PendingOp:
         if self.copy is not None:
             return True
         return self.kind == Kind.WRITE and self.frame is not None and self.frame.started
+
+
+def _wake(op: PendingOp) -> None:
+    waiter = op.waiter
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 class RequestTable:
@@ -115,12 +124,14 @@ class RequestTable:
             self._on_failure(error)
             op.future.set_exception(error)
             op.future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
+        _wake(op)
 
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: forget it and cancel its future."""
         self._pending.pop(op.request_id, None)
         if not op.future.done():
             op.future.cancel()
+        _wake(op)
 
     def fail_all(self, status: LLMStatusCode, message: str) -> None:
         """The link is gone: every request ends with ``LLMException(status, message)``; incoming

@@ -39,8 +39,17 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
     """Wait for one layer's request (bounded by ``timeout_ms``); raise its failure as an
     ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed)."""
     if not op.future.done():
-        done, _ = await asyncio.wait((op.future,), timeout=timeout_ms / 1000)
-        if not done:
+        # ``op.waiter`` rather than ``asyncio.wait``: the table wakes this task in the pass that ends the
+        # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
+        # request's own future (``drain`` still sees whether the layer's bytes may land)
+        waiter = op.waiter = link.loop.create_future()
+        timer = link.loop.call_later(timeout_ms / 1000, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            op.waiter = None
+        if not op.future.done():
             timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
                                      completed or ())
             link.note_failure(timed_out)
@@ -50,6 +59,11 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
         raise LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
     if error is not None:
         raise error
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
