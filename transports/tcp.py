@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 CAPABILITIES = Capabilities(name="tcp", one_sided=False, same_host_only=False)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _READS_PER_WAKEUP = 64
+# Every stream reads headers and metas through a staging buffer of this size: one recv brings a
+# small frame whole (header, meta, the start of its payload) and usually the news that the socket
+# is drained (a short read), so no further recv is needed to learn it. It is all a connection holds
+# before its handshake is done (metas that do not fit get their own buffer, bounded by meta_limit).
+STAGING_BYTES = 2048
 _SEND_NOW_BYTES = 256 << 10
 _DISCARD = bytearray(1 << 18)
 
@@ -66,38 +71,70 @@ _writev.restype = ctypes.c_ssize_t
 
 class _Cursor:
     """Progress through an iovec, resumable after partial reads or writes (numpy, no loop per
-    entry). The bookkeeping for partial progress is built only when a call stops mid-vector."""
+    entry): a call that stops inside an entry shortens that entry in place.
 
-    __slots__ = ("vec", "base", "length", "cum", "total", "done", "index")
+    ``spill``: (address, size) of a buffer to append as one more entry behind the vector, so that a
+    read that finishes the vector goes on into it (the next frame's first bytes) in the same call."""
 
-    def __init__(self, iov: IoVec, owned: bool = False, total: int | None = None) -> None:
-        self.vec = iov if owned else np.array(iov, dtype=np.uint64, order="C")
-        self.base: np.ndarray[Any, Any] | None = None
-        self.length: np.ndarray[Any, Any] | None = None
-        self.cum: np.ndarray[Any, Any] | None = None
-        self.total = int(self.vec[:, 1].sum()) if total is None else total
+    __slots__ = ("vec", "rows", "total", "done", "index")
+
+    def __init__(self, iov: IoVec, owned: bool = False, total: int | None = None,
+                 spill: tuple[int, int] | None = None) -> None:
+        if spill is not None:
+            rows = iov.shape[0]
+            self.vec = np.empty((rows + 1, 2), np.uint64)
+            self.vec[:rows] = iov
+            self.vec[rows] = spill
+        else:
+            self.vec = iov if owned else np.array(iov, dtype=np.uint64, order="C")
+            rows = self.vec.shape[0]
+        self.rows = rows
+        self.total = int(self.vec[:rows, 1].sum()) if total is None else total
         self.done = 0
         self.index = 0
 
     def advance(self, count: int) -> None:
+        """``count`` more bytes of the vector (not of the spill) were moved."""
         self.done += count
         if self.done >= self.total:
-            self.index = self.vec.shape[0]
+            self.index = self.rows
             return
-        if self.cum is None:
-            self.base = self.vec[:, 0].copy()
-            self.length = self.vec[:, 1].copy()
-            self.cum = np.cumsum(self.length)
-        assert self.base is not None and self.length is not None
-        index = int(np.searchsorted(self.cum, self.done, side="right"))
-        consumed = self.done - (int(self.cum[index - 1]) if index else 0)
-        self.vec[index, 0] = self.base[index] + np.uint64(consumed)
-        self.vec[index, 1] = self.length[index] - np.uint64(consumed)
+        vec, index = self.vec, self.index
+        if count < int(vec[index, 1]):  # still inside the current entry
+            vec[index, 0] += np.uint64(count)
+            vec[index, 1] -= np.uint64(count)
+            return
+        cum = np.cumsum(vec[index:self.rows, 1])
+        step = int(np.searchsorted(cum, count, side="right"))
+        consumed = count - (int(cum[step - 1]) if step else 0)
+        index += step
+        vec[index, 0] += np.uint64(consumed)
+        vec[index, 1] -= np.uint64(consumed)
         self.index = index
 
     def pointer(self) -> tuple[int, int]:
-        """(address of the current iovec entry, entries to pass) for readv/writev."""
+        """(address of the current iovec entry, entries to pass) for readv/writev; the spill entry
+        is passed only when the rest of the vector fits in the same call."""
         return self.vec.ctypes.data + 16 * self.index, min(IOV_MAX, self.vec.shape[0] - self.index)
+
+    def fill(self, source: int, count: int) -> None:
+        """Copy ``count`` bytes (at most the rest of the vector) from address ``source`` into it. Used
+        for the few bytes of a payload that arrived in the staging buffer behind their header, so it
+        runs over at most a staging buffer's worth of entries, once per frame."""
+        while count > 0:
+            base, length = int(self.vec[self.index, 0]), int(self.vec[self.index, 1])
+            step = min(count, length)
+            ctypes.memmove(base, source, step)
+            source += step
+            count -= step
+            self.advance(step)
+
+
+def _address(data: bytes) -> int:
+    """Where a bytes object's contents are (it is immutable and referenced by the frame)."""
+    address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    assert address is not None
+    return address
 
 
 def _check(result: int) -> int:
@@ -118,10 +155,10 @@ class TcpFrame:
 
     def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
                  already_sent: int = 0, nbytes: int | None = None) -> None:
-        self.head = np.frombuffer(head, np.uint8)
+        self.head = head  # referenced here: the iovec points into it
         rows = 1 + (0 if payload is None else payload.shape[0])
         vec = np.empty((rows, 2), np.uint64)
-        vec[0, 0] = self.head.__array_interface__["data"][0]
+        vec[0, 0] = _address(head)
         vec[0, 1] = len(head)
         total = len(head)
         if payload is not None:
@@ -163,11 +200,16 @@ class TcpFrameStream:
         self._queue: collections.deque[TcpFrame] = collections.deque()
         self._writer_armed = False
         self._pump_scheduled = False
-        # receive state
-        self._header = bytearray(HEADER_SIZE)
-        self._got = 0
+        # receive state: staged bytes rx[_rx_start:_rx_end]; a frame whose payload (or big meta) is due
+        self._rx = bytearray(STAGING_BYTES)
+        self._rx_view = memoryview(self._rx)
+        self._rx_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._rx))
+        self._rx_start = 0
+        self._rx_end = 0
         self._frame: FrameHeader | None = None
-        self._meta = bytearray()
+        self._meta = bytearray()  # a meta too big for the staging buffer, read into its own
+        self._meta_wanted = 0
+        self._got = 0
         self._payload_left = 0
         self._sink: PayloadSink | None = None
         self._cursor: _Cursor | None = None
@@ -277,13 +319,14 @@ class TcpFrameStream:
 
     # -- receiving ------------------------------------------------------------------------------
     def _on_readable(self) -> None:
+        heard = False
         for _ in range(_READS_PER_WAKEUP):
             if self.closed:
                 return
             try:
-                count = self._read_once()
+                count, drained = self._read_once()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except ProtocolError as error:
                 log.warning("closing link stream %r: protocol violation: %s", self, error)
                 self.close(f"protocol violation: {error}")
@@ -299,71 +342,132 @@ class TcpFrameStream:
                 self.close("peer closed the connection")
                 return
             self.bytes_in += count
+            heard = True
+            if drained:  # a short read: nothing more is waiting (the loop calls again if that changes)
+                break
+        if heard:
             self.last_receive = time.monotonic()
 
-    def _read_once(self) -> int:
-        if self._frame is None:
-            count = self.sock.recv_into(memoryview(self._header)[self._got:])
-            self._got += count
-            if self._got == HEADER_SIZE:
-                self._got = 0
-                self._frame = decode_header(self._header)
-                if self.meta_limit is not None and self._frame.meta_len > self.meta_limit:
-                    raise ProtocolError(f"{self._frame.kind.name} announces {self._frame.meta_len} bytes of meta; "
-                                        f"at most {self.meta_limit} are accepted now")
-                self._meta = bytearray(self._frame.meta_len)
-                if self._frame.meta_len == 0:
-                    self._frame_ready()
-            return count
-        if self._got < len(self._meta):
+    def _read_once(self) -> tuple[int, bool]:
+        """One read; (bytes read, whether the socket is drained as far as the read can tell)."""
+        if self._frame is None:  # headers and small metas come through the staging buffer
+            end = self._rx_end
+            count = self.sock.recv_into(self._rx_view[end:])
+            if count:
+                self._rx_end = end + count
+                self._parse()
+            return count, count < STAGING_BYTES - end
+        if self._meta_wanted:
+            want = self._meta_wanted - self._got
             count = self.sock.recv_into(memoryview(self._meta)[self._got:])
             self._got += count
-            if self._got == len(self._meta) and count:
-                self._frame_ready()
-            return count
+            if count and self._got == self._meta_wanted:
+                self._meta_wanted = 0
+                self._frame_ready(self._frame, bytes(self._meta))
+                self._meta = bytearray()
+            return count, count < want
         return self._read_payload()
 
-    def _frame_ready(self) -> None:
-        frame = self._frame
-        assert frame is not None
-        sink = self.handler.on_frame(frame, bytes(self._meta))
+    def _parse(self) -> None:
+        """Take every whole frame head (and the payload bytes behind it) out of the staging buffer."""
+        view = self._rx_view
+        start, end = self._rx_start, self._rx_end
+        while start < end and not self.closed:
+            if self._frame is not None:  # payload bytes that arrived behind their header
+                take = min(end - start, self._payload_left)
+                self._take_staged(start, take)
+                start += take
+                continue
+            if end - start < HEADER_SIZE:
+                break
+            frame = decode_header(view[start:start + HEADER_SIZE])
+            meta_len = frame.meta_len
+            if self.meta_limit is not None and meta_len > self.meta_limit:
+                raise ProtocolError(f"{frame.kind.name} announces {meta_len} bytes of meta; "
+                                    f"at most {self.meta_limit} are accepted now")
+            if HEADER_SIZE + meta_len > STAGING_BYTES:  # its own buffer, read straight into
+                start += HEADER_SIZE
+                have = min(end - start, meta_len)
+                self._meta = bytearray(meta_len)
+                self._meta[:have] = view[start:start + have]
+                start += have
+                self._frame, self._meta_wanted, self._got = frame, meta_len, have
+                if have == meta_len:
+                    self._meta_wanted = 0
+                    self._frame_ready(frame, bytes(self._meta))
+                    self._meta = bytearray()
+                continue
+            if end - start < HEADER_SIZE + meta_len:
+                break  # the rest of the meta is still on its way
+            meta = bytes(view[start + HEADER_SIZE:start + HEADER_SIZE + meta_len])
+            start += HEADER_SIZE + meta_len
+            self._frame_ready(frame, meta)
+        if start >= end:
+            start = end = 0
+        elif start:
+            view[:end - start] = view[start:end]
+            end -= start
+            start = 0
+        self._rx_start, self._rx_end = start, end
+
+    def _frame_ready(self, frame: FrameHeader, meta: bytes) -> None:
+        sink = self.handler.on_frame(frame, meta)
         if frame.payload_len == 0:
-            self._reset()
+            self._frame = None
             return
+        self._frame = frame
         self._payload_left = frame.payload_len
         self._sink = sink
         self._cursor = None
         if sink is not None:
             if sink.nbytes != frame.payload_len:
                 raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {sink.nbytes}")
-            iov = sink.iov
-            owned = iov.dtype == np.uint64 and iov.flags.c_contiguous  # the sink's iov is ours to advance
-            self._cursor = _Cursor(iov, owned=owned, total=sink.nbytes)
+            self._cursor = _Cursor(sink.iov, total=sink.nbytes, spill=(self._rx_addr, STAGING_BYTES))
 
-    def _read_payload(self) -> int:
+    def _take_staged(self, start: int, count: int) -> None:
+        """``count`` payload bytes at ``start`` of the staging buffer: into the sink (or discarded)."""
         sink, cursor = self._sink, self._cursor
         if sink is not None and cursor is not None and not sink.cancelled:
-            address, entries = cursor.pointer()
-            count = _check(_readv(self.fd, address, entries))
-            if count:
-                cursor.advance(count)
-        else:
-            want = min(self._payload_left, len(_DISCARD))
-            count = self.sock.recv_into(memoryview(_DISCARD)[:want])
+            cursor.fill(self._rx_addr + start, count)
         self._payload_left -= count
-        if count and self._payload_left == 0:
-            self._reset()
-            if sink is not None and not sink.cancelled:
-                sink.on_done()
-        return count
+        if self._payload_left == 0:
+            self._payload_done()
 
-    def _reset(self) -> None:
+    def _payload_done(self) -> None:
+        sink = self._sink
         self._frame = None
-        self._got = 0
-        self._meta = bytearray()
         self._sink = None
         self._cursor = None
-        self._payload_left = 0
+        if sink is not None and not sink.cancelled:
+            sink.on_done()
+
+    def _read_payload(self) -> tuple[int, bool]:
+        """Read the payload straight into the sink's memory; the read goes on into the staging
+        buffer (the next frame's head) when the rest of the payload fits in one call."""
+        sink, cursor, left = self._sink, self._cursor, self._payload_left
+        if sink is None or cursor is None or sink.cancelled:
+            want = min(left, len(_DISCARD))
+            count = self.sock.recv_into(memoryview(_DISCARD)[:want])
+            self._payload_left -= count
+            if count and self._payload_left == 0:
+                self._payload_done()
+            return count, count < want
+        address, entries = cursor.pointer()
+        spill = cursor.index + entries > cursor.rows  # the staging buffer is the call's last entry
+        count = _check(_readv(self.fd, address, entries))
+        if count > left:  # the payload is complete and the next frame's first bytes are staged
+            cursor.advance(left)
+            self._payload_left = 0
+            self._rx_start, self._rx_end = 0, count - left
+            self._payload_done()
+            self._parse()
+            return count, count - left < STAGING_BYTES
+        if count:
+            cursor.advance(count)
+            self._payload_left = left - count
+            if self._payload_left == 0:
+                self._payload_done()
+        return count, spill and count <= left
 
     # -- closing --------------------------------------------------------------------------------
     def close(self, reason: str, abort: bool = False) -> None:
@@ -387,6 +491,7 @@ class TcpFrameStream:
             self.sock.close()
         except OSError:
             pass
+        self._rx_start = self._rx_end = 0
         error = ConnectionError(f"stream closed: {reason}")
         while self._queue:
             frame = self._queue.popleft()
