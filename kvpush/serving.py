@@ -52,6 +52,7 @@ Send = Callable[..., OutgoingFrame]
 # grants not yet landed); past it a request is refused with LLM_LINK_BUSY. Far above what the engine's
 # own senders use (two layers per transfer), it bounds what one peer can pin.
 MAX_INCOMING_IN_FLIGHT = 1024
+DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against their deadlines
 
 
 class Refusal(Exception):
@@ -166,7 +167,10 @@ class Inbound:
         self._loop = loop
         self._close_link = close_link
         self._limit_ms = limit_ms
-        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # per incoming write or grant
+        # per incoming write or grant: request id -> (loop time it must end by, what it is, its allowance in s);
+        # one sweep timer (armed while any is open) checks them, so a request costs no timer of its own
+        self._deadlines: dict[int, tuple[float, str, float]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
         self._access_allowed = access_allowed
         self._send = send
         self._counters = counters
@@ -197,22 +201,29 @@ class Inbound:
     def _watch(self, request_id: int, budget_ms: int, what: str) -> None:
         """Every incoming transfer ends in time: the sender's budget for it, capped by this engine's
         own ``sync_kv_timeout`` (each doubled, plus a second, since the sender's clock starts when the
-        layer is its oldest in flight). Past it the link is closed, which unpins what it held."""
+        layer is its oldest in flight). Past it (checked every ``DEADLINE_SWEEP_S``) the link is
+        closed, which unpins what it held."""
         own = self._limit_ms()
         limit_ms = min(budget_ms, own) if budget_ms > 0 else own
         seconds = 2 * limit_ms / 1000 + 1.0
-        self._deadlines[request_id] = self._loop.call_later(seconds, self._expired, request_id, what, seconds)
+        self._deadlines[request_id] = (self._loop.time() + seconds, what, seconds)
+        if self._sweeper is None:
+            self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
     def _done(self, request_id: int) -> None:
-        timer = self._deadlines.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
-
-    def _expired(self, request_id: int, what: str, seconds: float) -> None:
         self._deadlines.pop(request_id, None)
-        reason = f"an incoming {what} (request {request_id}) did not complete within {seconds:.1f} s"
-        log.warning("closing the link to cluster %s: %s", self._peer, reason)
-        self._close_link(reason)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = self._loop.time()
+        for request_id, (when, what, seconds) in self._deadlines.items():  # at most MAX_INCOMING_IN_FLIGHT
+            if when <= now:
+                reason = f"an incoming {what} (request {request_id}) did not complete within {seconds:.1f} s"
+                log.warning("closing the link to cluster %s: %s", self._peer, reason)
+                self._close_link(reason)  # ends every request of the link (and clears this table)
+                return
+        if self._deadlines:
+            self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
     # -- stream transfers ---------------------------------------------------------------------------
     def serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
@@ -355,8 +366,9 @@ class Inbound:
         byte of them lands any more). A granted one-sided copy may still be queued or running in the
         peer (or the peer may be stopped just before it), so those pins are handed back as
         ``HeldGrants`` for the engine to release when that is safe (None: nothing held)."""
-        for timer in self._deadlines.values():
-            timer.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self._deadlines.clear()
         for entry in self._writes.values():
             entry.unpin()
