@@ -24,7 +24,7 @@ RUN_DTYPE = np.dtype("<u8")
 _FEW = 16
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class Runs:
     """Byte runs within one tensor, in transfer order."""
 

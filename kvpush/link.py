@@ -281,7 +281,11 @@ class Link:
         assert op.frame is not None
         release = op.take_release()
         self.stream.enqueue(op.frame)
-        if release is not None:
+        if release is None:
+            return
+        if op.frame.sent.done():  # it left at once (small frames do): no callback round through the loop
+            release()
+        else:
             op.frame.sent.add_done_callback(lambda _: release())
 
     def release_held(self, op: PendingOp) -> None:

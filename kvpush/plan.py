@@ -25,7 +25,7 @@ from .types import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, KeyNam
 _EMPTY: np.ndarray[Any, Any] = np.zeros(0, np.uint64)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class Plan:
     """A validated transfer: what moves where, computed once per call."""
 
@@ -41,7 +41,7 @@ class Plan:
     bytes_per_tensor: int = 0  # one layer moves ``step.count * bytes_per_tensor`` bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class BlockArgs:
     """A blocks transfer's arguments, checked as far as they can be without the peer."""
 

@@ -85,7 +85,7 @@ PAYLOAD_KINDS = frozenset({Kind.WRITE, Kind.READ_DATA})
 TRANSFER_KINDS = frozenset({Kind.WRITE, Kind.READ, Kind.WRITE_INTENT, Kind.READ_INTENT, Kind.WRITE_NOTICE})
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class FrameHeader:
     kind: Kind
     flags: int
@@ -147,7 +147,7 @@ def decode_json(kind: Kind, meta: bytes | bytearray | memoryview) -> dict[str, A
 
 # -- transfers ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class TransferMeta:
     """What a WRITE or READ addresses in the receiver's registry."""
 

@@ -165,7 +165,7 @@ def check_compatible(api: str, local_unit: int, local_dtype: DataType, remote_un
         raise param_invalid(f"{api}: local dtype {local_dtype.name} differs from remote {remote_dtype.name}")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class LayerStep:
     """One layer of a transfer: ``count`` tensors from ``src_first`` to ``dst_first``; reported as
     destination layer ``dst_layer`` in ``completed_layers``."""
