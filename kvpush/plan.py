@@ -39,6 +39,10 @@ class Plan:
     length: np.ndarray[Any, Any]
     steps: list[v.LayerStep]
     bytes_per_tensor: int = 0  # one layer moves ``step.count * bytes_per_tensor`` bytes
+    # the local iovec of every tensor the steps touch (from tensor ``local_span``), laid out once on
+    # first use by a many-layer transfer (``transfer.local_vector``)
+    local_iov: np.ndarray[Any, Any] | None = None
+    local_span: int = 0
 
 
 @dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from .layout import scatter_vector
+from .layout import IoVec, scatter_vector
 from .link import Link
 from .plan import Plan
 from .protocol import Kind
@@ -26,12 +26,27 @@ def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: b
     """Start (or, ``held``, prepare) one layer's request."""
     local_first = step.src_first if plan.kind == Kind.WRITE else step.dst_first
     remote_first = step.dst_first if plan.kind == Kind.WRITE else step.src_first
-    iov = scatter_vector(plan.local.addrs[local_first:local_first + step.count], plan.local_offset, plan.length)
+    iov = local_vector(plan, local_first, step.count)
     if plan.kind == Kind.WRITE:
         return link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
                                 plan.length, iov, plan.local, budget_ms, held, step.count * plan.bytes_per_tensor)
     return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
                            plan.length, iov, plan.local, budget_ms)
+
+
+def local_vector(plan: Plan, first: int, count: int) -> IoVec:
+    """The local iovec of tensors ``[first, first + count)``: for a transfer of many layers, a slice of
+    one vector laid out (numpy, once) for every tensor its steps touch, so a layer costs no layout."""
+    if len(plan.steps) == 1:
+        return scatter_vector(plan.local.addrs[first:first + count], plan.local_offset, plan.length)
+    if plan.local_iov is None:
+        write = plan.kind == Kind.WRITE
+        low = min(s.src_first if write else s.dst_first for s in plan.steps)
+        high = max((s.src_first if write else s.dst_first) + s.count for s in plan.steps)
+        plan.local_iov = scatter_vector(plan.local.addrs[low:high], plan.local_offset, plan.length)
+        plan.local_span = low
+    runs = plan.length.shape[0]
+    return plan.local_iov[(first - plan.local_span) * runs:(first - plan.local_span + count) * runs]
 
 
 async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
