@@ -240,6 +240,10 @@ class CacheManager:
         peer's table if it lacks the cache. The third item is the peer's batch slot a pull reads from
         (None: the source is blocks, or local)."""
         self._engine.require_init(api)
+        if remote_cache_id is None and local_slot is None and src_range is None and dst_range is None:
+            fast = self._plain_blocks(api, kind, remote_key, local_cache, src_blocks, dst_blocks, n)
+            if fast is not None:
+                return fast
         args = planning.check_block_args(api, kind, remote_key, local_cache, src_blocks, dst_blocks, src_range,
                                          dst_range, n, remote_cache_id, local_slot)
         link = self._engine.link_for(api, args.cluster_id)
@@ -248,6 +252,28 @@ class CacheManager:
                                                 key=args.slot_key)
         remote_slot = slot if slot is not None else args.remote_slot
         return link, planning.plan_blocks(args, local, remote, remote_slot), remote_slot
+
+    def _plain_blocks(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
+                      dst_blocks: object, n: object) -> tuple[Link, planning.Plan, None] | None:
+        """The common case in one pass (``plan.plain_args``, ``plan.plain_plan``): linked, both caches
+        there, every check passing. None for anything else: the general path then checks in SPEC order
+        and raises what is wrong, so this path never decides an error."""
+        args = planning.plain_args(kind, remote_key, local_cache, src_blocks, dst_blocks, n)
+        if args is None:
+            return None
+        key, cache, src, dst, tensors = args
+        try:
+            link = self._engine.link_for(api, key.cluster_id)
+        except LLMException:
+            return None
+        entry = self.registry.get(cache.cache_id)
+        remote = link.peer.by_model(key.model_id)
+        if entry is None or entry.cache is not cache or entry.deallocated:
+            return None
+        if remote is None or not remote.is_blocks_cache:
+            return None
+        plan = planning.plain_plan(api, kind, tensors, src, dst, entry, remote)
+        return None if plan is None else (link, plan, None)
 
     @staticmethod
     def _lookup(link: Link, model_id: int | None, cache_id: int | None,

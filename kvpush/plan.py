@@ -235,29 +235,50 @@ def plan_blocks(args: BlockArgs, local: CacheEntry, remote: RemoteCache, remote_
 
 def _plan_small(args: BlockArgs, small: tuple[tuple[int, ...], tuple[int, ...]], local: CacheEntry,
                 remote: RemoteCache) -> Plan | None:
-    """The plan of a short, plain block list, or None when any check would fail (the caller then
-    runs the general checks, which raise the documented error)."""
-    push, n = args.kind == Kind.WRITE, args.n
-    src, dst = small
+    return plain_plan(args.api, args.kind, args.n, small[0], small[1], local, remote, args.src_range, args.dst_range)
+
+
+def plain_plan(api: str, kind: Kind, n: int, src: tuple[int, ...], dst: tuple[int, ...], local: CacheEntry,
+               remote: RemoteCache, src_range: range | None = None, dst_range: range | None = None) -> Plan | None:
+    """The plan of a short, plain block list whose arguments passed SPEC §6 checks 1-5, or None when
+    any later check would fail (the caller then runs the general checks, which raise the documented
+    error)."""
+    push = kind == Kind.WRITE
     local_blocks, remote_blocks = (src, dst) if push else (dst, src)
     local_desc = local.desc
     if max(local_blocks) >= local_desc.num_blocks or max(remote_blocks) >= remote.num_blocks:
         return None
     if local_desc.block_bytes != remote.block_bytes or local_desc.data_type != remote.data_type:
         return None
-    if args.ranges_given and remote.num_tensors % n:
+    ranges_given = src_range is not None or dst_range is not None
+    if ranges_given and remote.num_tensors % n:
         return None
-    remote_range = args.dst_range if push else args.src_range
+    remote_range = dst_range if push else src_range
     if remote_range is not None and remote_range.stop > remote.num_tensors // n:
         return None
     if len(set(dst)) != len(dst):
         return None
     local_tensors = local_desc.num_tensors
     src_tensors, dst_tensors = (local_tensors, remote.num_tensors) if push else (remote.num_tensors, local_tensors)
-    if args.src_range is None and args.dst_range is None and src_tensors != dst_tensors:
+    if not ranges_given and src_tensors != dst_tensors:
         return None
-    steps = v.layer_steps(args.api, src_tensors, dst_tensors, n, args.src_range, args.dst_range)
-    return _plan(args.api, args.kind, local, remote, _small_runs(src, dst, local_desc.block_bytes), steps)
+    steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
+    return _plan(api, kind, local, remote, _small_runs(src, dst, local_desc.block_bytes), steps)
+
+
+def plain_args(kind: Kind, remote_key: object, local_cache: object, src_blocks: object, dst_blocks: object,
+               n: object) -> tuple[BlocksCacheKey, Cache, tuple[int, ...], tuple[int, ...], int] | None:
+    """The arguments of the most common transfer - a ``BlocksCacheKey``, a local blocks cache, short
+    plain block lists of one length, an int N within the cache, no layer ranges - when they pass SPEC
+    §6 checks 1-5 as they are; else None (the general checks then run and raise what is wrong)."""
+    if type(remote_key) is not BlocksCacheKey or type(local_cache) is not Cache or type(n) is not int:
+        return None
+    src, dst = _plain(src_blocks), _plain(dst_blocks)
+    if src is None or dst is None or not dst or len(src) != len(dst):
+        return None
+    if not local_cache.is_blocks_cache or not 1 <= n <= local_cache.cache_desc.num_tensors:
+        return None
+    return remote_key, local_cache, src, dst, n
 
 
 def _plan_slot(args: BlockArgs, local: CacheEntry, remote: RemoteCache, remote_slot: int | None) -> Plan:
