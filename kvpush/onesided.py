@@ -5,12 +5,15 @@ answers GRANT -> the mover moves the bytes -> LANDED tells the receiver the tran
 abandoned) so it unpins. Remote completion is the mover's future completing: every byte is in the
 peer's memory by then. (The receiving half is ``kvpush.serving.Inbound``.)
 
-With a mover that allows standing grants (same host), a writer may also hold a LEASE on a
+With a mover that allows standing grants (same host; UCX), a writer may also hold a LEASE on a
 destination cache: the receiver pins it once, and later writes go without a round trip (copy, then a
 one-way WRITE_NOTICE that the receiver validates against the leased cache and counts). Unregistering
 the cache revokes the lease; the receiver keeps the memory until the writer answers that no copy into
-it runs any more (or its process is gone). A same-host writer allowed to ptrace this process could
-write anywhere anyway; the lease changes when the receiver learns of a write, never where a write may go.
+it runs any more (or its process is gone, or - without a process to watch - a grace period passed). A
+same-host writer allowed to ptrace this process, or a UCX peer holding rkeys into it, could write
+there anyway; the lease changes when the receiver learns of a write, never where a write may go. The
+mover's ``lease_proof`` (the peer's secret, read through the transport) may arrive after the link is
+up; until then writes ask per request.
 """
 
 from __future__ import annotations
@@ -56,8 +59,6 @@ class OneSidedSender:
         self._leased_inflight: Counter[int] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.lease_proof = mover.lease_proof
-        self.can_lease = mover.capabilities.standing_grants and bool(self.lease_proof)
         self.closing = False  # unlinking: no new leased copy may start
 
     # -- leases ---------------------------------------------------------------------------------
@@ -66,9 +67,11 @@ class OneSidedSender:
         state = self.leases.get(cache_id)
         if self.closing:
             return False
-        if state is None and self.can_lease:
-            self.leases[cache_id] = LeaseState.REQUESTED
-            self._send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id, "proof": self.lease_proof}))
+        if state is None and self.mover.capabilities.standing_grants:
+            proof = self.mover.lease_proof  # may come after the link is up (UCX reads it one-sided)
+            if proof:
+                self.leases[cache_id] = LeaseState.REQUESTED
+                self._send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id, "proof": proof}))
         return state == LeaseState.ACTIVE
 
     def close_leases(self) -> None:

@@ -269,6 +269,7 @@ class Inbound:
         counter = "bytes_received" if header.kind == Kind.WRITE_INTENT else "bytes_served"
         self._granted[header.request_id] = (entry, int(iov[:, 1].sum()), counter)
         self._watch(header.request_id, budget_ms, "one-sided transfer")
+        self._counters["grants"] += 1
         self._send(encode_status(Kind.GRANT, header.request_id, 0))
 
     def on_landed(self, header: FrameHeader, meta: bytes) -> None:
@@ -335,6 +336,7 @@ class Inbound:
         if (transfer.first_tensor + transfer.num_tensors > desc.num_tensors
                 or not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size)):
             raise ProtocolError(f"a leased write to cache {transfer.cache_id} lay outside it")
+        self._counters["leased_writes"] += 1
         self._counters["bytes_received"] += transfer.payload_len
 
     # -- cache keys ---------------------------------------------------------------------------------

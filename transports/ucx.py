@@ -7,6 +7,12 @@ is one native call posting a ``put_nbx`` per merged run (``get_nbx`` for pulls) 
 completion of the flush is remote completion, and the engine's LANDED message then tells the
 receiver.
 
+Standing grants (leases, ``kvpush.onesided``): each engine registers a 16-byte random secret and
+offers its address and rkey with the worker address; a writer reads it with one ``get_nbx`` after
+the link is up and presents it when it asks for a lease, so only a peer holding a working endpoint
+and rkeys into this process - which can write every cache the table names anyway - gets one. Under a
+lease a layer is a put and a flush, then a one-way WRITE_NOTICE: no intent/grant round trip.
+
 Error handling mode and transports (measured here, ``shared/UCX_NOTES.md``): endpoint error mode
 PEER over tcp let UCX abort a passive target whose writer died (6 of 9 runs), and PEER with shared
 memory needs a UCX-allocated target pool to be safe, which registered user memory is not. So
@@ -20,6 +26,8 @@ endpoint is closed without waiting for the peer. On RDMA hosts (system UCX with 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,10 +40,12 @@ from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, Transp
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
 
+log = logging.getLogger(__name__)
+
 # auto_between_hosts is False: over plain TCP kvpush's own TCP path is faster on the hosts measured,
 # so ``auto`` opens UCX only when it can use RDMA (``open_transport``).
 CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False, auto_between_hosts=False,
-                            needs_registration=True)
+                            needs_registration=True, standing_grants=True)
 
 
 class UcxError(TransportError):
@@ -51,12 +61,24 @@ def available() -> str | None:
     return None
 
 
+SECRET_BYTES = 16
+
+
 class UcxOffer:
-    def __init__(self, address: bytes) -> None:
+    """This worker's address and, for standing grants, where the peer can read this engine's secret
+    (a small registered buffer: its address and packed rkey)."""
+
+    def __init__(self, address: bytes, secret: bytes | None = None, secret_address: int = 0,
+                 secret_rkey: bytes = b"") -> None:
         self.wire: dict[str, Any] = {"address": address.hex()}
+        self._secret = secret.hex() if secret is not None else ""
+        if secret is not None:
+            self.wire["secret"] = [secret_address, secret_rkey.hex()]
 
     def proves_reach(self, proof: str) -> bool:
-        return False  # no standing grants over UCX
+        """The peer read the secret with a one-sided get: it holds a working endpoint and rkey into
+        this process's registered memory (as it does for every cache the table names)."""
+        return bool(self._secret) and hmac.compare_digest(proof, self._secret)
 
 
 class UcxService:
@@ -70,13 +92,20 @@ class UcxService:
             self.worker = ucp.Worker(loop, tls=None if own_choice else "tcp")
         except ucp.UcpError as error:
             raise UcxError(str(error)) from None
+        # the secret a writer reads one-sided to be granted standing grants (``UcxOffer.proves_reach``)
+        self._secret = np.frombuffer(os.urandom(SECRET_BYTES), np.uint8).copy()
+        try:
+            self._secret_memh, self._secret_rkey = self.worker.map(self._secret.ctypes.data, SECRET_BYTES)
+        except ucp.UcpError as error:
+            self.worker.close()
+            raise UcxError(str(error)) from None
 
     @property
     def registrar(self) -> MemoryRegistrar | None:
         return self
 
     def offer(self) -> Offer | None:
-        return UcxOffer(self.worker.address)
+        return UcxOffer(self.worker.address, self._secret.tobytes(), self._secret.ctypes.data, self._secret_rkey)
 
     def refusal(self, peer_offer: Any) -> str | None:
         return None if isinstance(peer_offer, dict) else "the peer offered no UCX endpoint"
@@ -93,16 +122,21 @@ class UcxService:
     def connect(self, peer_offer: Any, peer_name: str, on_error: Callable[[str], None]) -> Mover:
         try:
             address = bytes.fromhex(str(peer_offer["address"]))
-            return UcxMover(self.worker.connect(address, on_error))
-        except (KeyError, TypeError, ValueError):
+            secret = peer_offer.get("secret")
+            mover = UcxMover(self.worker.connect(address, on_error))
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise UcxError("UCX could not connect: malformed UCX worker address") from None
         except ucp.UcpError as error:
             raise UcxError(f"UCX could not connect: {error}") from None
+        if secret is not None:
+            mover.read_secret(secret)
+        return mover
 
     def watch(self, peer_offer: Any) -> PeerWatch | None:
         return None  # not necessarily on this host: grants are kept for a grace period instead
 
     def close(self) -> None:
+        self.worker.unmap(self._secret_memh)
         self.worker.close()
 
 
@@ -110,11 +144,31 @@ class UcxMover:
     """Moves a granted layer over one endpoint (see ``kvpush.onesided``)."""
 
     capabilities = CAPABILITIES
-    lease_proof = ""
 
     def __init__(self, endpoint: ucp.Endpoint) -> None:
         self.endpoint = endpoint
         self._rkeys: dict[tuple[int, int], Any] = {}
+        self.lease_proof = ""  # the peer's secret once ``read_secret`` got it
+        self._secret_buffer = np.zeros(SECRET_BYTES, np.uint8)
+
+    def read_secret(self, offered: Any) -> None:
+        """Start a one-sided get of the peer's secret (``UcxOffer``); until it lands the link uses
+        per-request grants. A malformed offer or a failed get only means no standing grants."""
+        try:
+            address, packed = int(offered[0]), bytes.fromhex(str(offered[1]))
+            handle = self.endpoint.unpack_rkey(packed)
+            local = np.array([[self._secret_buffer.ctypes.data, SECRET_BYTES]], np.uint64)
+            remote = np.array([[address, SECRET_BYTES]], np.uint64)
+            got = self.endpoint.rma(True, local, remote, np.zeros(1, np.uint32), [handle])
+        except (TypeError, ValueError, IndexError, ucp.UcpError) as error:
+            log.info("UCX: the peer's secret cannot be read (%s): per-request grants only", error)
+            return
+
+        def landed(future: asyncio.Future[None]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                self.lease_proof = self._secret_buffer.tobytes().hex()
+
+        got.add_done_callback(landed)
 
     def _rkey(self, cache_id: int, tensor: int, packed: bytes) -> Any:
         handle = self._rkeys.get((cache_id, tensor))

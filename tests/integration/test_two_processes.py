@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, cluster, link
+from conftest import TRANSPORTS, EngineFactory, cluster, link
 from kvtest import DST_BLOCKS, ROW, SRC_BLOCKS, TENSORS, decode_peer_with_kv, desc, fill, prefill, raw, wait_for
 from peer import Peer, pattern
 
 from kvpush import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode
+
+LEASING = [t for t in TRANSPORTS if t in ("cma", "ucx")]  # the one-sided transports with standing grants
 
 
 @pytest.fixture
@@ -217,14 +219,16 @@ async def test_granted_memory_stays_pinned_until_a_silent_writer_is_gone(make_en
         assert not entry.regions  # released once the writer could not write any more
 
 
-async def test_a_standing_grant_is_revoked_when_the_cache_is_released(make_engine: EngineFactory) -> None:
-    """Same-host writes under a lease need no round trip; unregistering the cache revokes the lease,
-    and its memory is released only after the writer confirmed."""
-    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
+@pytest.mark.parametrize("leasing", LEASING)
+async def test_a_standing_grant_is_revoked_when_the_cache_is_released(make_engine: EngineFactory,
+                                                                      leasing: str) -> None:
+    """Writes under a lease need no round trip; unregistering the cache revokes the lease, and its
+    memory is released only after the writer confirmed."""
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport=leasing)
     dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
     entry = decode.registry.get(dst.cache_id)
     assert entry is not None
-    prefill = await make_engine(1, kvpush__transport="cma")
+    prefill = await make_engine(1, kvpush__transport=leasing)
     src = prefill.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
     fill(src, seed=5)
     await link(prefill, 2, decode.listen_address[1])
@@ -233,8 +237,14 @@ async def test_a_standing_grant_is_revoked_when_the_cache_is_released(make_engin
     sender = prefill.links[2].onesided
     assert sender is not None
     await wait_for(lambda: sender.leases.get(dst.cache_id) == "active")
+    await wait_for(lambda: decode.link_stats()[1].get("bytes_received", 0) >= TENSORS * ROW * 2)  # the first push
+    stats = decode.link_stats()[1]
+    grants, leased = stats.get("grants", 0), stats.get("leased_writes", 0)
+    assert grants >= 1  # the first layer, at least, asked (the lease came during or after that push)
     await prefill.cache_manager.push_blocks(key, src, [1, 2], [30, 31])  # copied at once, then noticed
     assert np.array_equal(raw(dst)[:, [30, 31]], raw(src)[:, [1, 2]])
+    await wait_for(lambda: decode.link_stats()[1].get("leased_writes", 0) == leased + TENSORS // 2)  # one per layer
+    assert decode.link_stats()[1].get("grants", 0) == grants  # no intent/grant round trip under the lease
     await wait_for(lambda: decode.link_stats()[1].get("bytes_received", 0) >= 3 * TENSORS * ROW * 2)
     decode.cache_manager.deallocate_cache(dst)
     await wait_for(lambda: sender.leases.get(dst.cache_id) == "done")
@@ -244,12 +254,13 @@ async def test_a_standing_grant_is_revoked_when_the_cache_is_released(make_engin
     assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
-async def test_a_graceful_unlink_lets_leased_caches_go(make_engine: EngineFactory) -> None:
-    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
+@pytest.mark.parametrize("leasing", LEASING)
+async def test_a_graceful_unlink_lets_leased_caches_go(make_engine: EngineFactory, leasing: str) -> None:
+    decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport=leasing)
     dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
     entry = decode.registry.get(dst.cache_id)
     assert entry is not None
-    prefill = await make_engine(1, kvpush__transport="cma")
+    prefill = await make_engine(1, kvpush__transport=leasing)
     src = prefill.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 0))
     await link(prefill, 2, decode.listen_address[1])
     for _ in range(3):

@@ -113,3 +113,18 @@ async def test_a_grant_moves_the_bytes_and_landed_follows_an_abandoned_grant_is_
     stale = encode_status(Kind.GRANT, 99, 0)  # a grant for a request that was abandoned
     one.on_grant(decode_header(stale[:HEADER_SIZE]), stale[HEADER_SIZE:])
     assert sent[-1] == (Kind.LANDED, (1, ""))  # let the peer unpin
+
+
+async def test_no_lease_is_asked_for_until_the_mover_has_its_proof() -> None:
+    """A UCX mover reads the peer's secret one-sided after the link is up: until it has landed, writes
+    go per request (no LEASE request, no state); the first write after it asks."""
+    one, _, sent, _ = sender()
+    mover = one.mover
+    assert isinstance(mover, MemcpyMover)
+    mover.lease_proof = ""
+    assert not one.lease_active(5)
+    assert not one.lease_active(5)
+    assert sent == [] and 5 not in one.leases
+    mover.lease_proof = "late"
+    assert not one.lease_active(5)
+    assert sent == [(Kind.LEASE, {"op": "request", "cache": 5, "proof": "late"})]
