@@ -30,7 +30,7 @@ from .datapath import DataPaths
 from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
 from .layout import IoVec, scatter_vector
 from .memory import CacheEntry, CacheRegistry
-from .onesided import OneSidedSender
+from .onesided import LeaseState, OneSidedSender
 from .options import EngineOptions
 from .peer import PeerTable, RemoteCache
 from .protocol import (
@@ -318,6 +318,13 @@ class Link:
                                0, budget_ms)
         op.frame = self.stream.send(head)
         return op
+
+    def writes_alone(self, remote: RemoteCache) -> bool:
+        """True when a write to ``remote`` goes under a standing grant over a same-host mover: the copy
+        completes here and needs nothing from the peer (``transfer.run`` may then merge layers)."""
+        onesided = self.onesided
+        return (onesided is not None and onesided.mover.capabilities.same_host_only
+                and self._onesided_reaches(remote) and onesided.leases.get(remote.cache_id) == LeaseState.ACTIVE)
 
     def _onesided_reaches(self, remote: RemoteCache) -> bool:
         if self.onesided is None or remote.addrs is None:

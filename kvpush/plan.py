@@ -281,6 +281,23 @@ def plain_args(kind: Kind, remote_key: object, local_cache: object, src_blocks: 
     return remote_key, local_cache, src, dst, n
 
 
+def group_steps(steps: list[v.LayerStep], bytes_per_tensor: int,
+                limit: int) -> list[tuple[v.LayerStep, tuple[int, ...]]]:
+    """Consecutive steps whose tensors follow one another on both sides, merged into steps of at most
+    ``limit`` bytes (one request moving several layers), each with the destination layers it covers."""
+    groups: list[tuple[v.LayerStep, tuple[int, ...]]] = []
+    for step in steps:
+        if groups:
+            last, layers = groups[-1]
+            if (step.src_first == last.src_first + last.count and step.dst_first == last.dst_first + last.count
+                    and (last.count + step.count) * bytes_per_tensor <= limit):
+                groups[-1] = (v.LayerStep(last.dst_layer, last.src_first, last.dst_first, last.count + step.count),
+                              layers + (step.dst_layer,))
+                continue
+        groups.append((step, (step.dst_layer,)))
+    return groups
+
+
 def _plan_slot(args: BlockArgs, local: CacheEntry, remote: RemoteCache, remote_slot: int | None) -> Plan:
     """A batch slot into blocks: the slot's bytes, cut into blocks of the destination's block size, go to
     ``dst_blocks`` in order (the last block may be partly filled when the slot is not a whole number of

@@ -13,13 +13,17 @@ import collections
 
 from .layout import IoVec, scatter_vector
 from .link import Link
-from .plan import Plan
+from .plan import Plan, group_steps
 from .protocol import Kind
 from .requests import PendingOp
 from .status import LLMException, LLMStatusCode
 from .validate import LayerStep
 
 WINDOW = 2  # layers in flight per transfer: keeps the wire busy across the per-layer round trip
+# Under a same-host standing grant a layer's copy needs nothing from the peer (it completes here, and
+# the peer only learns of it), so consecutive layers go as one request of up to this many bytes: one
+# kernel copy and one notice instead of one per layer.
+GROUP_BYTES = 16 << 20
 
 
 def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
@@ -89,9 +93,12 @@ async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
     further layer is issued; ``CancelledError`` propagates once no byte of the request can still land."""
     timeout = timeout_ms / 1000
     completed: list[int] = []
-    inflight: collections.deque[tuple[LayerStep, PendingOp]] = collections.deque()
-    steps = plan.steps
-    next_step = 0
+    inflight: collections.deque[tuple[tuple[int, ...], PendingOp]] = collections.deque()
+    if plan.kind == Kind.WRITE and len(plan.steps) > 1 and link.writes_alone(plan.remote):
+        groups = group_steps(plan.steps, plan.bytes_per_tensor, GROUP_BYTES)
+    else:
+        groups = [(step, (step.dst_layer,)) for step in plan.steps]
+    next_group = 0
     local = plan.local
     if local.removed:
         raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
@@ -99,24 +106,24 @@ async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
     local.pin()  # its memory stays mapped until this call is over, whatever the caller frees meanwhile
     released: int | None = None  # the first layer not issued because the local cache was released
     try:
-        while (next_step < len(steps) and released is None) or inflight:
-            while next_step < len(steps) and len(inflight) < WINDOW and released is None:
-                step = steps[next_step]
+        while (next_group < len(groups) and released is None) or inflight:
+            while next_group < len(groups) and len(inflight) < WINDOW and released is None:
+                step, layers = groups[next_group]
                 if local.removed:  # stop issuing; layers already in flight still finish
-                    released = step.dst_layer
+                    released = layers[0]
                     break
                 try:
-                    inflight.append((step, start_layer(link, plan, step, timeout_ms)))
+                    inflight.append((layers, start_layer(link, plan, step, timeout_ms)))
                 except LLMException as refused:
-                    raise LLMException(refused.status_code, f"{plan.api}: layer {step.dst_layer}: {refused}",
+                    raise LLMException(refused.status_code, f"{plan.api}: layer {layers[0]}: {refused}",
                                        completed) from None
-                next_step += 1
+                next_group += 1
             if not inflight:
                 break
-            step, op = inflight[0]
-            await await_layer(plan.api, link, op, step.dst_layer, timeout_ms, completed)
+            layers, op = inflight[0]
+            await await_layer(plan.api, link, op, layers[0], timeout_ms, completed)
             inflight.popleft()
-            completed.append(step.dst_layer)
+            completed.extend(layers)
         if released is not None:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"{plan.api}: local cache {local.cache.cache_id} was released before layer "

@@ -10,7 +10,7 @@ import pytest
 from kvpush import validate as v
 from kvpush.memory import CacheRegistry, allocate_regions
 from kvpush.peer import RemoteCache
-from kvpush.plan import check_block_args, check_cache_args, plan_blocks, plan_cache
+from kvpush.plan import check_block_args, check_cache_args, group_steps, plan_blocks, plan_cache
 from kvpush.protocol import Kind
 from kvpush.status import LLMException, LLMStatusCode
 from kvpush.types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType
@@ -224,3 +224,14 @@ def test_pull_cache_by_key_and_the_batch_dimension_check() -> None:
         v.check_batch_dim("register_cache", CacheDesc(1, (4, 8), DataType.DT_INT8, batch_dim_index=1))
     assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
     v.check_batch_dim("register_cache", CacheDesc(1, (4, 8), DataType.DT_INT8))
+
+
+def test_group_steps_merges_layers_that_follow_one_another_up_to_the_limit() -> None:
+    LayerStep, layer_steps = v.LayerStep, v.layer_steps
+    steps = layer_steps("t", 8, 8, 2, None, None)  # 4 layers of 2 tensors
+    assert group_steps(steps, 100, 400) == [(LayerStep(0, 0, 0, 4), (0, 1)), (LayerStep(2, 4, 4, 4), (2, 3))]
+    assert group_steps(steps, 100, 800) == [(LayerStep(0, 0, 0, 8), (0, 1, 2, 3))]
+    assert group_steps(steps, 100, 199) == [(step, (step.dst_layer,)) for step in steps]  # a layer alone is over
+    # layer ranges that skip or reorder tensors on either side: nothing merges across the gap
+    ranged = layer_steps("t", 8, 8, 2, range(0, 2), range(2, 4)) + layer_steps("t", 8, 8, 2, range(3, 4), range(0, 1))
+    assert group_steps(ranged, 100, 10_000) == [(LayerStep(2, 0, 4, 4), (2, 3)), (LayerStep(0, 6, 0, 2), (0,))]
