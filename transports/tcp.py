@@ -470,7 +470,8 @@ class TcpFrameStream:
             self._payload_left = left - count
             if self._payload_left == 0:
                 self._payload_done()
-        return count, spill and count <= left
+                return count, spill  # the read did not reach the staging buffer: nothing is waiting
+        return count, False  # mid-payload: read on (the peer is likely still writing it)
 
     # -- closing --------------------------------------------------------------------------------
     def close(self, reason: str, abort: bool = False) -> None:
