@@ -283,7 +283,7 @@ class Inbound:
         if status == 0:
             self._counters[counter] += size
 
-    # -- standing grants (same host) ----------------------------------------------------------------
+    # -- standing grants (same host, UCX) -------------------------------------------------------------
     def on_lease(self, body: dict[str, Any]) -> None:
         op, cache_id = body.get("op"), body.get("cache")
         if not isinstance(cache_id, int):
