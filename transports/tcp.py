@@ -1,18 +1,21 @@
 """TCP: the built-in transport and every link's control channel.
 
-Receive path: the socket is non-blocking and watched with ``loop.add_reader``; a small state
-machine reads the 24-byte header and the meta into small buffers, asks the engine where the
-payload goes, and then reads the payload straight into registered memory with ``readv`` over the
-engine's iovec (one native call per up to IOV_MAX runs, through ctypes, so no Python object is
-made per block and no block-sized intermediate buffer exists). Measured here, asyncio streams
-(``readexactly``) ran 8x slower than receiving in place, hence this design.
+Receive path: the socket is non-blocking and watched with ``loop.add_reader``. Headers and metas
+come through a 2 KiB staging buffer per stream: one ``recv`` usually brings a small frame whole
+(header, meta, the first bytes of its payload), and a short read says the socket is drained, so a
+wakeup costs one system call, not a read per part plus one that fails. The engine is asked where
+the payload goes; the payload bytes already staged are copied there, and the rest is read straight
+into registered memory with ``readv`` over the engine's iovec (one native call per up to IOV_MAX
+runs, through ctypes, so no Python object is made per block and no block-sized intermediate buffer
+exists), with the staging buffer as the call's last entry so the next frame's head arrives in the
+same call. Measured here, asyncio streams (``readexactly``) ran 8x slower than receiving in place.
 
 Send path: frames queue in order; the pump ``writev``s header, meta and payload iovec together
 straight from the source memory, resuming after partial writes, and waits with ``add_writer``
 when the socket is full. A frame that has started is always finished (or the stream closed), so
 the byte stream never holds half a frame.
 
-One idea, TCP (about 480 lines): the stream, its in-place receive state machine and its set-up
+One idea, TCP (about 590 lines): the stream, its in-place receive state machine and its set-up
 (listener, connect) belong together.
 """
 
@@ -81,16 +84,14 @@ class _Cursor:
 
     __slots__ = ("vec", "rows", "total", "done", "index")
 
-    def __init__(self, iov: IoVec, owned: bool = False, total: int | None = None,
-                 spill: tuple[int, int] | None = None) -> None:
-        if spill is not None:
-            rows = iov.shape[0]
+    def __init__(self, iov: IoVec, total: int | None = None, spill: tuple[int, int] | None = None) -> None:
+        rows = iov.shape[0]
+        if spill is not None:  # a copy: the sink's iovec stays as the engine made it
             self.vec = np.empty((rows + 1, 2), np.uint64)
             self.vec[:rows] = iov
             self.vec[rows] = spill
-        else:
-            self.vec = iov if owned else np.array(iov, dtype=np.uint64, order="C")
-            rows = self.vec.shape[0]
+        else:  # the caller's own contiguous uint64 vector, advanced in place
+            self.vec = iov
         self.rows = rows
         self.total = int(self.vec[:rows, 1].sum()) if total is None else total
         self.done = 0
@@ -167,7 +168,7 @@ class TcpFrame:
         if payload is not None:
             vec[1:] = payload
             total += int(payload[:, 1].sum()) if nbytes is None else nbytes
-        self.cursor = _Cursor(vec, owned=True, total=total)
+        self.cursor = _Cursor(vec, total=total)
         if already_sent:
             self.cursor.advance(already_sent)
         self.sent: asyncio.Future[None] = loop.create_future()
