@@ -1,0 +1,122 @@
+"""transports.tcp.TcpFrameStream's receive path over a real socket pair: frames of every shape (no meta,
+small metas, metas bigger than the staging buffer, payloads spread over several iovec entries,
+payloads discarded) written in chunks cut at random places - one byte at a time, across header, meta
+and payload boundaries, many frames in one write - arrive whole, in order, and their payloads land
+byte for byte exactly where the sink said."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from typing import Any
+
+import numpy as np
+
+from kvpush.protocol import FrameHeader, Kind, encode_header
+from transports.base import PayloadSink
+from transports.tcp import STAGING_BYTES, TcpFrameStream
+
+
+class Recorder:
+    """A StreamHandler: records every frame; a payload goes into its own array, cut into entries."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.frames: list[tuple[Kind, int, bytes]] = []
+        self.payloads: dict[int, np.ndarray[Any, Any]] = {}
+        self.landed: list[int] = []
+        self.discard: set[int] = set()
+        self.closed: list[str] = []
+
+    def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+        self.frames.append((header.kind, header.request_id, meta))
+        if header.payload_len == 0 or header.request_id in self.discard:
+            return None
+        target = np.zeros(header.payload_len, np.uint8)
+        self.payloads[header.request_id] = target
+        cuts = sorted(self.rng.sample(range(1, header.payload_len), min(5, header.payload_len - 1)))
+        bounds = [0, *cuts, header.payload_len]
+        base = target.ctypes.data
+        iov = np.array([[base + a, b - a] for a, b in zip(bounds, bounds[1:])], np.uint64)
+        request_id = header.request_id
+        return PayloadSink(iov, lambda: self.landed.append(request_id), header.payload_len)
+
+    def on_close(self, reason: str) -> None:
+        self.closed.append(reason)
+
+
+def frames(rng: random.Random, count: int, big: bool) -> list[tuple[Kind, int, bytes, bytes]]:
+    """(kind, request id, meta, payload): status-like, JSON with big metas, writes with payloads
+    (larger than socket buffers when ``big``)."""
+    out = []
+    for request_id in range(1, count + 1):
+        shape = rng.randrange(4)
+        if shape == 0:
+            out.append((Kind.DONE, request_id, rng.randbytes(rng.choice([4, 10])), b""))
+        elif shape == 1:  # a meta too big for the staging buffer, now and then
+            size = rng.choice([0, 1, 100, STAGING_BYTES - 24, STAGING_BYTES, 3 * STAGING_BYTES + 7])
+            out.append((Kind.TABLE, request_id, rng.randbytes(size), b""))
+        else:
+            sizes = [1, 17, 1000, STAGING_BYTES, 5000] + ([40_000, 300_000] if big else [])
+            payload = rng.randbytes(rng.choice(sizes))
+            out.append((Kind.WRITE, request_id, rng.randbytes(rng.choice([24, 40, 200])), payload))
+    return out
+
+
+async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int = 0) -> None:
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    recorder = Recorder(rng)
+    sent = frames(rng, count, big=max_chunk >= 1000)
+    if discard_every:
+        recorder.discard = {rid for _, rid, _, payload in sent if payload and rid % discard_every == 0}
+    stream = TcpFrameStream(ours, recorder, loop)
+    try:
+        wire = b"".join(encode_header(kind, rid, len(meta), len(payload)) + meta + payload
+                        for kind, rid, meta, payload in sent)
+        theirs.setblocking(False)
+        offset = 0
+        while offset < len(wire):  # bounded: every pass sends at least one byte or waits for the reader
+            chunk = wire[offset:offset + rng.randint(1, max_chunk)]
+            try:
+                offset += theirs.send(chunk)
+            except BlockingIOError:
+                pass
+            await asyncio.sleep(0)
+        for _ in range(2000):
+            if len(recorder.frames) == len(sent) and len(recorder.landed) == len(recorder.payloads):
+                break
+            await asyncio.sleep(0.001)
+        assert not recorder.closed, recorder.closed
+        assert [(k, r, m) for k, r, m in recorder.frames] == [(k, r, m) for k, r, m, _ in sent]
+        expected = {rid: payload for _, rid, _, payload in sent if payload and rid not in recorder.discard}
+        assert sorted(recorder.landed) == sorted(expected)
+        for rid, payload in expected.items():
+            assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
+        assert stream.bytes_in == len(wire)
+    finally:
+        stream.close("test over")
+        theirs.close()
+
+
+async def test_frames_cut_anywhere_arrive_whole_and_in_order() -> None:
+    for seed in range(6):
+        await run_stream(seed, count=40, max_chunk=rng_chunk(seed))
+
+
+async def test_one_byte_at_a_time() -> None:
+    await run_stream(100, count=12, max_chunk=1)
+
+
+async def test_many_frames_in_one_write() -> None:
+    await run_stream(200, count=60, max_chunk=1 << 20)
+
+
+async def test_discarded_payloads_leave_the_stream_in_step() -> None:
+    await run_stream(300, count=40, max_chunk=5000, discard_every=2)
+
+
+def rng_chunk(seed: int) -> int:
+    return [3, 25, 700, 2100, 9000, 70_000][seed % 6]
