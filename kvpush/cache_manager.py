@@ -314,7 +314,8 @@ class CacheManager:
         return found
 
     async def _run(self, link: Link, plan: planning.Plan) -> None:
-        await transfer.run(link, plan, self._engine.options.sync_kv_timeout_ms)
+        options = self._engine.options
+        await transfer.run(link, plan, options.sync_kv_timeout_ms, options.layer_merge_bytes)
 
     @staticmethod
     def _pulled_slot(link: Link, plan: planning.Plan, slot: int) -> None:

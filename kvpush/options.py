@@ -136,13 +136,23 @@ def _positive_ms(name: str, value: object) -> int:
     return _int_in(name, value, 1, _INT32[1], f"{name} must be > 0 ms, got {{value}}")
 
 
+def _merge_bytes(name: str, value: object) -> int:
+    return _int_in(name, value, 0, _MAX_MERGE_BYTES, f"{name} must be in [0, 2^40] bytes, got {{value}}")
+
+
 def _any_int(name: str, value: object) -> int:
     return _int_in(name, value, -(1 << 63), (1 << 63) - 1, "{value}")
 
 
 _KVPUSH_KEYS = {"transport": "kvpush.transport", "auth_token": "kvpush.auth_token",
                 "keepalive_interval_ms": "kvpush.keepalive_interval_ms",
-                "keepalive_timeout_ms": "kvpush.keepalive_timeout_ms"}
+                "keepalive_timeout_ms": "kvpush.keepalive_timeout_ms",
+                "layer_merge_bytes": "kvpush.layer_merge_bytes"}
+# Consecutive layers of one transfer smaller than this go as one request (``kvpush.layer_merge_bytes``):
+# a request costs each side ~100-200 us of Python on a small host whatever its size, which a 256 KiB
+# layer (a short prompt's) does not amortize; layers this big or bigger go one request each.
+LAYER_MERGE_BYTES = 2 << 20
+_MAX_MERGE_BYTES = 1 << 40
 
 
 class _Field:
@@ -171,9 +181,9 @@ class LLMConfig:
 
     Every field of LLM-DataDist's ``LlmConfig`` with its checks (``TypeError`` for a wrong type,
     ``ValueError`` outside an integer type's range, ``LLMException(LLM_PARAM_INVALID)`` for a value the
-    field does not allow), plus kvpush's ``transport``, ``auth_token``, ``keepalive_interval_ms`` and
-    ``keepalive_timeout_ms``. Unknown attributes raise ``AttributeError`` (a typo must not be silently
-    dropped; differs: LLM-DataDist accepts any attribute and ignores it).
+    field does not allow), plus kvpush's ``transport``, ``auth_token``, ``keepalive_interval_ms``,
+    ``keepalive_timeout_ms`` and ``layer_merge_bytes``. Unknown attributes raise ``AttributeError`` (a
+    typo must not be silently dropped; differs: LLM-DataDist accepts any attribute and ignores it).
     """
 
     __slots__ = ("_values",)
@@ -203,6 +213,7 @@ class LLMConfig:
     auth_token = _Field(_token)  # kvpush.auth_token
     keepalive_interval_ms = _Field(_positive_ms)
     keepalive_timeout_ms = _Field(_positive_ms)
+    layer_merge_bytes = _Field(_merge_bytes)
 
     def __init__(self) -> None:
         fields = {name: item for name, item in vars(LLMConfig).items() if isinstance(item, _Field)}
@@ -375,6 +386,7 @@ class EngineOptions:
     link_retry_count: int = 1
     link_total_time_ms: int = 0  # llm.LinkTotalTime; 0: not set (links are bounded by their timeout argument)
     enable_remote_cache_accessible: bool = True
+    layer_merge_bytes: int = LAYER_MERGE_BYTES  # 0: one request per layer (finest completed_layers)
 
 
 def parse_options(options: Any) -> EngineOptions:
@@ -412,6 +424,8 @@ def parse_options(options: Any) -> EngineOptions:
             parsed.keepalive_interval_ms = _parse_positive_int(raw_key, text)
         elif key == "kvpush.keepalive_timeout_ms":
             parsed.keepalive_timeout_ms = _parse_positive_int(raw_key, text)
+        elif key == "kvpush.layer_merge_bytes":
+            parsed.layer_merge_bytes = _parse_int(raw_key, text, 0, _MAX_MERGE_BYTES)
         elif key in _HARDWARE_ONLY:
             _HARDWARE_ONLY[key](raw_key, text)
             log.debug("option %s=%r accepted; it has no effect on a host without an accelerator", raw_key, text)

@@ -1,9 +1,11 @@
 """Runs a plan's layers on a link: start, window, one shared per-layer wait, drain, clean-up.
 
-Every layer is one request on the link. ``run`` keeps at most ``WINDOW`` layers in flight; each layer
-must complete within ``sync_kv_timeout`` of becoming the oldest one outstanding, else LLM_TIMEOUT with
-the layers that landed. ``LayerPusher`` (``kvpush.pipeline``) uses the same ``start_layer``,
-``await_layer``, ``drain`` and ``give_up`` on layers it starts itself.
+Every layer is one request on the link, except that ``run`` sends consecutive small layers of one
+transfer as one request of up to ``merge_bytes`` (``kvpush.layer_merge_bytes``, 0: never; under a
+same-host standing grant up to ``GROUP_BYTES``). ``run`` keeps at most ``WINDOW`` requests in flight; each must
+complete within ``sync_kv_timeout`` of becoming the oldest one outstanding, else LLM_TIMEOUT with the
+layers that landed (those of the requests that completed). ``LayerPusher`` (``kvpush.pipeline``)
+uses the same ``start_layer``, ``await_layer``, ``drain`` and ``give_up`` on layers it starts itself.
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
-    """Move every layer of ``plan``; returns on remote completion of the last one.
+async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = 0) -> None:
+    """Move every layer of ``plan``; returns on remote completion of the last one. Consecutive layers
+    (on both sides) go as one request while it stays within ``merge_bytes`` (0: a request per layer);
+    a request's layers complete together.
 
     Timeout: LLM_TIMEOUT (with ``completed_layers``) when a layer misses its deadline; layers not yet
     sent are never sent, and a started one finishes leaving (or the link is closed). Cancellation: no
@@ -94,8 +98,10 @@ async def run(link: Link, plan: Plan, timeout_ms: int) -> None:
     timeout = timeout_ms / 1000
     completed: list[int] = []
     inflight: collections.deque[tuple[tuple[int, ...], PendingOp]] = collections.deque()
-    if plan.kind == Kind.WRITE and len(plan.steps) > 1 and link.writes_alone(plan.remote):
-        groups = group_steps(plan.steps, plan.bytes_per_tensor, GROUP_BYTES)
+    if len(plan.steps) > 1 and merge_bytes > 0:
+        if plan.kind == Kind.WRITE and link.writes_alone(plan.remote):
+            merge_bytes = max(merge_bytes, GROUP_BYTES)
+        groups = group_steps(plan.steps, plan.bytes_per_tensor, merge_bytes)
     else:
         groups = [(step, (step.dst_layer,)) for step in plan.steps]
     next_group = 0

@@ -276,9 +276,34 @@ async def test_cancelled_pull_never_writes_after_cancellation(transport: str,
     assert not got[:, :31].any() and not got[2:].any()
 
 
+@pytest.mark.parametrize("merge", ["default", "0"])
+async def test_small_layers_of_one_transfer_go_as_one_request(transport: str, make_engine: EngineFactory,
+                                                              decode_peer: Peer, tmp_path: Any, merge: str) -> None:
+    """Four layers of 2 x 8 x 4 KiB: one request each way by default (kvpush.layer_merge_bytes 2 MiB),
+    one per layer with 0; the same bytes land either way, in both directions."""
+    options = {} if merge == "default" else {"kvpush__layer_merge_bytes": merge}
+    engine, src = await prefill(make_engine, decode_peer, transport, **options)
+    key = BlocksCacheKey(2, 0)
+    before = await decode_peer.asnapshot("kv", tmp_path)
+    src_blocks, dst_blocks = random_blocks(5, count=8)
+    await engine.cache_manager.push_blocks(key, src, src_blocks, dst_blocks)
+    after = await decode_peer.asnapshot("kv", tmp_path)
+    assert np.array_equal(after, expected_after(before, raw(src), src_blocks, dst_blocks, 2))
+    local = engine.cache_manager.allocate_blocks_cache(desc(SRC_BLOCKS), BlocksCacheKey(1, 1))
+    back = list(range(8))
+    await engine.cache_manager.pull_blocks(key, local, dst_blocks, back)
+    assert np.array_equal(raw(local)[:, back], raw(src)[:, src_blocks])
+    assert not raw(local)[:, 8:].any()
+    stats = engine.link_stats()[2]
+    layers = TENSORS // 2
+    assert (stats["write_requests"], stats["read_requests"]) == ((1, 1) if merge == "default" else (layers, layers))
+
+
 async def test_local_cache_released_mid_transfer(transport: str, make_engine: EngineFactory, decode_peer: Peer,
                                                  tmp_path: Any) -> None:
-    engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="5000")
+    # one request per layer (kvpush.layer_merge_bytes 0), so that two of the four are in flight
+    engine, src = await prefill(make_engine, decode_peer, transport, llm__SyncKvCacheWaitTime="5000",
+                                kvpush__layer_merge_bytes="0")
     key = BlocksCacheKey(2, 0)
     await engine.cache_manager.push_blocks(key, src, [0], [0])
     before = await decode_peer.asnapshot("kv", tmp_path)

@@ -74,7 +74,7 @@ async def expect_refused(pair: Pair, error: type[BaseException], code: LLMStatus
 
 async def test_valid_call_moves_bytes(pair: Pair) -> None:
     await pair.prefill.cache_manager.push_blocks(pair.key, pair.src, [0, 1], [2, 3])
-    assert pair.sent() == 2  # one request per layer
+    assert pair.sent() == 1  # its two small layers go as one request (kvpush.layer_merge_bytes)
     assert (pair.dst.tensors[0][[2, 3]] == 1).all() and (pair.dst.tensors[0][[0, 1, 4]] == 0).all()
 
 
@@ -219,7 +219,7 @@ async def test_push_kv_blocks_returns_codes(pair: Pair) -> None:
     assert await cm.push_kv_blocks(pair.src, CacheKeyByIdAndIndex(2, 999), [0], [1]) == \
         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert await cm.push_kv_blocks(pair.src, index, [0], ["x"]) == P
-    assert pair.sent() == 2  # only the first call moved bytes (2 layers)
+    assert pair.sent() == 1  # only the first call moved bytes (2 small layers: one request)
 
 
 async def test_push_cache_checks(pair: Pair) -> None:

@@ -57,6 +57,7 @@ def test_a_fresh_config_emits_only_memory_utilization_as_llm_datadist_does() -> 
     ({"transport": "tcp", "auth_token": "s3cret"}, {"kvpush.transport": "tcp", "kvpush.auth_token": "s3cret"}),
     ({"keepalive_interval_ms": 100, "keepalive_timeout_ms": 900}, {"kvpush.keepalive_interval_ms": "100",
                                                                    "kvpush.keepalive_timeout_ms": "900"}),
+    ({"layer_merge_bytes": 0}, {"kvpush.layer_merge_bytes": "0"}),
 ])
 def test_each_field_emits_llm_datadists_key_and_value_format(fields: dict[str, Any],
                                                              expected: dict[str, str]) -> None:
@@ -189,6 +190,8 @@ def test_other_keys_llm_datadist_defines_are_accepted(key: str, value: str) -> N
     ({"llm.LinkRetryCount": "0"}, "llm.LinkRetryCount"),
     ({"llm.SyncKvCacheWaitTime": "0"}, "llm.SyncKvCacheWaitTime"),
     ({"kvpush.keepalive_interval_ms": "500", "kvpush.keepalive_timeout_ms": "400"}, "keepalive_timeout_ms"),
+    ({"kvpush.layer_merge_bytes": "-1"}, "kvpush.layer_merge_bytes"),
+    ({"kvpush.layer_merge_bytes": "2M"}, "kvpush.layer_merge_bytes"),
 ])
 def test_unknown_keys_and_bad_values_are_param_invalid_naming_the_key(options: dict[str, str],
                                                                        fragment: str) -> None:
@@ -196,6 +199,14 @@ def test_unknown_keys_and_bad_values_are_param_invalid_naming_the_key(options: d
         parse_options(options)
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     assert fragment in str(caught.value)
+
+
+def test_layer_merge_bytes_defaults_to_2_mib_and_takes_0() -> None:
+    assert EngineOptions().layer_merge_bytes == 2 << 20
+    assert parse_options({"kvpush.layer_merge_bytes": "0"}).layer_merge_bytes == 0
+    assert parse_options(config(layer_merge_bytes=1 << 30)).layer_merge_bytes == 1 << 30
+    with pytest.raises(LLMException):
+        config(layer_merge_bytes=-1)
 
 
 def test_options_must_be_a_dict_of_str_keys() -> None:
