@@ -51,6 +51,17 @@ from .requests import PendingOp, RequestTable
 from .serving import LANDED_ABORTED, HeldGrants, Inbound
 from .status import LLMException, LLMStatusCode
 
+
+class RunLayout(Protocol):
+    """Where a transfer's runs lie within each remote tensor (a ``plan.Plan``): read only by the
+    one-sided paths, which address the peer's memory themselves (a plan lays them out on first use)."""
+
+    @property
+    def remote_offset(self) -> np.ndarray[Any, Any]: ...
+
+    @property
+    def length(self) -> np.ndarray[Any, Any]: ...
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[FrameHeader, bytes], PayloadSink | None]
@@ -249,9 +260,8 @@ class Link:
         return self.requests.new(kind)
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                    remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], source: IoVec,
-                    source_entry: CacheEntry, budget_ms: int, held: bool = False,
-                    payload_len: int | None = None) -> PendingOp:
+                    layout: RunLayout, source: IoVec, source_entry: CacheEntry, budget_ms: int,
+                    held: bool = False, payload_len: int | None = None) -> PendingOp:
         """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the
         bytes. The source cache stays pinned until its bytes left. ``held``: prepare everything (a
         one-sided request is even granted) but move no byte until ``release_held``. ``payload_len``:
@@ -264,7 +274,8 @@ class Link:
             assert self.onesided is not None
             leased = self.onesided.lease_active(remote.cache_id)
             return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        remote_offset, length, source, source_entry, budget_ms, held, leased)
+                                        layout.remote_offset, layout.length, source, source_entry, budget_ms, held,
+                                        leased)
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
@@ -299,8 +310,8 @@ class Link:
             self.onesided.release_held(op)
 
     def start_read(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                   remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any], destination: IoVec,
-                   destination_entry: CacheEntry, budget_ms: int) -> PendingOp:
+                   layout: RunLayout, destination: IoVec, destination_entry: CacheEntry,
+                   budget_ms: int) -> PendingOp:
         """Start one layer's read: one-sided when this link can, else a READ whose reply's payload
         lands straight in ``destination``."""
         expected = int(destination[:, 1].sum())
@@ -308,7 +319,8 @@ class Link:
         self.counters["bytes_pulled"] += expected
         if self._onesided_reaches(remote):
             return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        remote_offset, length, destination, destination_entry, budget_ms)
+                                        layout.remote_offset, layout.length, destination, destination_entry,
+                                        budget_ms)
         op = self._new_op(Kind.READ)
         op.expected = expected
         destination_entry.pin()

@@ -9,6 +9,7 @@ duplicates) and lay the runs out once with numpy. Nothing is validated twice.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,24 +26,56 @@ from .types import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, KeyNam
 _EMPTY: np.ndarray[Any, Any] = np.zeros(0, np.uint64)
 
 
-@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class Plan:
-    """A validated transfer: what moves where, computed once per call."""
+    """A validated transfer: what moves where, computed once per call.
 
-    api: str
-    kind: Kind  # WRITE (push) or READ (pull)
-    local: CacheEntry
-    remote: RemoteCache
-    local_offset: np.ndarray[Any, Any]
-    remote_offset: np.ndarray[Any, Any]
-    remote_wire: bytes
-    length: np.ndarray[Any, Any]
-    steps: list[v.LayerStep]
-    bytes_per_tensor: int = 0  # one layer moves ``step.count * bytes_per_tensor`` bytes
-    # the local iovec of every tensor the steps touch (from tensor ``local_span``), laid out once on
-    # first use by a many-layer transfer (``transfer.local_vector``)
-    local_iov: np.ndarray[Any, Any] | None = None
-    local_span: int = 0
+    The runs within each tensor are ``local_offset``/``remote_offset``/``length`` (numpy). A plan of
+    a short plain block list (``plain_plan``) holds them as Python ints (``small``: (local offset,
+    remote offset, length) per run) and lays out the arrays only if asked, so a small transfer over a
+    stream makes no numpy call to plan."""
+
+    __slots__ = ("api", "kind", "local", "remote", "remote_wire", "steps", "bytes_per_tensor", "small",
+                 "local_iov", "local_span", "_local_offset", "_remote_offset", "_length")
+
+    def __init__(self, api: str, kind: Kind, local: CacheEntry, remote: RemoteCache,
+                 local_offset: np.ndarray[Any, Any] | None, remote_offset: np.ndarray[Any, Any] | None,
+                 remote_wire: bytes, length: np.ndarray[Any, Any] | None, steps: list[v.LayerStep],
+                 bytes_per_tensor: int = 0, small: tuple[tuple[int, int, int], ...] | None = None) -> None:
+        self.api = api
+        self.kind = kind  # WRITE (push) or READ (pull)
+        self.local = local
+        self.remote = remote
+        self.remote_wire = remote_wire
+        self.steps = steps
+        self.bytes_per_tensor = bytes_per_tensor  # one layer moves ``step.count * bytes_per_tensor`` bytes
+        self.small = small
+        # the local iovec of every tensor the steps touch (from tensor ``local_span``), laid out once on
+        # first use by a many-layer transfer (``transfer.local_vector``)
+        self.local_iov: np.ndarray[Any, Any] | None = None
+        self.local_span = 0
+        self._local_offset, self._remote_offset, self._length = local_offset, remote_offset, length
+
+    def _arrays(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        if self._local_offset is None or self._remote_offset is None or self._length is None:
+            columns = np.array(self.small or (), np.uint64).reshape(-1, 3).T.copy()
+            self._local_offset, self._remote_offset, self._length = columns[0], columns[1], columns[2]
+        return self._local_offset, self._remote_offset, self._length
+
+    @property
+    def local_offset(self) -> np.ndarray[Any, Any]:
+        return self._arrays()[0]
+
+    @property
+    def remote_offset(self) -> np.ndarray[Any, Any]:
+        return self._arrays()[1]
+
+    @property
+    def length(self) -> np.ndarray[Any, Any]:
+        return self._arrays()[2]
+
+    @property
+    def runs_per_tensor(self) -> int:
+        return len(self.small) if self.small is not None else int(self.length.shape[0])
 
 
 @dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
@@ -91,8 +124,9 @@ def _plain(blocks: object) -> tuple[int, ...] | None:
     return items
 
 
-def _small_runs(src: tuple[int, ...], dst: tuple[int, ...], block_bytes: int) -> Runs:
-    """``layout.block_runs`` for a short list: pairs ordered by source, neighbours merged."""
+def _small_runs(src: tuple[int, ...], dst: tuple[int, ...], block_bytes: int) -> list[tuple[int, int, int]]:
+    """``layout.block_runs`` for a short list, as ints: (source offset, destination offset, length)
+    per run, ordered by source, neighbours merged."""
     pairs = sorted(zip(src, dst), key=lambda pair: pair[0]) if len(src) > 1 else list(zip(src, dst))
     starts: list[list[int]] = []
     for s, d in pairs:
@@ -100,9 +134,7 @@ def _small_runs(src: tuple[int, ...], dst: tuple[int, ...], block_bytes: int) ->
             starts[-1][2] += 1
         else:
             starts.append([s, d, 1])
-    return Runs(np.array([r[0] * block_bytes for r in starts], np.uint64),
-                np.array([r[1] * block_bytes for r in starts], np.uint64),
-                np.array([r[2] * block_bytes for r in starts], np.uint64))
+    return [(s * block_bytes, d * block_bytes, count * block_bytes) for s, d, count in starts]
 
 
 def _names(kind: Kind) -> tuple[str, str]:
@@ -263,7 +295,10 @@ def plain_plan(api: str, kind: Kind, n: int, src: tuple[int, ...], dst: tuple[in
     if not ranges_given and src_tensors != dst_tensors:
         return None
     steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
-    return _plan(api, kind, local, remote, _small_runs(src, dst, local_desc.block_bytes), steps)
+    runs = _small_runs(src, dst, local_desc.block_bytes)
+    small = tuple((s, d, n) for s, d, n in runs) if push else tuple((d, s, n) for s, d, n in runs)
+    wire = struct.pack(f"<{2 * len(small)}Q", *(value for _, offset, length in small for value in (offset, length)))
+    return Plan(api, kind, local, remote, None, None, wire, None, steps, sum(run[2] for run in small), small)
 
 
 def plain_args(kind: Kind, remote_key: object, local_cache: object, src_blocks: object, dst_blocks: object,

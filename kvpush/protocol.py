@@ -98,6 +98,20 @@ def encode_header(kind: Kind, request_id: int, meta_len: int, payload_len: int, 
     return HEADER.pack(MAGIC, int(kind), flags, meta_len, request_id, payload_len)
 
 
+def _meta_limit(kind: Kind) -> int:
+    if kind in JSON_KINDS:
+        return MAX_JSON_META
+    if kind == Kind.MESSAGE:
+        return MAX_MESSAGE_META
+    if kind in TRANSFER_KINDS:
+        return MAX_TRANSFER_META
+    return MAX_STATUS_META
+
+
+# kind byte -> (kind, the most meta it may carry, whether it may carry a payload): one lookup per frame
+_KINDS = {int(kind): (kind, _meta_limit(kind), kind in PAYLOAD_KINDS) for kind in Kind}
+
+
 def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     """Parse and bound-check a header. Raises ProtocolError for anything malformed."""
     if len(data) != HEADER_SIZE:
@@ -105,21 +119,13 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     magic, kind_value, flags, meta_len, request_id, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x}")
-    try:
-        kind = Kind(kind_value)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind_value}") from None
-    if kind in JSON_KINDS:
-        limit = MAX_JSON_META
-    elif kind == Kind.MESSAGE:
-        limit = MAX_MESSAGE_META
-    elif kind in TRANSFER_KINDS:
-        limit = MAX_TRANSFER_META
-    else:
-        limit = MAX_STATUS_META
+    known = _KINDS.get(kind_value)
+    if known is None:
+        raise ProtocolError(f"unknown frame kind {kind_value}")
+    kind, limit, carries_payload = known
     if meta_len > limit:
         raise ProtocolError(f"{kind.name} meta of {meta_len} bytes exceeds {limit}")
-    if payload_len and kind not in PAYLOAD_KINDS:
+    if payload_len and not carries_payload:
         raise ProtocolError(f"{kind.name} frame carries a payload of {payload_len} bytes")
     return FrameHeader(kind, flags, meta_len, request_id, payload_len)
 
@@ -147,21 +153,46 @@ def decode_json(kind: Kind, meta: bytes | bytearray | memoryview) -> dict[str, A
 
 # -- transfers ---------------------------------------------------------------------------------
 
-@dataclass(slots=True)  # not frozen: made on every transfer, and a frozen __init__ sets each field slowly
 class TransferMeta:
-    """What a WRITE or READ addresses in the receiver's registry."""
+    """What a WRITE or READ addresses in the receiver's registry. A request of a few runs keeps them
+    as Python ints (``runs``) and lays out the numpy arrays only if someone asks for them."""
 
-    cache_id: int
-    first_tensor: int
-    num_tensors: int
-    offsets: np.ndarray[Any, Any]
-    lengths: np.ndarray[Any, Any]
-    budget_ms: int = 0
-    runs: tuple[tuple[int, int], ...] | None = None  # the same runs as Python ints, for short requests
+    __slots__ = ("cache_id", "first_tensor", "num_tensors", "budget_ms", "runs", "_offsets", "_lengths")
+
+    def __init__(self, cache_id: int, first_tensor: int, num_tensors: int, offsets: np.ndarray[Any, Any] | None,
+                 lengths: np.ndarray[Any, Any] | None, budget_ms: int = 0,
+                 runs: tuple[tuple[int, int], ...] | None = None) -> None:
+        self.cache_id = cache_id
+        self.first_tensor = first_tensor
+        self.num_tensors = num_tensors
+        self.budget_ms = budget_ms
+        self.runs = runs  # the runs as Python ints, for short requests
+        self._offsets = offsets
+        self._lengths = lengths
+
+    def _arrays(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        if self._offsets is None or self._lengths is None:
+            pairs = np.array(self.runs or (), np.uint64).reshape(-1, 2)
+            self._offsets, self._lengths = pairs[:, 0], pairs[:, 1]
+        return self._offsets, self._lengths
+
+    @property
+    def offsets(self) -> np.ndarray[Any, Any]:
+        return self._arrays()[0]
+
+    @property
+    def lengths(self) -> np.ndarray[Any, Any]:
+        return self._arrays()[1]
 
     @property
     def payload_len(self) -> int:
+        if self.runs is not None:
+            return self.num_tensors * sum(length for _, length in self.runs)
         return self.num_tensors * int(self.lengths.sum(dtype=np.uint64))
+
+
+# (offset, length) pairs of a request of n <= SMALL_RUNS runs, unpacked into ints in one call
+_SMALL_RUN_STRUCTS = [struct.Struct(f"<{2 * n}Q") for n in range(SMALL_RUNS + 1)]
 
 
 def encode_transfer(
@@ -189,13 +220,12 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
     if n_runs == 0 or num_tensors == 0:
         raise ProtocolError(f"{header.kind.name} addresses no bytes")
     if n_runs <= SMALL_RUNS:  # a few runs (decode-time pushes): plain ints cost less than numpy calls
-        flat = struct.unpack_from(f"<{2 * n_runs}Q", meta, TRANSFER_META.size)
+        flat = _SMALL_RUN_STRUCTS[n_runs].unpack_from(meta, TRANSFER_META.size)
         runs = tuple(zip(flat[0::2], flat[1::2]))
         expected = num_tensors * sum(flat[1::2])
         if header.kind == Kind.WRITE and expected != header.payload_len:
             raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
-        return TransferMeta(cache_id, first_tensor, num_tensors, np.array(flat[0::2], np.uint64),
-                            np.array(flat[1::2], np.uint64), budget_ms, runs)
+        return TransferMeta(cache_id, first_tensor, num_tensors, None, None, budget_ms, runs)
     pairs = np.frombuffer(meta, RUN_DTYPE, count=2 * n_runs, offset=TRANSFER_META.size).reshape(-1, 2)
     offsets = pairs[:, 0].astype(np.uint64)
     lengths = pairs[:, 1].astype(np.uint64)

@@ -238,11 +238,11 @@ class Inbound:
         self._watch(request_id, budget_ms, "write")
 
         def landed() -> None:
+            self._send(encode_status(Kind.DONE, request_id, 0))  # first: the writer waits for it
             self._done(request_id)
             self._writes.pop(request_id, None)
             entry.unpin()
             self._counters["bytes_received"] += header.payload_len
-            self._send(encode_status(Kind.DONE, request_id, 0))
 
         return PayloadSink(iov, landed, header.payload_len)  # decode_transfer checked it against the runs
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import numpy as np
+
 from .layout import IoVec, scatter_vector
 from .link import Link
 from .plan import Plan, group_steps
@@ -34,16 +36,19 @@ def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: b
     remote_first = step.dst_first if plan.kind == Kind.WRITE else step.src_first
     iov = local_vector(plan, local_first, step.count)
     if plan.kind == Kind.WRITE:
-        return link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
-                                plan.length, iov, plan.local, budget_ms, held, step.count * plan.bytes_per_tensor)
-    return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan.remote_offset,
-                           plan.length, iov, plan.local, budget_ms)
+        return link.start_write(plan.remote, remote_first, step.count, plan.remote_wire, plan, iov, plan.local,
+                                budget_ms, held, step.count * plan.bytes_per_tensor)
+    return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan, iov, plan.local, budget_ms)
 
 
 def local_vector(plan: Plan, first: int, count: int) -> IoVec:
     """The local iovec of tensors ``[first, first + count)``: for a transfer of many layers, a slice of
     one vector laid out (numpy, once) for every tensor its steps touch, so a layer costs no layout."""
     if len(plan.steps) == 1:
+        if plan.small is not None:  # a few runs as ints: one numpy call
+            bases = plan.local.cache.tensor_addrs[first:first + count]
+            return np.array([value for base in bases for offset, _, length in plan.small
+                             for value in (base + offset, length)], np.uint64).reshape(-1, 2)
         return scatter_vector(plan.local.addrs[first:first + count], plan.local_offset, plan.length)
     if plan.local_iov is None:
         write = plan.kind == Kind.WRITE
@@ -51,7 +56,7 @@ def local_vector(plan: Plan, first: int, count: int) -> IoVec:
         high = max((s.src_first if write else s.dst_first) + s.count for s in plan.steps)
         plan.local_iov = scatter_vector(plan.local.addrs[low:high], plan.local_offset, plan.length)
         plan.local_span = low
-    runs = plan.length.shape[0]
+    runs = plan.runs_per_tensor
     return plan.local_iov[(first - plan.local_span) * runs:(first - plan.local_span + count) * runs]
 
 
