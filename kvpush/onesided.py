@@ -198,17 +198,19 @@ class OneSidedSender:
         assert op.copy is not None
         error = None if op.copy.cancelled() else op.copy.exception()
         failed = op.copy.cancelled() or error is not None
+        if not failed:  # first: the caller resumes in the next pass, before the notice below goes out
+            self._requests.complete(op, None)
         if op.notice is not None:  # a leased write: tell the receiver what landed (nothing to unpin there)
             cache_id = op.move_args[0]
             if failed:
                 self._leased_done(cache_id)
-            else:  # sent right after the caller resumes; the lease counts as busy until it is out
+            else:  # sent right after the caller resumed; the lease counts as busy until it is out
                 self._loop.call_soon(self._notify, op.notice, cache_id)
         else:
             self._send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:
-            self._requests.complete(op, None)
-        elif isinstance(error, TransportError) and error.peer_gone:
+            return
+        if isinstance(error, TransportError) and error.peer_gone:
             self._close_link(f"peer process exited: {error}")
         else:
             log.error("one-sided transfer for request %d failed: %s", op.request_id, error)

@@ -344,14 +344,16 @@ class Endpoint:
 
         _completions[token] = done
         self._pending[token] = future
-        result = lib.kvp_rma_batch(self.ep, int(is_get), ffi.cast("const uint64_t *", local.ctypes.data),
-                                   ffi.cast("const uint64_t *", remote.ctypes.data),
-                                   ffi.cast("const uint32_t *", index.ctypes.data), handles, local.shape[0],
-                                   ffi.cast("void *", token))
+        # from_buffer, not a cast of ``.ctypes.data``: ~10x cheaper; the vectors are read during the call only
+        result = lib.kvp_rma_batch(self.ep, int(is_get), ffi.from_buffer("uint64_t[]", local),
+                                   ffi.from_buffer("uint64_t[]", remote), ffi.from_buffer("uint32_t[]", index),
+                                   handles, local.shape[0], ffi.cast("void *", token))
         if result <= 0:
             _completions.pop(token, None)
             done(int(result))
-        worker.loop.call_soon(worker.kick)  # the fd reports incoming events only: progress what we posted
+        # the fd reports incoming events only: progress what was posted now (completions only resolve
+        # futures, whose callbacks run from the loop), not a loop pass later
+        worker.kick()
         return future
 
     def close(self, force: bool = False) -> None:
