@@ -371,6 +371,8 @@ class Link:
         returns when the peer queued it. LLM_LINK_BUSY when its inbox is full; LLM_TIMEOUT when the
         link breaks first. Cancellation stops waiting for the answer (the message may still arrive)."""
         op = self._new_op(Kind.MESSAGE)
+        if self.onesided is not None:
+            self.onesided.flush_notices()  # what this link's writes landed goes first
         self.stream.send(encode_message(op.request_id, channel, data))
         try:
             await op.future

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
@@ -60,6 +60,9 @@ class OneSidedSender:
         self._idle = asyncio.Event()
         self._idle.set()
         self.closing = False  # unlinking: no new leased copy may start
+        # notices of leased writes whose copy is done, sent right after their callers resumed (or
+        # before anything else the link sends on their behalf, see ``flush_notices``)
+        self._notices: deque[tuple[bytes, int]] = deque()
 
     # -- leases ---------------------------------------------------------------------------------
     def lease_active(self, cache_id: int) -> bool:
@@ -95,9 +98,13 @@ class OneSidedSender:
         else:
             raise ProtocolError(f"unexpected LEASE {op!r} for cache {cache_id}")
 
-    def _notify(self, notice: bytes, cache_id: int) -> None:
-        self._send(notice)
-        self._leased_done(cache_id)
+    def flush_notices(self) -> None:
+        """Send the notices of finished leased writes now, in order: the link calls this before a
+        message, so a push's notification never reaches the peer before what its writes landed."""
+        while self._notices:
+            notice, cache_id = self._notices.popleft()
+            self._send(notice)
+            self._leased_done(cache_id)
 
     def _leased_started(self, cache_id: int) -> None:
         self._leased_inflight[cache_id] += 1
@@ -205,7 +212,8 @@ class OneSidedSender:
             if failed:
                 self._leased_done(cache_id)
             else:  # sent right after the caller resumed; the lease counts as busy until it is out
-                self._loop.call_soon(self._notify, op.notice, cache_id)
+                self._notices.append((op.notice, cache_id))
+                self._loop.call_soon(self.flush_notices)
         else:
             self._send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:

@@ -296,7 +296,7 @@ def plain_plan(api: str, kind: Kind, n: int, src: tuple[int, ...], dst: tuple[in
         return None
     steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
     runs = _small_runs(src, dst, local_desc.block_bytes)
-    small = tuple((s, d, n) for s, d, n in runs) if push else tuple((d, s, n) for s, d, n in runs)
+    small = tuple(runs) if push else tuple((d, s, length) for s, d, length in runs)  # (local, remote, length)
     wire = struct.pack(f"<{2 * len(small)}Q", *(value for _, offset, length in small for value in (offset, length)))
     return Plan(api, kind, local, remote, None, None, wire, None, steps, sum(run[2] for run in small), small)
 

@@ -240,9 +240,9 @@ class Inbound:
         def landed() -> None:
             self._send(encode_status(Kind.DONE, request_id, 0))  # first: the writer waits for it
             self._done(request_id)
-            self._writes.pop(request_id, None)
-            entry.unpin()
             self._counters["bytes_received"] += header.payload_len
+            if self._writes.pop(request_id, None) is not None:  # else a failed send closed us, which unpinned
+                entry.unpin()
 
         return PayloadSink(iov, landed, header.payload_len)  # decode_transfer checked it against the runs
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .layout import IoVec, scatter_vector
 from .link import Link
+from .options import LAYER_MERGE_BYTES
 from .plan import Plan, group_steps
 from .protocol import Kind
 from .requests import PendingOp
@@ -92,7 +93,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = 0) -> None:
+async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_MERGE_BYTES) -> None:
     """Move every layer of ``plan``; returns on remote completion of the last one. Consecutive layers
     (on both sides) go as one request while it stays within ``merge_bytes`` (0: a request per layer);
     a request's layers complete together.

@@ -307,7 +307,9 @@ class Endpoint:
         worker.endpoints.add(self)
 
     def _error(self, status: int) -> None:
-        self._on_error(f"UCX endpoint error: {self.worker.status_text(status)}")
+        # from the loop, not inside ucp_worker_progress: progress also runs inside ``rma`` (and link
+        # set-up), whose callers must not see their link closed in the middle of a call
+        self.worker.loop.call_soon(self._on_error, f"UCX endpoint error: {self.worker.status_text(status)}")
 
     def unpack_rkey(self, packed: bytes) -> Any:
         ffi = self.worker.ffi

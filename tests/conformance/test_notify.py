@@ -48,6 +48,20 @@ async def test_a_pushs_notification_arrives_after_its_bytes_landed(transport: st
     assert decode.messages.get_nowait() is None  # notifications and messages are separate inboxes
 
 
+async def test_the_receiver_has_counted_a_pushs_bytes_when_its_notification_arrives(
+        transport: str, make_engine: EngineFactory) -> None:
+    """Also under a standing grant (the same-host and UCX paths get one after the first writes), where
+    the receiver learns of a write from its notice: the notice is ahead of the notification."""
+    prefill, decode = await pair(make_engine, transport, caches=True)
+    src = cache_of(prefill)
+    for round_ in range(8):
+        await prefill.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [0, 1], [5 + round_, 20 + round_],
+                                                notify=b"n%d" % round_)
+        delivery = await asyncio.wait_for(decode.notifications.get(peer=1), 5)
+        assert delivery.data == b"n%d" % round_
+        assert decode.link_stats()[1].get("bytes_received", 0) == prefill.link_stats()[2]["bytes_pushed"]
+
+
 async def test_a_layer_pushers_notification_follows_its_last_layer(transport: str, make_engine: EngineFactory) -> None:
     prefill, decode = await pair(make_engine, transport, caches=True)
     dst, src = cache_of(decode), cache_of(prefill)

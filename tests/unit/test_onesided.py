@@ -101,6 +101,28 @@ async def test_a_leased_write_copies_then_notifies_and_unlinking_stops_new_ones(
     assert await one.drain_leases(0.1)
 
 
+async def test_notices_of_finished_leased_writes_go_out_in_order_when_flushed() -> None:
+    """The caller of a leased write resumes before its notice leaves; a message the link sends
+    meanwhile (a push's notification) first flushes the notices, in order, each exactly once."""
+    one, requests, sent, _ = sender()
+    one.lease_active(1)
+    one.on_lease({"op": "grant", "cache": 1})
+    one._send = lambda head: sent.append((Kind.WRITE_NOTICE, head))  # noqa: SLF001 - record the raw notice
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    before = len(sent)
+    for name in (b"first", b"second"):
+        op = requests.new(Kind.WRITE_INTENT)
+        op.local_iov, op.remote_iov, op.move_args, op.notice = iov(src), iov(dst), (1, 0, None, 1), name
+        one.begin_leased(op)
+        assert op.future.done() and op.future.exception() is None
+    assert sent[before:] == [] and not one.leases_idle()  # nothing sent yet: the callers go first
+    one.flush_notices()  # what Link.send_message does before a message
+    assert sent[before:] == [(Kind.WRITE_NOTICE, b"first"), (Kind.WRITE_NOTICE, b"second")]
+    assert one.leases_idle()
+    await asyncio.sleep(0)  # the scheduled flush finds nothing left: no notice twice
+    assert len(sent) == before + 2
+
+
 async def test_a_grant_moves_the_bytes_and_landed_follows_an_abandoned_grant_is_answered() -> None:
     one, requests, sent, _ = sender()
     src, dst = np.full(32, 7, np.uint8), np.zeros(32, np.uint8)

@@ -118,6 +118,31 @@ def test_a_stream_write_is_pinned_until_it_landed_then_answered_done() -> None:
     assert sent.frames == [(Kind.DONE, (0, ""))]
 
 
+def test_a_write_whose_done_cannot_be_sent_is_unpinned_once() -> None:
+    """DONE goes out before the bookkeeping; if sending it fails and closes the link (which unpins
+    the writes in flight), the write is not unpinned a second time under another holder."""
+    registry, cache_id = registry_with_cache()
+    sent, closed = Sent(), []
+    side: Inbound
+
+    def send_then_fail(head: bytes, payload: Any = None) -> Any:
+        frame = sent(head, payload)
+        side.close(lambda: None)  # what a stream whose send failed does: the link closes
+        closed.append(True)
+        return frame
+
+    side = Inbound(registry, lambda: True, send_then_fail, Counter(), lambda proof: False, "9", LOOP,
+                   lambda _: None, lambda: 1000)
+    entry = registry.get(cache_id)
+    assert entry is not None
+    entry.pin()  # another holder (a lease, a held grant, another link's write)
+    header, meta = transfer_frame(Kind.WRITE, cache_id, 0, 1, [0], [64])
+    sink = side.serve_write(header, meta)
+    assert sink is not None and entry.pins == 2
+    sink.on_done()
+    assert closed and entry.pins == 1
+
+
 def test_a_refused_write_is_answered_with_its_status_and_nothing_is_pinned() -> None:
     registry, cache_id = registry_with_cache()
     side, sent, _ = inbound(registry)
