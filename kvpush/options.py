@@ -148,9 +148,10 @@ _KVPUSH_KEYS = {"transport": "kvpush.transport", "auth_token": "kvpush.auth_toke
                 "keepalive_interval_ms": "kvpush.keepalive_interval_ms",
                 "keepalive_timeout_ms": "kvpush.keepalive_timeout_ms",
                 "layer_merge_bytes": "kvpush.layer_merge_bytes"}
-# Consecutive layers of one transfer smaller than this go as one request (``kvpush.layer_merge_bytes``):
-# a request costs each side ~100-200 us of Python on a small host whatever its size, which a 256 KiB
-# layer (a short prompt's) does not amortize; layers this big or bigger go one request each.
+# The consecutive layers of one transfer are packed into requests of at most this many bytes
+# (``kvpush.layer_merge_bytes``; a layer this big or bigger goes alone): a request costs each side
+# ~100-200 us of Python on a small host whatever its size, which a 256 KiB layer (a short prompt's)
+# does not amortize.
 LAYER_MERGE_BYTES = 2 << 20
 _MAX_MERGE_BYTES = 1 << 40
 
