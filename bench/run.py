@@ -86,9 +86,11 @@ def _matmul_for(seconds: float) -> Callable[[], None]:
     a = np.ones((size, size), np.float32)
     while True:
         a = np.random.default_rng(0).random((size, size), dtype=np.float32)
-        start = time.perf_counter()
-        a @ a
-        took = time.perf_counter() - start
+        took = float("inf")
+        for _ in range(3):  # the best of three: the process's first matmul also starts BLAS up
+            start = time.perf_counter()
+            a @ a
+            took = min(took, time.perf_counter() - start)
         if took >= seconds or size >= 4096:
             break
         size = int(size * max(1.1, min(2.0, (seconds / max(took, 1e-6)) ** (1 / 3))))
