@@ -248,6 +248,8 @@ def decode_status(header: FrameHeader, meta: bytes | bytearray | memoryview) -> 
     if len(meta) < STATUS_META.size:
         raise ProtocolError(f"{header.kind.name} meta of {len(meta)} bytes is truncated")
     (status,) = STATUS_META.unpack_from(meta)
+    if len(meta) == STATUS_META.size:  # the common answer: no message
+        return status, ""
     return status, bytes(meta[STATUS_META.size:]).decode(errors="replace")
 
 

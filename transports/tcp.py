@@ -114,9 +114,9 @@ class _Cursor:
             self.index = self.rows
             return
         vec, index = self.vec, self.index
-        if count < int(vec[index, 1]):  # still inside the current entry
-            vec[index, 0] += np.uint64(count)
-            vec[index, 1] -= np.uint64(count)
+        address, length = vec[index].tolist()
+        if count < length:  # still inside the current entry
+            vec[index] = (address + count, length - count)
             return
         cum = np.cumsum(vec[index:self.rows, 1])
         step = int(np.searchsorted(cum, count, side="right"))
@@ -184,27 +184,45 @@ def _check(result: int) -> int:
 
 
 class TcpFrame:
-    """One queued outgoing frame (see ``transports.base.OutgoingFrame``)."""
+    """One queued outgoing frame (see ``transports.base.OutgoingFrame``). Its own iovec and cursor are
+    made only when it is not written whole through the stream's scratch vector at once."""
 
-    __slots__ = ("head", "cursor", "sent", "started", "abandoned")
+    __slots__ = ("head", "payload", "total", "_cursor", "sent", "started", "abandoned")
 
     def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
                  already_sent: int = 0, nbytes: int | None = None) -> None:
         self.head = head  # referenced here: the iovec points into it
-        rows = 1 + (0 if payload is None else payload.shape[0])
-        vec = np.empty((rows, 2), np.uint64)
-        vec[0, 0] = _address(head)
-        vec[0, 1] = len(head)
-        total = len(head)
-        if payload is not None:
-            vec[1:] = payload
-            total += int(payload[:, 1].sum()) if nbytes is None else nbytes
-        self.cursor = _Cursor(vec, total=total)
+        self.payload = payload
+        self.total = len(head) + (0 if payload is None else int(payload[:, 1].sum()) if nbytes is None else nbytes)
+        self._cursor: _Cursor | None = None
         if already_sent:
             self.cursor.advance(already_sent)
         self.sent: asyncio.Future[None] = loop.create_future()
         self.started = False  # some of it was written: it is always finished (or the stream closed)
         self.abandoned = False
+
+    @property
+    def cursor(self) -> _Cursor:
+        if self._cursor is None:
+            payload = self.payload
+            vec = np.empty((1 + (0 if payload is None else payload.shape[0]), 2), np.uint64)
+            vec[0] = (_address(self.head), len(self.head))
+            if payload is not None:
+                vec[1:] = payload
+            self._cursor = _Cursor(vec, total=self.total)
+        return self._cursor
+
+    def short(self) -> bool:
+        """Not written yet and its vector fits the stream's scratch vector."""
+        return self._cursor is None and (self.payload is None or self.payload.shape[0] < _SCRATCH_ROWS)
+
+    def advance(self, written: int) -> bool:
+        """``written`` more bytes left; True when the whole frame has."""
+        if self._cursor is None and written == self.total:
+            return True
+        cursor = self.cursor
+        cursor.advance(written)
+        return cursor.done >= cursor.total
 
     def abandon(self) -> bool:
         if self.started:
@@ -241,6 +259,8 @@ class TcpFrameStream:
         self._rx_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._rx))
         scratch = np.empty((_SCRATCH_ROWS, 2), np.uint64)  # the iovec of a payload of a few entries
         self._rx_scratch = (scratch, int(scratch.ctypes.data))
+        self._tx_scratch = np.empty((_SCRATCH_ROWS, 2), np.uint64)  # a short frame's first write
+        self._tx_addr = int(self._tx_scratch.ctypes.data)
         self._rx_start = 0
         self._rx_end = 0
         self._frame: FrameHeader | None = None
@@ -273,7 +293,7 @@ class TcpFrameStream:
                 frame.sent.exception()
             return
         self._queue.append(frame)
-        self._kick(frame.cursor.total)
+        self._kick(frame.total)
 
     def _kick(self, size: int) -> None:
         if self._writer_armed or self._pump_scheduled:
@@ -309,7 +329,7 @@ class TcpFrameStream:
             frame.sent.exception()  # mark retrieved; callers check the link state first
             return frame
         self._queue.append(frame)
-        self._kick(0 if payload is None else frame.cursor.total)
+        self._kick(0 if payload is None else frame.total)
         return frame
 
     def _scheduled_pump(self) -> None:
@@ -326,10 +346,12 @@ class TcpFrameStream:
                     frame.sent.cancel()
                 continue
             frame.started = True
-            cursor = frame.cursor
-            address, count = cursor.pointer()
             try:
-                written = _check(_writev(self.fd, address, count))
+                if frame.short():  # a first write of a few entries: through the scratch vector
+                    written = _check(_writev(self.fd, self._tx_addr, self._fill_scratch(frame)))
+                else:
+                    address, count = frame.cursor.pointer()
+                    written = _check(_writev(self.fd, address, count))
             except (BlockingIOError, InterruptedError):
                 self._arm_writer()
                 return
@@ -337,12 +359,21 @@ class TcpFrameStream:
                 self.close(f"send failed: {error.strerror or error}")
                 return
             self.bytes_out += written
-            cursor.advance(written)
-            if cursor.done >= cursor.total:
+            if frame.advance(written):
                 self._queue.popleft()
                 if not frame.sent.done():
                     frame.sent.set_result(None)
         self._disarm_writer()
+
+    def _fill_scratch(self, frame: TcpFrame) -> int:
+        """Lay a short frame's iovec (head, payload entries) into the scratch vector; its rows."""
+        scratch = self._tx_scratch
+        scratch[0] = (_address(frame.head), len(frame.head))
+        if frame.payload is None:
+            return 1
+        rows: int = frame.payload.shape[0]
+        scratch[1:rows + 1] = frame.payload
+        return rows + 1
 
     def _arm_writer(self) -> None:
         if not self._writer_armed:
