@@ -36,18 +36,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
+from .iovec import IOV_MAX, LIBC
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
 
 CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True)
 INLINE_COPY_BYTES = 256 << 10
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-_libc = ctypes.CDLL(None, use_errno=True)
 try:
-    _writev = _libc.process_vm_writev
-    _readv = _libc.process_vm_readv
+    _writev = LIBC.process_vm_writev
+    _readv = LIBC.process_vm_readv
     for _function in (_writev, _readv):
         _function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
                               ctypes.c_ulong)

@@ -15,7 +15,7 @@ straight from the source memory, resuming after partial writes, and waits with `
 when the socket is full. A frame that has started is always finished (or the stream closed), so
 the byte stream never holds half a frame.
 
-One idea, TCP (about 590 lines): the stream, its in-place receive state machine and its set-up
+One idea, TCP (about 540 lines): the stream, its in-place receive state machine and its set-up
 (listener, connect) belong together.
 """
 
@@ -24,12 +24,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
-import errno
 import logging
-import os
 import socket
 import struct
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +44,7 @@ from .base import (
     StreamHandler,
     TransportError,
 )
+from .iovec import Cursor, address_of, check, readv, writev
 
 if TYPE_CHECKING:
     from kvpush.layout import IoVec
@@ -54,7 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CAPABILITIES = Capabilities(name="tcp", one_sided=False, same_host_only=False)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _READS_PER_WAKEUP = 64
 # Every stream reads headers and metas through a staging buffer of this size: one recv brings a
 # small frame whole (header, meta, the start of its payload) and usually the news that the socket
@@ -68,121 +65,6 @@ _SEND_NOW_BYTES = 1 << 20
 _SCRATCH_ROWS = 32  # payloads of fewer iovec entries are received through the stream's own vector (512 B)
 _DISCARD = bytearray(1 << 18)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_readv = _libc.readv
-_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-_readv.restype = ctypes.c_ssize_t
-_writev = _libc.writev
-_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-_writev.restype = ctypes.c_ssize_t
-
-
-class _Cursor:
-    """Progress through an iovec, resumable after partial reads or writes (numpy, no loop per
-    entry): a call that stops inside an entry shortens that entry in place.
-
-    ``spill``: (address, size) of a buffer to append as one more entry behind the vector, so that a
-    read that finishes the vector goes on into it (the next frame's first bytes) in the same call.
-    ``scratch``: (vector, its address) the copy may use when it fits (a stream receives one payload
-    at a time), saving an allocation and an address lookup per frame."""
-
-    __slots__ = ("vec", "rows", "total", "done", "index", "base")
-
-    def __init__(self, iov: IoVec, total: int | None = None, spill: tuple[int, int] | None = None,
-                 scratch: tuple[IoVec, int] | None = None) -> None:
-        rows = iov.shape[0]
-        if spill is not None:  # a copy: the sink's iovec stays as the engine made it
-            if scratch is not None and rows < scratch[0].shape[0]:
-                self.vec, self.base = scratch[0][:rows + 1], scratch[1]
-            else:
-                self.vec = np.empty((rows + 1, 2), np.uint64)
-                self.base = self.vec.ctypes.data
-            self.vec[:rows] = iov
-            self.vec[rows] = spill
-        else:  # the caller's own contiguous uint64 vector, advanced in place
-            self.vec = iov
-            self.base = iov.ctypes.data
-        self.rows = rows
-        self.total = int(self.vec[:rows, 1].sum()) if total is None else total
-        self.done = 0
-        self.index = 0
-
-    def advance(self, count: int) -> None:
-        """``count`` more bytes of the vector (not of the spill) were moved."""
-        self.done += count
-        if self.done >= self.total:
-            self.index = self.rows
-            return
-        vec, index = self.vec, self.index
-        address, length = vec[index].tolist()
-        if count < length:  # still inside the current entry
-            vec[index] = (address + count, length - count)
-            return
-        cum = np.cumsum(vec[index:self.rows, 1])
-        step = int(np.searchsorted(cum, count, side="right"))
-        consumed = count - (int(cum[step - 1]) if step else 0)
-        index += step
-        vec[index, 0] += np.uint64(consumed)
-        vec[index, 1] -= np.uint64(consumed)
-        self.index = index
-
-    def pointer(self) -> tuple[int, int]:
-        """(address of the current iovec entry, entries to pass) for readv/writev; the spill entry
-        is passed only when the rest of the vector fits in the same call."""
-        return self.base + 16 * self.index, min(IOV_MAX, self.vec.shape[0] - self.index)
-
-    def fill(self, source: int, count: int) -> None:
-        """Copy ``count`` bytes (at most the rest of the vector) from address ``source`` into it. Used
-        for the few bytes of a payload that arrived in the staging buffer behind their header, so it
-        runs over at most a staging buffer's worth of entries, once per frame."""
-        while count > 0:
-            base, length = self.vec[self.index].tolist()
-            step = min(count, length)
-            ctypes.memmove(base, source, step)
-            source += step
-            count -= step
-            self.advance(step)
-
-
-def _address_by_cast(data: bytes) -> int:
-    """Where a bytes object's contents are (it is immutable and referenced by the frame)."""
-    address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
-    assert address is not None
-    return address
-
-
-def _bytes_offset() -> int | None:
-    """Where CPython keeps a bytes object's contents relative to the object (``id``): a fixed offset,
-    ~30x cheaper to add than a ctypes cast (~3 us on a small host, paid by every frame). Checked here
-    on objects of several sizes against the cast; None (use the cast) if it does not hold."""
-    offset = sys.getsizeof(b"") - 1
-    for probe in (b"\x01", b"kvpush" * 7, bytes(range(256)) * 9):
-        if id(probe) + offset != _address_by_cast(probe) or ctypes.string_at(id(probe) + offset, len(probe)) != probe:
-            return None
-    return offset
-
-
-_BYTES_OFFSET = _bytes_offset()
-
-
-def _address(data: bytes) -> int:
-    """Where a bytes object's contents are (it is immutable and referenced by the frame)."""
-    if _BYTES_OFFSET is not None and type(data) is bytes:
-        return id(data) + _BYTES_OFFSET
-    return _address_by_cast(data)
-
-
-def _check(result: int) -> int:
-    if result >= 0:
-        return result
-    code = ctypes.get_errno()
-    if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-        raise BlockingIOError(code, os.strerror(code))
-    if code == errno.EINTR:
-        raise InterruptedError(code, os.strerror(code))
-    raise OSError(code, os.strerror(code))
-
-
 class TcpFrame:
     """One queued outgoing frame (see ``transports.base.OutgoingFrame``). Its own iovec and cursor are
     made only when it is not written whole through the stream's scratch vector at once."""
@@ -194,7 +76,7 @@ class TcpFrame:
         self.head = head  # referenced here: the iovec points into it
         self.payload = payload
         self.total = len(head) + (0 if payload is None else int(payload[:, 1].sum()) if nbytes is None else nbytes)
-        self._cursor: _Cursor | None = None
+        self._cursor: Cursor | None = None
         if already_sent:
             self.cursor.advance(already_sent)
         self.sent: asyncio.Future[None] = loop.create_future()
@@ -202,14 +84,14 @@ class TcpFrame:
         self.abandoned = False
 
     @property
-    def cursor(self) -> _Cursor:
+    def cursor(self) -> Cursor:
         if self._cursor is None:
             payload = self.payload
             vec = np.empty((1 + (0 if payload is None else payload.shape[0]), 2), np.uint64)
-            vec[0] = (_address(self.head), len(self.head))
+            vec[0] = (address_of(self.head), len(self.head))
             if payload is not None:
                 vec[1:] = payload
-            self._cursor = _Cursor(vec, total=self.total)
+            self._cursor = Cursor(vec, total=self.total)
         return self._cursor
 
     def short(self) -> bool:
@@ -269,7 +151,7 @@ class TcpFrameStream:
         self._got = 0
         self._payload_left = 0
         self._sink: PayloadSink | None = None
-        self._cursor: _Cursor | None = None
+        self._cursor: Cursor | None = None
         loop.add_reader(self.fd, self._on_readable)
 
     def __repr__(self) -> str:
@@ -348,10 +230,10 @@ class TcpFrameStream:
             frame.started = True
             try:
                 if frame.short():  # a first write of a few entries: through the scratch vector
-                    written = _check(_writev(self.fd, self._tx_addr, self._fill_scratch(frame)))
+                    written = check(writev(self.fd, self._tx_addr, self._fill_scratch(frame)))
                 else:
                     address, count = frame.cursor.pointer()
-                    written = _check(_writev(self.fd, address, count))
+                    written = check(writev(self.fd, address, count))
             except (BlockingIOError, InterruptedError):
                 self._arm_writer()
                 return
@@ -368,7 +250,7 @@ class TcpFrameStream:
     def _fill_scratch(self, frame: TcpFrame) -> int:
         """Lay a short frame's iovec (head, payload entries) into the scratch vector; its rows."""
         scratch = self._tx_scratch
-        scratch[0] = (_address(frame.head), len(frame.head))
+        scratch[0] = (address_of(frame.head), len(frame.head))
         if frame.payload is None:
             return 1
         rows: int = frame.payload.shape[0]
@@ -490,7 +372,7 @@ class TcpFrameStream:
         if sink is not None:
             if sink.nbytes != frame.payload_len:
                 raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {sink.nbytes}")
-            self._cursor = _Cursor(sink.iov, total=sink.nbytes, spill=(self._rx_addr, STAGING_BYTES),
+            self._cursor = Cursor(sink.iov, total=sink.nbytes, spill=(self._rx_addr, STAGING_BYTES),
                                    scratch=self._rx_scratch)
 
     def _take_staged(self, start: int, count: int) -> None:
@@ -523,7 +405,7 @@ class TcpFrameStream:
             return count, count < want
         address, entries = cursor.pointer()
         spill = cursor.index + entries > cursor.rows  # the staging buffer is the call's last entry
-        count = _check(_readv(self.fd, address, entries))
+        count = check(readv(self.fd, address, entries))
         if count > left:  # the payload is complete and the next frame's first bytes are staged
             cursor.advance(left)
             self._payload_left = 0

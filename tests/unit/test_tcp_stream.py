@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.protocol import FrameHeader, Kind, encode_header
-from transports import tcp
+from transports import iovec
 from transports.base import PayloadSink
 from transports.tcp import STAGING_BYTES, TcpFrameStream
 
@@ -129,9 +129,9 @@ def test_the_address_of_a_frame_head_is_where_its_bytes_are() -> None:
     offset from the object when CPython lays bytes out that way (checked at import), else by a cast."""
     for size in (0, 1, 7, 64, 4096, 1 << 20):
         head = bytes(random.Random(size).randbytes(size))
-        assert ctypes.string_at(tcp._address(head), size) == head
-        assert tcp._address(head) == tcp._address_by_cast(head)
-    assert tcp._BYTES_OFFSET is not None  # CPython: the fast way is the one in use
+        assert ctypes.string_at(iovec.address_of(head), size) == head
+        assert iovec.address_of(head) == iovec.address_by_cast(head)
+    assert iovec.BYTES_OFFSET is not None  # CPython: the fast way is the one in use
 
 
 async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> None:
