@@ -91,6 +91,7 @@ class LLMDataDist:
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
+        self._losses: dict[int, int] = {}  # cluster id -> links to it lost (see links_lost)
         self._accepting: dict[asyncio.Task[Any], Connection] = {}  # in handshake, oldest first
         self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
@@ -194,6 +195,11 @@ class LLMDataDist:
     def links(self) -> dict[int, Link]:
         """Ready links by peer cluster id (a copy)."""
         return dict(self._links)
+
+    def links_lost(self, cluster_id: int) -> int:
+        """How many times this engine's link to ``cluster_id`` closed with no other link to it left
+        (each time the link listeners heard of it); see ``Delivery.epoch``."""
+        return self._losses.get(cluster_id, 0)
 
     def link_stats(self) -> dict[int, dict[str, Any]]:
         """Per-link counters as plain dicts, keyed by peer cluster id."""
@@ -367,6 +373,7 @@ class LLMDataDist:
                 self._links[cluster_id] = spare
                 return self._keep_grants(link, held)
             del self._links[cluster_id]
+            self._losses[cluster_id] = self._losses.get(cluster_id, 0) + 1
             for inbox in (self.messages, self.notifications):
                 inbox.peer_gone(cluster_id, reason)
             for listener in self._link_listeners:
@@ -384,7 +391,7 @@ class LLMDataDist:
         """A peer's message or notification (LinkOwner): queued, or False when the inbox is full."""
         assert link.peer_cluster_id is not None
         inbox = self.notifications if channel == NOTIFICATION else self.messages
-        return inbox.put(Delivery(link.peer_cluster_id, data))
+        return inbox.put(Delivery(link.peer_cluster_id, data, self._losses.get(link.peer_cluster_id, 0)))
 
     async def send_message(self, cluster_id: int, data: bytes) -> None:
         """Send a small message (at most ``kvpush.MAX_MESSAGE_BYTES``) to a linked peer; messages to one

@@ -37,10 +37,14 @@ def check_notify(api: str, notify: object) -> None:
 
 @dataclass(frozen=True)
 class Delivery:
-    """One message or notification from a linked peer."""
+    """One message or notification from a linked peer. ``epoch``: how many times this engine had lost
+    its link to that peer when the item arrived; an item whose epoch is below the engine's
+    ``links_lost(peer)`` came over a link that has closed since (the peer was told that link is gone,
+    so acting on it now, e.g. pushing over a newer link, can reach memory the peer already reused)."""
 
     peer_cluster_id: int
     data: bytes
+    epoch: int = 0
 
 
 class Inbox:

@@ -162,7 +162,15 @@ class EngineBridge:
     async def _read(self, inbox: Any) -> None:
         try:
             async for delivery in inbox:
-                self.events.put(("inbound", delivery.peer_cluster_id, delivery.data))
+                peer = delivery.peer_cluster_id
+                if delivery.epoch != self.dd.links_lost(peer):
+                    # it came over a link that closed before this task took it: its link_lost event is
+                    # already queued (the books ended that peer's transfers), and the decode released
+                    # its blocks, so block ids acted on now would be pushed over a newer link into
+                    # memory vLLM may have reused
+                    log.info("dropped a message from cluster %d that came over a link closed since", peer)
+                    continue
+                self.events.put(("inbound", peer, delivery.data))
         except LLMException:
             return  # finalized
 

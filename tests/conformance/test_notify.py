@@ -127,3 +127,24 @@ async def test_waiters_end_when_the_link_closes_or_the_engine_finalizes(transpor
     await decode.finalize()
     with pytest.raises(LLMException):
         await asyncio.wait_for(anyone, 5)
+
+
+async def test_a_message_that_came_over_a_link_closed_since_is_told_apart_by_its_epoch(
+        transport: str, make_engine: EngineFactory) -> None:
+    prefill, decode = await pair(make_engine, transport)
+    assert decode.listen_address is not None
+    port = decode.listen_address[1]
+    await prefill.send_message(2, b"over the first link")
+    assert decode.links_lost(1) == 0
+    status, _ = await prefill.unlink_clusters([cluster(2, port)])
+    assert status == LLMStatusCode.LLM_SUCCESS
+    for _ in range(250):  # bounded: the decode notices the close
+        if 1 not in decode.links:
+            break
+        await asyncio.sleep(0.02)
+    assert 1 not in decode.links and decode.links_lost(1) == 1
+    await link(prefill, 2, port)
+    await prefill.send_message(2, b"over the second link")
+    old, new = decode.messages.get_nowait(), await asyncio.wait_for(decode.messages.get(peer=1), 5)
+    assert old is not None and (old.data, old.epoch) == (b"over the first link", 0)  # still readable, but stale
+    assert (new.data, new.epoch) == (b"over the second link", 1) and new.epoch == decode.links_lost(1)

@@ -225,3 +225,38 @@ def test_settings_follow_the_role_and_vllm_defaults() -> None:
                           parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
     with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
         ConnectorSettings(tp2)
+
+
+def test_ids_that_came_over_a_link_that_died_are_never_pushed_over_the_next_one(pair: tuple[Side, Side]) -> None:
+    prefill, decode = pair
+    assert prefill.worker.engine is not None and decode.worker.engine is not None
+    peer = prefill.worker.settings.cluster_id
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t6a", [25], 4)]))  # makes the link
+    until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t6a")), prefill, decode)
+    # the prefill's engine stalls; the decode's ids for t6 reach its socket, then the decode's link goes: the
+    # decode reports t6 and t6a failed and vLLM may reuse their blocks at once
+    prefill.worker.engine.thread.call_soon(time.sleep, 1.0)
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t6", [26, 27], 8)]))
+    time.sleep(0.3)
+
+    async def close_link() -> None:
+        decode.worker.engine.dd.links[peer].close("the test cut it")  # type: ignore[union-attr]
+    decode.worker.engine.thread.run(close_link(), timeout=5)
+    until(lambda: {"d-t6", "d-t6a"} <= decode.recving, decode)
+    assert decode.failed == {"d-t6", "d-t6a"}
+    # a new transfer links again; then the prefill runs t6's request: nothing of it may land
+    src6, src7 = [1, 2], [3, 4]
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t7", [30, 31], 8)]))
+    until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t7")), prefill, decode)
+    sends = [SendStep("p-t6", "t6", tuple(src6), 0, 8, 8), SendStep("p-t7", "t7", tuple(src7), 0, 8, 8)]
+
+    def compute(layer: int) -> None:
+        compute_tokens(prefill, src6, 0, 8)(layer)
+        compute_tokens(prefill, src7, 0, 8)(layer)
+    prefill.step(StepMeta(send=sends), compute)
+    prefill.step(StepMeta(send_finished=[FinishedSend("p-t6", "t6", True, True),
+                                         FinishedSend("p-t7", "t7", True, True)]))
+    until(lambda: "d-t7" in decode.recving and {"p-t6", "p-t7"} <= prefill.sending, prefill, decode)
+    assert "d-t7" not in decode.failed
+    assert_landed(prefill, decode, src7, [30, 31])
+    assert not decode.buffer[:, [25, 26, 27]].any()  # t6a and t6: nothing pushed after the link died

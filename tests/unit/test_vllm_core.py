@@ -1089,3 +1089,133 @@ def test_a_failed_push_is_never_reported_as_landed_and_nothing_leaks(world: Worl
     else:
         assert received == core.Received({"d1"}, set(), set())
     assert len(world.producer) == len(world.consumer) == 0
+
+
+@pytest.mark.parametrize(("ok", "delayed"), [(False, True), (True, False), (False, False)])
+def test_a_scheduled_request_that_ends_badly_before_any_ids_is_released_once(ok: bool, delayed: bool) -> None:
+    # the prefill request ran (or was about to) and ended aborted or undelayed before a decode sent its
+    # ids: nobody to tell, released at once, reported only if vLLM delayed the free - exactly once
+    book, fx, _ = producer()
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 64, 100)])
+    run_step(book, [], [FinishedSend("p1", "tid", ok, delayed)])
+    assert book.take_finished_sending() == ({"p1"} if delayed else set())
+    assert len(book) == 0 and not fx.notified and book.ended("tid") is not None
+    give_ids(book)  # the decode's ids come late: answered with how it ended, nothing pushed
+    assert [(r.transfer_id, r.outcome) for _, r in fx.replies] == [("tid", Outcome.UNKNOWN)] and not fx.pushes
+    book.poll()
+    assert not book.take_finished_sending() and len(book) == 0
+
+
+_PRODUCER_EVENTS = ("ids", "step", "finish_ok", "finish_abort", "abort", "link_lost", "push_ok", "push_error",
+                    "notified_ok", "notified_error", "tick")
+
+
+class _ProducerScript:
+    """One prefill request (100 tokens, 4 blocks) and its transfer driven by a drawn sequence of the
+    events vLLM and the engine can produce, in any order the contracts allow."""
+
+    def __init__(self) -> None:
+        self.book, self.fx, self.clock = producer(transfer_timeout_s=30, ids_timeout_s=10)
+        self.computed, self.handed, self.finished, self.delayed = 0, False, False, False
+        self.completed: set[int] = set()
+        self.answered = 0
+        self.reported: list[str] = []
+
+    def _collect(self) -> None:
+        self.reported += sorted(self.book.take_finished_sending())
+
+    def apply(self, event: str) -> None:
+        book, fx = self.book, self.fx
+        if event == "ids":
+            give_ids(book)
+        elif event == "step" and not self.finished and self.computed < 100:
+            after = min(self.computed + 40, 100)
+            run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), self.computed, after, 100)])
+            self.computed, self.handed = after, True
+        elif event in ("finish_ok", "finish_abort") and not self.finished:
+            ok = event == "finish_ok" and self.computed == 100
+            self.finished, self.delayed = True, self.handed
+            run_step(book, [], [FinishedSend("p1", "tid", ok, self.handed)])
+        elif event == "abort":
+            book.on_message(DECODE_CLUSTER, Abort("tid", "the decode gave up"))
+        elif event == "link_lost":
+            book.on_link_lost(DECODE_CLUSTER, "keepalive")
+        elif event in ("push_ok", "push_error"):
+            ready = [i for i, p in sorted(fx.pushes.items()) if i not in self.completed
+                     and (p.finished or p.cancelled or not p.pipelined)]
+            if ready:
+                self.completed.add(ready[0])
+                book.on_push_done(ready[0], None if event == "push_ok" else "LLM_TIMEOUT: link broke")
+        elif event in ("notified_ok", "notified_error") and self.answered < len(fx.notified):
+            self.answered += 1
+            book.on_notified("tid", None if event == "notified_ok" else "LLM_NOT_YET_LINK: gone")
+        elif event == "tick":
+            self.clock.advance(11)
+            book.poll()
+        self._collect()
+
+    def drain(self) -> None:
+        """What always happens in the end: vLLM finishes the request, the engine completes every push
+        and answers every notification, time passes."""
+        for _ in range(20):
+            for event in ("finish_abort", "push_ok", "notified_ok", "tick"):
+                self.apply(event)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(st.sampled_from(_PRODUCER_EVENTS), max_size=25))
+def test_any_sequence_of_producer_events_releases_the_blocks_exactly_once(events: list[str]) -> None:
+    script = _ProducerScript()
+    for event in events:
+        script.apply(event)  # never raises: an exception here would kill vLLM's engine core
+    script.drain()
+    assert script.reported == (["p1"] if script.delayed else [])
+    assert len(script.book) == 0
+    assert all(p.finished or p.cancelled or not p.pipelined for p in script.fx.pushes.values())
+    assert len(script.fx.notified) <= 1  # the decode is told the outcome at most once
+
+
+_CONSUMER_EVENTS = ("ids_ok", "ids_busy", "ids_failed", "ids_failed_partly", "landed", "prefill_failed",
+                    "wrong_count", "link_lost", "abort", "tick")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(st.sampled_from(_CONSUMER_EVENTS), max_size=25))
+def test_any_sequence_of_consumer_events_reports_the_request_exactly_once(events: list[str]) -> None:
+    book, fx, clock = consumer(transfer_timeout_s=10, abort_grace_s=3)
+    book.begin_step([spec()])
+    answered, reports = 0, []
+
+    def apply(event: str) -> None:
+        nonlocal answered
+        outstanding = answered < len(fx.sent)
+        if event.startswith("ids_") and outstanding:  # the bridge answers every send once, in order
+            answered += 1
+            error = None if event == "ids_ok" else "LLM_LINK_BUSY" if event == "ids_busy" else "LLM_TIMEOUT"
+            book.on_ids_sent("tid", error, retryable=event == "ids_busy", delivered_any=event == "ids_failed_partly")
+        elif event == "landed":
+            book.on_message(PREFILL.cluster_id, landed())
+        elif event == "prefill_failed":
+            book.on_message(PREFILL.cluster_id, Done("tid", Outcome.FAILED, 0, "push failed"))
+        elif event == "wrong_count":
+            book.on_message(PREFILL.cluster_id, landed(blocks=2))
+        elif event == "link_lost":
+            book.on_link_lost(PREFILL.cluster_id, "keepalive")
+        elif event == "abort":
+            book.begin_step([], aborted=["r1"])
+        elif event == "tick":
+            clock.advance(4)
+            book.poll()
+        received = book.take_finished()
+        if received.finished:
+            reports.append(received)
+
+    for event in events:
+        apply(event)  # never raises: an exception here would kill vLLM's engine core
+    for _ in range(10):  # in the end every send is answered and time passes
+        apply("ids_ok")
+        apply("tick")
+    assert [r.finished for r in reports] == [{"r1"}] and len(book) == 0
+    (report,) = reports
+    assert report.failed <= report.finished
+    assert report.load_errors == ({7, 8, 9} if report.failed else set())

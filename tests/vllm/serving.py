@@ -87,7 +87,7 @@ class Server:
 
 
 def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path, url: str) -> Server:
-    handle = open(log, "wb")
+    handle = open(log, "ab")  # a server started again on the same log keeps what the one before wrote
     try:
         process = subprocess.Popen(list(command), env=dict(env), stdout=handle, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
@@ -128,10 +128,11 @@ def start_proxy(name: str, prefills: Sequence[str], decodes: Sequence[str], work
                *[a for p in prefills for a in ("--prefill", p)], *[a for d in decodes for a in ("--decode", d)],
                *extra]
     log = workdir / f"{name}.log"
+    since = log.stat().st_size if log.exists() else 0  # a proxy started before on this log wrote its URL there
     server = _spawn(name, command, dict(os.environ, PYTHONUNBUFFERED="1"), log, "")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        found = re.search(r"serving (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
+        found = re.search(r"serving (http://127\.0\.0\.1:\d+)", "\n".join(log_lines(server, since=since)))
         if found:
             server.url = found.group(1)
             return server

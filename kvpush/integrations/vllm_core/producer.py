@@ -330,8 +330,9 @@ class ProducerBook:
         return any(item is t for item, _ in self._step)
 
     def _settle(self, t: _Outgoing) -> None:
-        """Move ``t`` on as far as it can go now: catch-up pushes, the Done notification, release."""
-        if t.pushes:
+        """Move ``t`` on as far as it can go now: catch-up pushes, the Done notification, release.
+        Does nothing for a transfer already released (a caller may settle what a nested call released)."""
+        if t.pushes or self._transfers.get(t.transfer_id) is not t:
             return
         if t.failure is None:
             if t.dst_blocks is None:
