@@ -234,7 +234,11 @@ def test_completions_through_the_proxy_equal_a_single_instance_and_use_the_pushe
 def test_streamed_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -> None:
     rows = [(len(p), pd.ref(p), _stream(pd.proxy.url, "/v1/completions", _body(p))) for p in STREAMED]
     _check(rows, "/v1/completions, stream, through kvpush proxy")
-    assert all(got["chunks"] > 1 for _, _, got in rows)  # streamed, not one final chunk (a busy server batches tokens)
+    chunks = [got["chunks"] for _, _, got in rows]
+    print(f"events per stream: {chunks}")
+    # streamed, not one final chunk: a server that fell behind may hand a stream's 12 tokens over in one
+    # event, but never every stream's
+    assert sum(chunks) > len(rows), chunks
 
 
 @pytest.mark.timeout(200)
@@ -389,7 +393,7 @@ def test_a_client_that_leaves_while_the_decode_waits_for_the_kv_frees_both_sides
 
 @pytest.mark.timeout(200)
 def test_a_hung_prefill_makes_the_decode_recompute_and_the_link_comes_back(pd: Stack) -> None:
-    request_id, decode_log = f"hung-{uuid.uuid4().hex}", log_size(pd.decode)
+    request_id, decode_log, prefill_log = f"hung-{uuid.uuid4().hex}", log_size(pd.decode), log_size(pd.prefill)
     pd.prefill.signal_group(signal.SIGSTOP)  # every process of it: its kvpush engine stops answering too
     try:
         started = time.monotonic()
@@ -406,8 +410,14 @@ def test_a_hung_prefill_makes_the_decode_recompute_and_the_link_comes_back(pd: S
     print(f"recomputed: tokens equal {choice['token_ids'] == pd.ref(HUNG)}, cached tokens {cached}")
     assert choice["token_ids"] == pd.ref(HUNG) and choice["finish_reason"] == "length"
     assert cached is not None and cached < len(HUNG)
-    _check([(len(AFTER_HANG), pd.ref(AFTER_HANG), _complete(pd.proxy.url, AFTER_HANG))],
-           "through the prefill after it woke up")
+    after = _complete(pd.proxy.url, AFTER_HANG)
+    state = _wait_idle(pd.prefill, IDS_TIMEOUT_S + 10)  # the hung request too: cancelled, or its ids given up
+    print(f"prefill after the next request: {state}")
+    print(f"then: prefill\n{_kvpush_lines(pd.prefill, prefill_log)}\ndecode\n{_kvpush_lines(pd.decode, decode_log)}")
+    # the prefill woke up to the proxy's copy of the request, which the proxy cancels after its grace: it
+    # must survive that (an engine core that died here would make every later request recompute)
+    assert pd.prefill.alive() and healthy(pd.prefill.url), pd.prefill.tail()
+    _check([(len(AFTER_HANG), pd.ref(AFTER_HANG), after)], "through the prefill after it woke up")
 
 
 @pytest.mark.timeout(200)
