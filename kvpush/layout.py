@@ -19,6 +19,12 @@ from typing import Any
 import numpy as np
 
 IoVec = np.ndarray[Any, np.dtype[np.uint64]]
+#: A few iovec entries as plain ints, flattened: ``(address, length, address, length, ...)``. Small
+#: transfers use it end to end (no numpy call: each costs microseconds on a cold cache); see
+#: ``as_iovec`` and ``FLAT_ENTRIES``.
+FlatIoVec = tuple[int, ...]
+FLAT_ENTRIES = 16  # vectors of at most this many entries are made flat
+
 
 RUN_DTYPE = np.dtype("<u8")
 _FEW = 16
@@ -119,3 +125,17 @@ def runs_in_bounds(offsets: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any],
     end = off + ln
     overflow = end < off
     return bool(not overflow.any() and (end <= np.uint64(limit)).all() and (ln > 0).all())
+
+
+def as_iovec(vector: IoVec | FlatIoVec) -> IoVec:
+    """``vector`` as an ``IoVec`` (a flat one is laid out in one numpy call)."""
+    if type(vector) is tuple:
+        return np.array(vector, np.uint64).reshape(-1, 2)
+    return vector  # type: ignore[return-value]
+
+
+def iovec_bytes(vector: IoVec | FlatIoVec) -> int:
+    """The bytes ``vector`` covers."""
+    if type(vector) is tuple:
+        return sum(vector[1::2])
+    return int(vector[:, 1].sum())  # type: ignore[call-overload]

@@ -28,7 +28,7 @@ from transports.base import Connection, OutgoingFrame, PayloadSink
 
 from .datapath import DataPaths
 from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
-from .layout import IoVec, scatter_vector
+from .layout import FlatIoVec, IoVec, as_iovec, iovec_bytes, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .onesided import LeaseState, OneSidedSender
 from .options import EngineOptions
@@ -260,22 +260,22 @@ class Link:
         return self.requests.new(kind)
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                    layout: RunLayout, source: IoVec, source_entry: CacheEntry, budget_ms: int,
+                    layout: RunLayout, source: IoVec | FlatIoVec, source_entry: CacheEntry, budget_ms: int,
                     held: bool = False, payload_len: int | None = None) -> PendingOp:
         """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the
         bytes. The source cache stays pinned until its bytes left. ``held``: prepare everything (a
         one-sided request is even granted) but move no byte until ``release_held``. ``payload_len``:
         the layer's bytes, when the caller knows them."""
         if payload_len is None:
-            payload_len = int(source[:, 1].sum())
+            payload_len = iovec_bytes(source)
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
         if self._onesided_reaches(remote):
             assert self.onesided is not None
             leased = self.onesided.lease_active(remote.cache_id)
             return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        layout.remote_offset, layout.length, source, source_entry, budget_ms, held,
-                                        leased)
+                                        layout.remote_offset, layout.length, as_iovec(source), source_entry,
+                                        budget_ms, held, leased)
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
@@ -310,17 +310,17 @@ class Link:
             self.onesided.release_held(op)
 
     def start_read(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
-                   layout: RunLayout, destination: IoVec, destination_entry: CacheEntry,
+                   layout: RunLayout, destination: IoVec | FlatIoVec, destination_entry: CacheEntry,
                    budget_ms: int) -> PendingOp:
         """Start one layer's read: one-sided when this link can, else a READ whose reply's payload
         lands straight in ``destination``."""
-        expected = int(destination[:, 1].sum())
+        expected = iovec_bytes(destination)
         self.counters["read_requests"] += 1
         self.counters["bytes_pulled"] += expected
         if self._onesided_reaches(remote):
             return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        layout.remote_offset, layout.length, destination, destination_entry,
-                                        budget_ms)
+                                        layout.remote_offset, layout.length, as_iovec(destination),
+                                        destination_entry, budget_ms)
         op = self._new_op(Kind.READ)
         op.expected = expected
         destination_entry.pin()

@@ -20,11 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from transports.base import OutgoingFrame, PayloadSink, PeerWatch
 
-from .layout import IoVec, runs_in_bounds, scatter_vector
+from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, iovec_bytes, runs_in_bounds, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .protocol import (
     FrameHeader,
@@ -64,9 +62,11 @@ class Refusal(Exception):
         self.reason = reason
 
 
-def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta) -> tuple[CacheEntry, IoVec]:
+def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta,
+            flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec]:
     """Check a peer's transfer against the local registry: the cache and the iovec it addresses, or
-    ``Refusal``. Pure: nothing is pinned, nothing is sent."""
+    ``Refusal``. ``flat``: a vector of a few entries may come as ``FlatIoVec`` (no numpy call). Pure:
+    nothing is pinned, nothing is sent."""
     if not access_allowed:
         raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
     entry = registry.get(transfer.cache_id)
@@ -82,8 +82,8 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
         if not all(length > 0 and offset + length <= limit for offset, length in transfer.runs):
             raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
         bases = entry.cache.tensor_addrs[first:first + count]
-        return entry, np.array([(base + offset, length) for base in bases for offset, length in transfer.runs],
-                               np.uint64).reshape(-1, 2)
+        vector = tuple(value for base in bases for offset, length in transfer.runs for value in (base + offset, length))
+        return entry, vector if flat and len(vector) <= 2 * FLAT_ENTRIES else as_iovec(vector)
     if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
     addrs = entry.addrs[first:first + count]
@@ -185,14 +185,16 @@ class Inbound:
     def rename(self, peer: str) -> None:
         self._peer = peer
 
-    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec, int] | Refusal:
-        """The cache, the iovec and the receiver-side deadline (s) of a peer's request, or the refusal."""
+    def _resolve(self, header: FrameHeader, meta: bytes, what: str,
+                 flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec, int] | Refusal:
+        """The cache, the iovec (``flat``: see ``resolve``) and the receiver-side deadline (s) of a peer's
+        request, or the refusal."""
         transfer = decode_transfer(header, meta)
         try:
             if len(self._writes) + len(self._granted) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
-            entry, iov = resolve(self._registry, self._access_allowed(), transfer)
+            entry, iov = resolve(self._registry, self._access_allowed(), transfer, flat)
         except Refusal as refusal:
             log.warning("refused a %s from cluster %s: %s", what, self._peer, refusal.reason)
             return refusal
@@ -227,7 +229,7 @@ class Inbound:
 
     # -- stream transfers ---------------------------------------------------------------------------
     def serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-        resolved = self._resolve(header, meta, "write")
+        resolved = self._resolve(header, meta, "write", flat=True)  # the stream lands a flat vector as it is
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
             return None
@@ -247,13 +249,13 @@ class Inbound:
         return PayloadSink(iov, landed, header.payload_len)  # decode_transfer checked it against the runs
 
     def serve_read(self, header: FrameHeader, meta: bytes) -> None:
-        resolved = self._resolve(header, meta, "read")
+        resolved = self._resolve(header, meta, "read", flat=True)
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.READ_DATA, header.request_id, int(resolved.status), resolved.reason))
             return
         entry, iov, _ = resolved
         entry.pin()
-        payload_len = int(iov[:, 1].sum())
+        payload_len = iovec_bytes(iov)
         frame = self._send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
         frame.sent.add_done_callback(lambda _: entry.unpin())
         self._counters["bytes_served"] += payload_len
@@ -267,7 +269,7 @@ class Inbound:
         entry, iov, budget_ms = resolved
         entry.pin()
         counter = "bytes_received" if header.kind == Kind.WRITE_INTENT else "bytes_served"
-        self._granted[header.request_id] = (entry, int(iov[:, 1].sum()), counter)
+        self._granted[header.request_id] = (entry, iovec_bytes(iov), counter)
         self._watch(header.request_id, budget_ms, "one-sided transfer")
         self._counters["grants"] += 1
         self._send(encode_status(Kind.GRANT, header.request_id, 0))

@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import numpy as np
-
-from .layout import IoVec, scatter_vector
+from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, scatter_vector
 from .link import Link
 from .options import LAYER_MERGE_BYTES
 from .plan import Plan, group_steps
@@ -42,14 +40,16 @@ def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: b
     return link.start_read(plan.remote, remote_first, step.count, plan.remote_wire, plan, iov, plan.local, budget_ms)
 
 
-def local_vector(plan: Plan, first: int, count: int) -> IoVec:
+def local_vector(plan: Plan, first: int, count: int) -> IoVec | FlatIoVec:
     """The local iovec of tensors ``[first, first + count)``: for a transfer of many layers, a slice of
-    one vector laid out (numpy, once) for every tensor its steps touch, so a layer costs no layout."""
+    one vector laid out (numpy, once) for every tensor its steps touch, so a layer costs no layout; for
+    a few runs of a few tensors, flat ints (no numpy call at all)."""
     if len(plan.steps) == 1:
-        if plan.small is not None:  # a few runs as ints: one numpy call
+        if plan.small is not None:  # a few runs as ints
             bases = plan.local.cache.tensor_addrs[first:first + count]
-            return np.array([value for base in bases for offset, _, length in plan.small
-                             for value in (base + offset, length)], np.uint64).reshape(-1, 2)
+            flat = tuple(value for base in bases for offset, _, length in plan.small
+                         for value in (base + offset, length))
+            return flat if len(flat) <= 2 * FLAT_ENTRIES else as_iovec(flat)
         return scatter_vector(plan.local.addrs[first:first + count], plan.local_offset, plan.length)
     if plan.local_iov is None:
         write = plan.kind == Kind.WRITE

@@ -26,8 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpush.layout import iovec_bytes
+
 if TYPE_CHECKING:
-    from kvpush.layout import IoVec
+    from kvpush.layout import FlatIoVec, IoVec
     from kvpush.protocol import FrameHeader
 
 HOST_MEMORY = "host"
@@ -73,15 +75,16 @@ class PayloadSink:
     """Where an incoming payload lands. ``cancel()`` (from the event-loop thread) makes the
     transport discard the rest of the payload: no byte lands in ``iov`` after it returns. The
     transport owns ``iov`` from now on (it may rewrite entries as it progresses); ``nbytes`` is its
-    total (computed from it when not given)."""
+    total (computed from it when not given). ``iov`` is an ``IoVec`` or, for a few entries, a
+    ``FlatIoVec`` (received with no numpy call)."""
 
     __slots__ = ("iov", "on_done", "cancelled", "nbytes")
 
-    def __init__(self, iov: IoVec, on_done: Callable[[], None], nbytes: int | None = None) -> None:
+    def __init__(self, iov: IoVec | FlatIoVec, on_done: Callable[[], None], nbytes: int | None = None) -> None:
         self.iov = iov
         self.on_done = on_done
         self.cancelled = False
-        self.nbytes = int(iov[:, 1].sum()) if nbytes is None else nbytes
+        self.nbytes = iovec_bytes(iov) if nbytes is None else nbytes
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -120,10 +123,11 @@ class FrameStream(Protocol):
     # a peer is authenticated it can make the engine hold only this much.
     meta_limit: int | None
 
-    def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
+    def send(self, head: bytes, payload: IoVec | FlatIoVec | None = None) -> OutgoingFrame:
         """Queue a frame now (a small frame on an idle stream leaves before this returns)."""
 
-    def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> OutgoingFrame:
+    def prepare(self, head: bytes, payload: IoVec | FlatIoVec | None = None,
+                nbytes: int | None = None) -> OutgoingFrame:
         """A frame ready to ``enqueue`` later; nothing is sent yet. ``nbytes``: the payload's total,
         when the caller knows it."""
 

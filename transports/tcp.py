@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpush.layout import as_iovec, iovec_bytes
 from kvpush.protocol import HEADER_SIZE, FrameHeader, ProtocolError, decode_header
 
 from .base import (
@@ -44,10 +45,10 @@ from .base import (
     StreamHandler,
     TransportError,
 )
-from .iovec import Cursor, address_of, check, readv, writev
+from .iovec import Cursor, FlatCursor, address_of, check, readv, writev
 
 if TYPE_CHECKING:
-    from kvpush.layout import IoVec
+    from kvpush.layout import FlatIoVec, IoVec
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ STAGING_BYTES = 2048
 _SEND_NOW_BYTES = 1 << 20
 _SCRATCH_ROWS = 32  # payloads of fewer iovec entries are received through the stream's own vector (512 B)
 _DISCARD = bytearray(1 << 18)
+_HEAD_ENTRY = struct.Struct("<QQ")
 
 class TcpFrame:
     """One queued outgoing frame (see ``transports.base.OutgoingFrame``). Its own iovec and cursor are
@@ -71,11 +73,11 @@ class TcpFrame:
 
     __slots__ = ("head", "payload", "total", "_cursor", "sent", "started", "abandoned")
 
-    def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
+    def __init__(self, head: bytes, payload: IoVec | FlatIoVec | None, loop: asyncio.AbstractEventLoop,
                  already_sent: int = 0, nbytes: int | None = None) -> None:
         self.head = head  # referenced here: the iovec points into it
         self.payload = payload
-        self.total = len(head) + (0 if payload is None else int(payload[:, 1].sum()) if nbytes is None else nbytes)
+        self.total = len(head) + (0 if payload is None else iovec_bytes(payload) if nbytes is None else nbytes)
         self._cursor: Cursor | None = None
         if already_sent:
             self.cursor.advance(already_sent)
@@ -86,7 +88,7 @@ class TcpFrame:
     @property
     def cursor(self) -> Cursor:
         if self._cursor is None:
-            payload = self.payload
+            payload = None if self.payload is None else as_iovec(self.payload)
             vec = np.empty((1 + (0 if payload is None else payload.shape[0]), 2), np.uint64)
             vec[0] = (address_of(self.head), len(self.head))
             if payload is not None:
@@ -96,7 +98,11 @@ class TcpFrame:
 
     def short(self) -> bool:
         """Not written yet and its vector fits the stream's scratch vector."""
-        return self._cursor is None and (self.payload is None or self.payload.shape[0] < _SCRATCH_ROWS)
+        payload = self.payload
+        if payload is None:
+            return self._cursor is None
+        rows = len(payload) // 2 if type(payload) is tuple else payload.shape[0]  # type: ignore[union-attr]
+        return self._cursor is None and rows < _SCRATCH_ROWS
 
     def advance(self, written: int) -> bool:
         """``written`` more bytes left; True when the whole frame has."""
@@ -141,8 +147,10 @@ class TcpFrameStream:
         self._rx_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._rx))
         scratch = np.empty((_SCRATCH_ROWS, 2), np.uint64)  # the iovec of a payload of a few entries
         self._rx_scratch = (scratch, int(scratch.ctypes.data))
+        self._rx_flat = (scratch.data.cast("B"), int(scratch.ctypes.data))  # the same, for FlatCursor
         self._tx_scratch = np.empty((_SCRATCH_ROWS, 2), np.uint64)  # a short frame's first write
         self._tx_addr = int(self._tx_scratch.ctypes.data)
+        self._tx_view = self._tx_scratch.data.cast("B")
         self._rx_start = 0
         self._rx_end = 0
         self._frame: FrameHeader | None = None
@@ -151,7 +159,7 @@ class TcpFrameStream:
         self._got = 0
         self._payload_left = 0
         self._sink: PayloadSink | None = None
-        self._cursor: Cursor | None = None
+        self._cursor: Cursor | FlatCursor | None = None
         loop.add_reader(self.fd, self._on_readable)
 
     def __repr__(self) -> str:
@@ -162,7 +170,7 @@ class TcpFrameStream:
         return f"<TcpFrameStream peer={peer} {'closed' if self.closed else 'open'}>"
 
     # -- sending --------------------------------------------------------------------------------
-    def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> TcpFrame:
+    def prepare(self, head: bytes, payload: IoVec | FlatIoVec | None = None, nbytes: int | None = None) -> TcpFrame:
         """A frame ready to ``enqueue`` later (nothing is sent yet)."""
         return TcpFrame(head, payload, self.loop, nbytes=nbytes)
 
@@ -186,7 +194,7 @@ class TcpFrameStream:
             self._pump_scheduled = True
             self.loop.call_soon(self._scheduled_pump)
 
-    def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
+    def send(self, head: bytes, payload: IoVec | FlatIoVec | None = None) -> TcpFrame:
         sent = 0
         if payload is None and not self._queue and not self._writer_armed and not self.closed:
             # a control frame on an idle stream: one plain send, no iovec bookkeeping (latency)
@@ -249,12 +257,16 @@ class TcpFrameStream:
 
     def _fill_scratch(self, frame: TcpFrame) -> int:
         """Lay a short frame's iovec (head, payload entries) into the scratch vector; its rows."""
-        scratch = self._tx_scratch
-        scratch[0] = (address_of(frame.head), len(frame.head))
-        if frame.payload is None:
+        payload = frame.payload
+        if type(payload) is tuple:  # ints: one struct call, no numpy
+            struct.pack_into(f"<{len(payload) + 2}Q", self._tx_view, 0, address_of(frame.head), len(frame.head),
+                             *payload)
+            return len(payload) // 2 + 1
+        _HEAD_ENTRY.pack_into(self._tx_view, 0, address_of(frame.head), len(frame.head))
+        if payload is None:
             return 1
-        rows: int = frame.payload.shape[0]
-        scratch[1:rows + 1] = frame.payload
+        rows: int = payload.shape[0]  # type: ignore[union-attr]
+        self._tx_scratch[1:rows + 1] = payload
         return rows + 1
 
     def _arm_writer(self) -> None:
@@ -372,8 +384,12 @@ class TcpFrameStream:
         if sink is not None:
             if sink.nbytes != frame.payload_len:
                 raise ProtocolError(f"payload of {frame.payload_len} bytes does not fit a sink of {sink.nbytes}")
-            self._cursor = Cursor(sink.iov, total=sink.nbytes, spill=(self._rx_addr, STAGING_BYTES),
-                                   scratch=self._rx_scratch)
+            iov = sink.iov
+            if type(iov) is tuple and len(iov) // 2 < _SCRATCH_ROWS:  # a few entries as ints: no numpy
+                self._cursor = FlatCursor(iov, sink.nbytes, (self._rx_addr, STAGING_BYTES), self._rx_flat)
+            else:
+                self._cursor = Cursor(as_iovec(iov), total=sink.nbytes, spill=(self._rx_addr, STAGING_BYTES),
+                                       scratch=self._rx_scratch)
 
     def _take_staged(self, start: int, count: int) -> None:
         """``count`` payload bytes at ``start`` of the staging buffer: into the sink (or discarded)."""

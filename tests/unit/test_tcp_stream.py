@@ -40,9 +40,12 @@ class Recorder:
         cuts = sorted(self.rng.sample(range(1, header.payload_len), min(5, header.payload_len - 1)))
         bounds = [0, *cuts, header.payload_len]
         base = target.ctypes.data
-        iov = np.array([[base + a, b - a] for a, b in zip(bounds, bounds[1:])], np.uint64)
+        entries = [(base + a, b - a) for a, b in zip(bounds, bounds[1:])]
         request_id = header.request_id
-        return PayloadSink(iov, lambda: self.landed.append(request_id), header.payload_len)
+        if self.rng.random() < 0.5:  # a few entries as flat ints (the stream's FlatCursor), else an IoVec
+            return PayloadSink(tuple(v for entry in entries for v in entry), lambda: self.landed.append(request_id),
+                               header.payload_len)
+        return PayloadSink(np.array(entries, np.uint64), lambda: self.landed.append(request_id), header.payload_len)
 
     def on_close(self, reason: str) -> None:
         self.closed.append(reason)
@@ -136,8 +139,9 @@ def test_the_address_of_a_frame_head_is_where_its_bytes_are() -> None:
 
 async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> None:
     """The send path: control frames, and payloads of one to 40 iovec entries (short ones go out through
-    the stream's scratch vector, long ones through their own), small and larger than the socket buffers
-    (written in parts, the rest from the loop), interleaved - all arrive in order, byte for byte."""
+    the stream's scratch vector, long ones through their own; short ones as an IoVec or flat ints), small
+    and larger than the socket buffers (written in parts, the rest from the loop), interleaved - all
+    arrive in order, byte for byte."""
     rng = random.Random(7)
     loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair()
@@ -159,9 +163,12 @@ async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> Non
             sources.append(data)  # alive until sent
             cuts = sorted(rng.sample(range(1, size), entries - 1)) if entries > 1 else []
             bounds = [0, *cuts, size]
-            iov = np.array([[data.ctypes.data + a, b - a] for a, b in zip(bounds, bounds[1:])], np.uint64)
+            entries_ = [(data.ctypes.data + a, b - a) for a, b in zip(bounds, bounds[1:])]
+            flat = len(entries_) <= 16 and rng.random() < 0.5  # a short vector may come as flat ints
+            iov: Any = tuple(v for e in entries_ for v in e) if flat else np.array(entries_, np.uint64)
             meta = rng.randbytes(24)
-            sender.enqueue(sender.prepare(encode_header(Kind.WRITE, request_id, len(meta), size) + meta, iov, size))
+            head = encode_header(Kind.WRITE, request_id, len(meta), size) + meta
+            sender.enqueue(sender.prepare(head, iov, size if rng.random() < 0.5 else None))
             expected.append((Kind.WRITE, request_id, meta, data.tobytes()))
         for _ in range(5000):
             if len(recorder.frames) == len(expected) and len(recorder.landed) == len(recorder.payloads):
@@ -176,3 +183,41 @@ async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> Non
     finally:
         sender.close("test over")
         receiver.close("test over")
+
+
+def test_a_flat_cursor_moves_through_its_entries_as_the_numpy_cursor_does() -> None:
+    """FlatCursor against Cursor over the same entries and the same random progress: the same entry
+    pointers, the same remaining vector in the scratch, the same bytes where ``fill`` copied them."""
+    rng = random.Random(11)
+    for _ in range(300):
+        sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 16))]
+        total = sum(sizes)
+        flat_target, np_target = np.zeros(total, np.uint8), np.zeros(total, np.uint8)
+        source = np.frombuffer(rng.randbytes(total), np.uint8).copy()
+        bounds = np.cumsum([0, *sizes])
+        flat = tuple(v for a, n in zip(bounds, sizes) for v in (flat_target.ctypes.data + int(a), n))
+        vec = np.array([(np_target.ctypes.data + int(a), n) for a, n in zip(bounds, sizes)], np.uint64)
+        spill = (12345, 2048)
+        scratch = np.zeros((32, 2), np.uint64)
+        ours = iovec.FlatCursor(flat, total, spill, (scratch.data.cast("B"), scratch.ctypes.data))
+        theirs = iovec.Cursor(vec, total=total, spill=spill)
+        done = 0
+        while done < total:
+            step = min(total - done, rng.choice([1, 2, rng.randint(1, 60)]))
+            if rng.random() < 0.5:
+                ours.fill(source.ctypes.data + done, step)
+                theirs.fill(source.ctypes.data + done, step)
+            else:
+                ours.advance(step)
+                theirs.advance(step)
+            done += step
+            assert ours.index == theirs.index and ours.done == theirs.done
+            if done < total:
+                left = theirs.vec.shape[0] - theirs.index
+                assert ours.pointer()[1] == theirs.pointer()[1] == left
+                mine = scratch[ours.index:ours.index + left - 1].astype(np.int64)  # entries into another array
+                other = theirs.vec[theirs.index:-1].astype(np.int64)
+                assert (mine[:, 1] == other[:, 1]).all()
+                assert (mine[:, 0] - flat_target.ctypes.data == other[:, 0] - np_target.ctypes.data).all()
+                assert tuple(scratch[ours.index + left - 1]) == spill
+        assert (flat_target == np_target).all()
