@@ -203,10 +203,19 @@ class CacheManager:
         """
         api = "push_blocks"
         check_notify(api, notify)
-        link, plan, _ = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                           src_layer_range, dst_layer_range, tensor_num_per_layer,
-                                           local_slot=src_batch_index)
-        await self._run(link, plan)
+        fast = None  # the common case, planned without a coroutine of its own (latency: see _plain_blocks)
+        if src_batch_index is None and src_layer_range is None and dst_layer_range is None:
+            self._engine.require_init(api)
+            fast = self._plain_blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                      tensor_num_per_layer)
+        if fast is not None:
+            link, plan, _ = fast
+        else:
+            link, plan, _ = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                               src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                               local_slot=src_batch_index)
+        options = self._engine.options
+        await transfer.run(link, plan, options.sync_kv_timeout_ms, options.layer_merge_bytes)
         if notify is not None:
             await link.send_message(NOTIFICATION, bytes(notify))
 
@@ -226,8 +235,16 @@ class CacheManager:
         the rest of a layer's incoming bytes is discarded, never written after the exception.
         """
         api = "pull_blocks"
-        link, plan, slot = await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
-                                              src_layer_range, dst_layer_range, tensor_num_per_layer)
+        fast = None  # as in push_blocks
+        if src_layer_range is None and dst_layer_range is None:
+            self._engine.require_init(api)
+            fast = self._plain_blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                      tensor_num_per_layer)
+        if fast is not None:
+            link, plan, slot = fast
+        else:
+            link, plan, slot = await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                                  src_layer_range, dst_layer_range, tensor_num_per_layer)
         await self._run(link, plan)
         if slot is not None:
             self._pulled_slot(link, plan, slot)

@@ -101,6 +101,9 @@ async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_
     Timeout: LLM_TIMEOUT (with ``completed_layers``) when a layer misses its deadline; layers not yet
     sent are never sent, and a started one finishes leaving (or the link is closed). Cancellation: no
     further layer is issued; ``CancelledError`` propagates once no byte of the request can still land."""
+    if len(plan.steps) == 1:
+        await _run_one(link, plan, timeout_ms)
+        return
     timeout = timeout_ms / 1000
     completed: list[int] = []
     inflight: collections.deque[tuple[tuple[int, ...], PendingOp]] = collections.deque()
@@ -146,6 +149,32 @@ async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_
     except BaseException:
         await give_up(link, [op for _, op in inflight], timeout)
         raise
+    finally:
+        local.unpin()
+
+
+async def _run_one(link: Link, plan: Plan, timeout_ms: int) -> None:
+    """``run`` for a plan of one layer step (one request): the same checks, deadline, cancellation and
+    clean-up, without the window's bookkeeping (a small push's latency)."""
+    local = plan.local
+    if local.removed:
+        raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                           f"{plan.api}: local cache {local.cache.cache_id} was released")
+    step = plan.steps[0]
+    local.pin()
+    try:
+        try:
+            op = start_layer(link, plan, step, timeout_ms)
+        except LLMException as refused:
+            raise LLMException(refused.status_code, f"{plan.api}: layer {step.dst_layer}: {refused}", []) from None
+        try:
+            await await_layer(plan.api, link, op, step.dst_layer, timeout_ms)
+        except asyncio.CancelledError:
+            await drain(link, [op], timeout_ms / 1000)
+            raise
+        except BaseException:
+            await give_up(link, [op], timeout_ms / 1000)
+            raise
     finally:
         local.unpin()
 
