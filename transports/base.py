@@ -26,8 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpush.layout import iovec_bytes
-
 if TYPE_CHECKING:
     from kvpush.layout import FlatIoVec, IoVec
     from kvpush.protocol import FrameHeader
@@ -84,7 +82,9 @@ class PayloadSink:
         self.iov = iov
         self.on_done = on_done
         self.cancelled = False
-        self.nbytes = iovec_bytes(iov) if nbytes is None else nbytes
+        if nbytes is None:  # (kvpush.layout.iovec_bytes; this interface module imports nothing of kvpush)
+            nbytes = sum(iov[1::2]) if type(iov) is tuple else int(iov[:, 1].sum())  # type: ignore[call-overload]
+        self.nbytes = nbytes
 
     def cancel(self) -> None:
         self.cancelled = True
