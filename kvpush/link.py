@@ -62,6 +62,9 @@ class RunLayout(Protocol):
     @property
     def length(self) -> np.ndarray[Any, Any]: ...
 
+    #: the runs as ints ((local offset, remote offset, length), ...) when there are a few, else None
+    small: tuple[tuple[int, int, int], ...] | None
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[FrameHeader, bytes], PayloadSink | None]
@@ -273,9 +276,8 @@ class Link:
         if self._onesided_reaches(remote):
             assert self.onesided is not None
             leased = self.onesided.lease_active(remote.cache_id)
-            return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        layout.remote_offset, layout.length, as_iovec(source), source_entry,
-                                        budget_ms, held, leased)
+            return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire, layout,
+                                        source, source_entry, budget_ms, held, leased)
         op = self._new_op(Kind.WRITE)
         head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
                                payload_len, budget_ms)
@@ -318,9 +320,8 @@ class Link:
         self.counters["read_requests"] += 1
         self.counters["bytes_pulled"] += expected
         if self._onesided_reaches(remote):
-            return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire,
-                                        layout.remote_offset, layout.length, as_iovec(destination),
-                                        destination_entry, budget_ms)
+            return self._start_onesided(Kind.READ_INTENT, remote, first_tensor, num_tensors, runs_wire, layout,
+                                        destination, destination_entry, budget_ms)
         op = self._new_op(Kind.READ)
         op.expected = expected
         destination_entry.pin()
@@ -344,16 +345,25 @@ class Link:
         return not self.onesided.mover.capabilities.needs_registration or remote.rkeys is not None
 
     def _start_onesided(self, kind: Kind, remote: RemoteCache, first_tensor: int, num_tensors: int,
-                        runs_wire: bytes, remote_offset: np.ndarray[Any, Any], length: np.ndarray[Any, Any],
-                        local: IoVec, entry: CacheEntry, budget_ms: int, held: bool = False,
-                        leased: bool = False) -> PendingOp:
-        """A one-sided request: ask for a grant (intent), or under a lease copy at once and notify."""
+                        runs_wire: bytes, layout: RunLayout, local: IoVec | FlatIoVec, entry: CacheEntry,
+                        budget_ms: int, held: bool = False, leased: bool = False) -> PendingOp:
+        """A one-sided request: ask for a grant (intent), or under a lease copy at once and notify.
+        A few runs go to a mover that takes them (``flat_vectors``) as ints on both sides."""
         assert remote.addrs is not None and self.onesided is not None
         op = self._new_op(kind)
         op.held = held
-        op.local_iov = local
-        op.remote_iov = scatter_vector(remote.addrs[first_tensor:first_tensor + num_tensors], remote_offset, length)
-        op.move_args = (remote.cache_id, first_tensor, remote.rkeys, int(length.shape[0]))
+        bases = remote.addrs[first_tensor:first_tensor + num_tensors]
+        small = layout.small
+        if small is not None and type(local) is tuple and self.onesided.mover.capabilities.flat_vectors:
+            op.local_iov = local
+            op.remote_iov = tuple(value for base in bases for _, offset, length in small
+                                  for value in (base + offset, length))
+            runs = len(small)
+        else:
+            op.local_iov = as_iovec(local)
+            op.remote_iov = scatter_vector(bases, layout.remote_offset, layout.length)
+            runs = int(layout.length.shape[0])
+        op.move_args = (remote.cache_id, first_tensor, remote.rkeys, runs)
         entry.pin()
         op.hold(entry.unpin)
         if leased:

@@ -19,7 +19,7 @@ from .status import LLMException, LLMStatusCode
 if TYPE_CHECKING:
     from transports.base import OutgoingFrame, PayloadSink
 
-    from .layout import IoVec
+    from .layout import FlatIoVec, IoVec
 
 
 class PendingOp:
@@ -38,8 +38,8 @@ class PendingOp:
         self.frame: OutgoingFrame | None = None
         self.sink: PayloadSink | None = None
         self.expected = 0
-        self.local_iov: IoVec | None = None
-        self.remote_iov: IoVec | None = None
+        self.local_iov: IoVec | FlatIoVec | None = None
+        self.remote_iov: IoVec | FlatIoVec | None = None
         self.copy: asyncio.Future[Any] | None = None
         self.held = False      # prepared (and, one-sided, granted) but waiting for release_held
         self.granted = False

@@ -55,7 +55,8 @@ class Capabilities:
     - ``needs_registration``: memory must be registered with it and its public descriptors (rkeys)
       sent to the peer in the cache table;
     - ``standing_grants``: a writer may hold a standing write grant (lease) on a destination cache;
-    - ``memory_kinds``: what memory it reaches (``"host"``; ``"device"`` is reserved for later).
+    - ``memory_kinds``: what memory it reaches (``"host"``; ``"device"`` is reserved for later);
+    - ``flat_vectors``: its mover's ``start`` also takes a few entries as ``FlatIoVec`` (both sides).
     """
 
     name: str
@@ -65,6 +66,7 @@ class Capabilities:
     needs_registration: bool = False
     standing_grants: bool = False
     memory_kinds: frozenset[str] = field(default_factory=lambda: frozenset({HOST_MEMORY}))
+    flat_vectors: bool = False
 
 
 # -- the control stream ----------------------------------------------------------------------------
@@ -179,8 +181,8 @@ class Mover(Protocol):
     capabilities: Capabilities
     lease_proof: str  # non-empty when this mover read the peer's in-memory secret (standing grants)
 
-    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
-              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
+    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
+              first_tensor: int, rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
 
     def close(self) -> None: ...
 

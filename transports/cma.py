@@ -39,9 +39,10 @@ from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
 from .iovec import IOV_MAX, LIBC
 
 if TYPE_CHECKING:
-    from kvpush.layout import IoVec
+    from kvpush.layout import FlatIoVec, IoVec
 
-CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True)
+CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True,
+                            flat_vectors=True)
 INLINE_COPY_BYTES = 256 << 10
 try:
     _writev = LIBC.process_vm_writev
@@ -152,10 +153,22 @@ class CmaPeer:
         """False once the peer process has exited (its pidfd turns readable)."""
         return not self._poller.poll(0)
 
-    def _copy(self, function: Any, name: str, local: IoVec, remote: IoVec) -> int:
-        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one."""
+    def _copy(self, function: Any, name: str, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
+        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. A few
+        entries given flat go to the kernel from two ctypes arrays (no numpy call)."""
         if not self.alive():
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
+        if type(local) is tuple and type(remote) is tuple and len(local) == len(remote) and len(local) <= 2 * IOV_MAX:
+            expected = sum(local[1::2])
+            vector = ctypes.c_uint64 * len(local)
+            done = function(self.pid, vector(*local), len(local) // 2, vector(*remote), len(remote) // 2, 0)
+            if done < 0:
+                code = ctypes.get_errno()
+                raise CmaError(code, f"{name}(pid {self.pid}): {os.strerror(code)}")
+            if done != expected:
+                raise CmaError(errno.EFAULT, f"{name}(pid {self.pid}): copied {done} of {expected} bytes")
+            return int(done)
+        local, remote = _as_iovec(local), _as_iovec(remote)
         local = np.ascontiguousarray(local, np.uint64)
         remote = np.ascontiguousarray(remote, np.uint64)
         total = 0
@@ -172,11 +185,11 @@ class CmaPeer:
             total += done
         return total
 
-    def write(self, local: IoVec, remote: IoVec) -> int:
+    def write(self, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
         """Copy local -> peer (blocking; call from a worker thread for big copies)."""
         return self._copy(_writev, "process_vm_writev", local, remote)
 
-    def read(self, local: IoVec, remote: IoVec) -> int:
+    def read(self, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
         """Copy peer -> local (blocking)."""
         return self._copy(_readv, "process_vm_readv", local, remote)
 
@@ -184,6 +197,16 @@ class CmaPeer:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def _nbytes(vector: IoVec | FlatIoVec) -> int:
+    """``kvpush.layout.iovec_bytes`` (a transport module imports nothing of kvpush at run time)."""
+    return sum(vector[1::2]) if type(vector) is tuple else int(vector[:, 1].sum())  # type: ignore[call-overload]
+
+
+def _as_iovec(vector: IoVec | FlatIoVec) -> IoVec:
+    """``kvpush.layout.as_iovec``."""
+    return np.array(vector, np.uint64).reshape(-1, 2) if type(vector) is tuple else vector  # type: ignore[return-value]
 
 
 class CmaMover:
@@ -197,10 +220,10 @@ class CmaMover:
         self._queued = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{name}")
 
-    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
-              rkeys: Any, runs_per_tensor: int) -> Any:
+    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
+              first_tensor: int, rkeys: Any, runs_per_tensor: int) -> Any:
         copy = self.peer.read if is_read else self.peer.write
-        if int(local[:, 1].sum()) <= INLINE_COPY_BYTES and self._idle():
+        if _nbytes(local) <= INLINE_COPY_BYTES and self._idle():
             # small (decode-time) transfers: a thread hand-off would cost more than the copy
             future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             try:

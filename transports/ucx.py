@@ -38,7 +38,7 @@ from . import ucp
 from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, TransportError
 
 if TYPE_CHECKING:
-    from kvpush.layout import IoVec
+    from kvpush.layout import FlatIoVec, IoVec
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +177,18 @@ class UcxMover:
             self._rkeys[(cache_id, tensor)] = handle
         return handle
 
-    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
-              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
+    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
+              first_tensor: int, rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
         if rkeys is None:
             raise UcxError("the peer sent no rkeys for this cache")
-        count = local.shape[0] // runs_per_tensor
+        # not flat_vectors: the engine hands IoVecs; a flat one is laid out all the same
+        local_iov: IoVec = np.array(local, np.uint64).reshape(-1, 2) if type(local) is tuple else local  # type: ignore[assignment]
+        remote_iov: IoVec = np.array(remote, np.uint64).reshape(-1, 2) if type(remote) is tuple else remote  # type: ignore[assignment]
+        count = local_iov.shape[0] // runs_per_tensor
         try:
             handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
             index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
-            return self.endpoint.rma(is_read, local, remote, index, handles)
+            return self.endpoint.rma(is_read, local_iov, remote_iov, index, handles)
         except ucp.UcpError as error:
             raise UcxError(str(error)) from None
 
