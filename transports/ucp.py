@@ -319,19 +319,30 @@ class Endpoint:
         self._rkeys.append(rkey[0])
         return rkey[0]
 
-    def rma(self, is_get: bool, local_iov: np.ndarray[Any, Any], remote_iov: np.ndarray[Any, Any],
-            rkey_index: np.ndarray[Any, Any], rkeys: list[Any]) -> asyncio.Future[None]:
+    def rma(self, is_get: bool, local_iov: np.ndarray[Any, Any] | tuple[int, ...],
+            remote_iov: np.ndarray[Any, Any] | tuple[int, ...], rkey_index: np.ndarray[Any, Any] | tuple[int, ...],
+            rkeys: list[Any]) -> asyncio.Future[None]:
         """Post one layer (puts or gets of every entry, then a flush). The future resolves when UCX
-        reports the flush complete: every byte is then in its destination."""
+        reports the flush complete: every byte is then in its destination. The vectors are (n, 2)
+        uint64 arrays, or for a few entries flat ints (address, length, ...) with the index as ints."""
         worker = self.worker
         ffi, lib = worker.ffi, worker.lib
         future: asyncio.Future[None] = worker.loop.create_future()
         if self.closed:
             future.set_exception(UcpError("rma", -1, "endpoint closed"))
             return future
-        local = np.ascontiguousarray(local_iov, np.uint64)
-        remote = np.ascontiguousarray(remote_iov, np.uint64)
-        index = np.ascontiguousarray(rkey_index, np.uint32)
+        if type(local_iov) is tuple:  # a few entries as ints: cffi arrays, no numpy call
+            entries = len(local_iov) // 2
+            local_c, remote_c = ffi.new("uint64_t[]", local_iov), ffi.new("uint64_t[]", remote_iov)
+            index_c = ffi.new("uint32_t[]", rkey_index)
+        else:
+            local = np.ascontiguousarray(local_iov, np.uint64)
+            remote = np.ascontiguousarray(remote_iov, np.uint64)
+            index = np.ascontiguousarray(rkey_index, np.uint32)
+            entries = local.shape[0]
+            # from_buffer, not a cast of ``.ctypes.data``: ~10x cheaper; the vectors are read during the call only
+            local_c, remote_c = ffi.from_buffer("uint64_t[]", local), ffi.from_buffer("uint64_t[]", remote)
+            index_c = ffi.from_buffer("uint32_t[]", index)
         handles = ffi.new("ucp_rkey_h[]", rkeys)
         token = next(_tokens)
 
@@ -346,10 +357,8 @@ class Endpoint:
 
         _completions[token] = done
         self._pending[token] = future
-        # from_buffer, not a cast of ``.ctypes.data``: ~10x cheaper; the vectors are read during the call only
-        result = lib.kvp_rma_batch(self.ep, int(is_get), ffi.from_buffer("uint64_t[]", local),
-                                   ffi.from_buffer("uint64_t[]", remote), ffi.from_buffer("uint32_t[]", index),
-                                   handles, local.shape[0], ffi.cast("void *", token))
+        result = lib.kvp_rma_batch(self.ep, int(is_get), local_c, remote_c, index_c, handles, entries,
+                                   ffi.cast("void *", token))
         if result <= 0:
             _completions.pop(token, None)
             done(int(result))

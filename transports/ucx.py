@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # auto_between_hosts is False: over plain TCP kvpush's own TCP path is faster on the hosts measured,
 # so ``auto`` opens UCX only when it can use RDMA (``open_transport``).
 CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False, auto_between_hosts=False,
-                            needs_registration=True, standing_grants=True)
+                            needs_registration=True, standing_grants=True, flat_vectors=True)
 
 
 class UcxError(TransportError):
@@ -181,14 +181,17 @@ class UcxMover:
               first_tensor: int, rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
         if rkeys is None:
             raise UcxError("the peer sent no rkeys for this cache")
-        # not flat_vectors: the engine hands IoVecs; a flat one is laid out all the same
-        local_iov: IoVec = np.array(local, np.uint64).reshape(-1, 2) if type(local) is tuple else local  # type: ignore[assignment]
-        remote_iov: IoVec = np.array(remote, np.uint64).reshape(-1, 2) if type(remote) is tuple else remote  # type: ignore[assignment]
-        count = local_iov.shape[0] // runs_per_tensor
+        flat = type(local) is tuple and type(remote) is tuple
+        if not flat:  # IoVecs (a lone flat side is laid out to match)
+            local, remote = (np.array(v, np.uint64).reshape(-1, 2) if type(v) is tuple else v for v in (local, remote))
+        count = (len(local) // 2 if flat else local.shape[0]) // runs_per_tensor  # type: ignore[union-attr]
         try:
             handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
-            index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
-            return self.endpoint.rma(is_read, local_iov, remote_iov, index, handles)
+            if flat:  # flat_vectors: a few entries as ints end to end
+                index: Any = tuple(j for j in range(count) for _ in range(runs_per_tensor))
+            else:
+                index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
+            return self.endpoint.rma(is_read, local, remote, index, handles)
         except ucp.UcpError as error:
             raise UcxError(str(error)) from None
 
