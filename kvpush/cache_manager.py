@@ -203,17 +203,12 @@ class CacheManager:
         """
         api = "push_blocks"
         check_notify(api, notify)
-        fast = None  # the common case, planned without a coroutine of its own (latency: see _plain_blocks)
-        if src_batch_index is None and src_layer_range is None and dst_layer_range is None:
-            self._engine.require_init(api)
-            fast = self._plain_blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                      tensor_num_per_layer)
-        if fast is not None:
-            link, plan, _ = fast
-        else:
-            link, plan, _ = await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                               src_layer_range, dst_layer_range, tensor_num_per_layer,
-                                               local_slot=src_batch_index)
+        fast = None if src_batch_index is not None else self._plain_now(
+            api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range,
+            tensor_num_per_layer)
+        link, plan, _ = fast or await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                                   src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                                   local_slot=src_batch_index)
         options = self._engine.options
         await transfer.run(link, plan, options.sync_kv_timeout_ms, options.layer_merge_bytes)
         if notify is not None:
@@ -235,16 +230,11 @@ class CacheManager:
         the rest of a layer's incoming bytes is discarded, never written after the exception.
         """
         api = "pull_blocks"
-        fast = None  # as in push_blocks
-        if src_layer_range is None and dst_layer_range is None:
-            self._engine.require_init(api)
-            fast = self._plain_blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
-                                      tensor_num_per_layer)
-        if fast is not None:
-            link, plan, slot = fast
-        else:
-            link, plan, slot = await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
-                                                  src_layer_range, dst_layer_range, tensor_num_per_layer)
+        fast = self._plain_now(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks, src_layer_range,
+                               dst_layer_range, tensor_num_per_layer)
+        link, plan, slot = fast or await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks,
+                                                      dst_blocks, src_layer_range, dst_layer_range,
+                                                      tensor_num_per_layer)
         await self._run(link, plan)
         if slot is not None:
             self._pulled_slot(link, plan, slot)
@@ -269,6 +259,16 @@ class CacheManager:
                                                 key=args.slot_key)
         remote_slot = slot if slot is not None else args.remote_slot
         return link, planning.plan_blocks(args, local, remote, remote_slot), remote_slot
+
+    def _plain_now(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
+                   dst_blocks: object, src_range: object, dst_range: object,
+                   n: object) -> tuple[Link, planning.Plan, None] | None:
+        """``_plain_blocks`` called straight from a transfer's coroutine (no ``_blocks`` coroutine: a
+        small transfer's latency) when no layer range is given; None: go through ``_blocks``."""
+        if src_range is not None or dst_range is not None:
+            return None
+        self._engine.require_init(api)
+        return self._plain_blocks(api, kind, remote_key, local_cache, src_blocks, dst_blocks, n)
 
     def _plain_blocks(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
                       dst_blocks: object, n: object) -> tuple[Link, planning.Plan, None] | None:
