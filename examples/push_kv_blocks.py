@@ -93,6 +93,8 @@ def run_prompt_sample(shared: Shared) -> None:
 
     # 5. unlink, unregister, finalize
     ret, _ = datadist.unlink_clusters([cluster], 5000)
+    shared.wait()  # unlinked: the decoder finalizes only now (a peer finalizing during a non-force unlink
+    # closes the link before it can acknowledge, and the unlink then reports LLM_UNLINK_FAILED)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise SystemExit(f"UnlinkLlmClusters failed, ret={ret.name}")
     datadist.cache_manager.unregister_cache(cache.cache_id)
@@ -119,6 +121,7 @@ def run_decoder_sample(shared: Shared) -> None:
             failures.append(f"tensor {i}: blocks {DECODER_BLOCKS} hold {buffer[DECODER_BLOCKS].tolist()}")
         if buffer[:5].any():
             failures.append(f"tensor {i}: blocks 0..4 were written")
+    shared.wait()  # the prompt unlinked
     datadist.cache_manager.unregister_cache(cache.cache_id)
     datadist.finalize()
     if failures:

@@ -120,6 +120,7 @@ class Link:
         self._tasks: set[asyncio.Task[Any]] = set()  # owned: cancelled when the link closes
         self._bye: asyncio.Future[None] = self.loop.create_future()
         self._unlinking = False  # this side sent BYE and waits for the answer
+        self._agreed = False  # a BYE came from the peer: it unlinks too (graceful, whoever closes first)
         self._first_table: asyncio.Future[None] = self.loop.create_future()
         self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
         self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
@@ -533,6 +534,7 @@ class Link:
         """A graceful unlink. ``leases_done``: the sender of the BYE has no same-host copy into this
         process running any more, so the caches it held standing grants on can be let go now."""
         body = decode_json(header.kind, meta)
+        self._agreed = True
         if body.get("leases_done"):
             self.inbound.end_leases()
         if body.get("ack"):
@@ -563,7 +565,9 @@ class Link:
         self.ack_bye(done)
 
     async def unlink(self, timeout: float) -> bool:
-        """Tell the peer and wait for its acknowledgement (bounded); always closes locally.
+        """Tell the peer and wait for its acknowledgement (bounded); always closes locally. True when
+        both ends agreed: the peer acknowledged, or sent its own BYE (it unlinks too, and whichever end
+        closes first ends the link: a crossing unlink is never a failure).
 
         Cancellation closes the link at once (force)."""
         try:
@@ -575,13 +579,13 @@ class Link:
                 if self._bye.done() and self._bye.exception() is None:
                     return True  # the peer's own unlink crossed ours while we drained: both ends agreed
                 if self.state != LinkState.READY:
-                    return False
+                    return self._agreed
                 self.stream.send(encode_json(Kind.BYE, 0, {"leases_done": done}))
                 await asyncio.wait_for(asyncio.shield(self._bye), timeout)
                 return True
-            return False
+            return self._agreed
         except (TimeoutError, ConnectionError, LLMException):
-            return False
+            return self._agreed
         finally:
             self.close("unlinked")
 
