@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpush.layout import as_iovec, iovec_bytes
+
 from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
 from .iovec import IOV_MAX, LIBC
 
@@ -158,32 +160,25 @@ class CmaPeer:
         entries given flat go to the kernel from two ctypes arrays (no numpy call)."""
         if not self.alive():
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
+        calls: Any  # (local vector, remote vector, entries, bytes) per kernel call
         if type(local) is tuple and type(remote) is tuple and len(local) == len(remote) and len(local) <= 2 * IOV_MAX:
-            expected = sum(local[1::2])
             vector = ctypes.c_uint64 * len(local)
-            done = function(self.pid, vector(*local), len(local) // 2, vector(*remote), len(remote) // 2, 0)
-            if done < 0:
-                code = ctypes.get_errno()
-                raise CmaError(code, f"{name}(pid {self.pid}): {os.strerror(code)}")
-            if done != expected:
-                raise CmaError(errno.EFAULT, f"{name}(pid {self.pid}): copied {done} of {expected} bytes")
-            return int(done)
-        local, remote = _as_iovec(local), _as_iovec(remote)
-        local = np.ascontiguousarray(local, np.uint64)
-        remote = np.ascontiguousarray(remote, np.uint64)
+            calls = [(vector(*local), vector(*remote), len(local) // 2, sum(local[1::2]))]
+        else:
+            lv = np.ascontiguousarray(as_iovec(local), np.uint64)
+            rv = np.ascontiguousarray(as_iovec(remote), np.uint64)
+            calls = ((lv.ctypes.data + 16 * start, rv.ctypes.data + 16 * start, min(IOV_MAX, lv.shape[0] - start),
+                      int(lv[start:start + IOV_MAX, 1].sum())) for start in range(0, lv.shape[0], IOV_MAX))
         total = 0
-        for start in range(0, local.shape[0], IOV_MAX):
-            count = min(IOV_MAX, local.shape[0] - start)
-            expected = int(local[start:start + count, 1].sum())
-            done = function(self.pid, local.ctypes.data + 16 * start, count,
-                            remote.ctypes.data + 16 * start, count, 0)
+        for local_vector, remote_vector, count, expected in calls:
+            done = function(self.pid, local_vector, count, remote_vector, count, 0)
             if done < 0:
                 code = ctypes.get_errno()
                 raise CmaError(code, f"{name}(pid {self.pid}): {os.strerror(code)}")
             if done != expected:
                 raise CmaError(errno.EFAULT, f"{name}(pid {self.pid}): copied {done} of {expected} bytes")
             total += done
-        return total
+        return int(total)
 
     def write(self, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
         """Copy local -> peer (blocking; call from a worker thread for big copies)."""
@@ -197,16 +192,6 @@ class CmaPeer:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
-
-
-def _nbytes(vector: IoVec | FlatIoVec) -> int:
-    """``kvpush.layout.iovec_bytes`` (a transport module imports nothing of kvpush at run time)."""
-    return sum(vector[1::2]) if type(vector) is tuple else int(vector[:, 1].sum())  # type: ignore[call-overload]
-
-
-def _as_iovec(vector: IoVec | FlatIoVec) -> IoVec:
-    """``kvpush.layout.as_iovec``."""
-    return np.array(vector, np.uint64).reshape(-1, 2) if type(vector) is tuple else vector  # type: ignore[return-value]
 
 
 class CmaMover:
@@ -223,7 +208,7 @@ class CmaMover:
     def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
               first_tensor: int, rkeys: Any, runs_per_tensor: int) -> Any:
         copy = self.peer.read if is_read else self.peer.write
-        if _nbytes(local) <= INLINE_COPY_BYTES and self._idle():
+        if iovec_bytes(local) <= INLINE_COPY_BYTES and self._idle():
             # small (decode-time) transfers: a thread hand-off would cost more than the copy
             future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             try:

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvpush.layout import as_iovec
+
 from . import ucp
 from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, TransportError
 
@@ -183,7 +185,7 @@ class UcxMover:
             raise UcxError("the peer sent no rkeys for this cache")
         flat = type(local) is tuple and type(remote) is tuple
         if not flat:  # IoVecs (a lone flat side is laid out to match)
-            local, remote = (np.array(v, np.uint64).reshape(-1, 2) if type(v) is tuple else v for v in (local, remote))
+            local, remote = as_iovec(local), as_iovec(remote)
         count = (len(local) // 2 if flat else local.shape[0]) // runs_per_tensor  # type: ignore[union-attr]
         try:
             handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
