@@ -116,6 +116,17 @@ def scatter_vector(
     return iov.reshape(-1, 2)
 
 
+def runs_at(bases: Sequence[int], runs: Sequence[tuple[int, int, int]], column: int) -> FlatIoVec:
+    """A flat vector of ``runs`` (triples; ``column`` names the one holding each run's offset, the
+    last holds its length) in every tensor at ``bases``, tensor-major (the wire order). Plain loops:
+    for the few runs of a small transfer they cost less than a generator or numpy."""
+    vector: list[int] = []
+    for base in bases:
+        for run in runs:
+            vector += (base + run[column], run[2])
+    return tuple(vector)
+
+
 def runs_in_bounds(offsets: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any], limit: int) -> bool:
     """True when every run lies inside ``[0, limit)`` and none overflows (receiver-side fence)."""
     if offsets.shape[0] == 0:

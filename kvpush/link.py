@@ -28,7 +28,7 @@ from transports.base import Connection, OutgoingFrame, PayloadSink
 
 from .datapath import DataPaths
 from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
-from .layout import FlatIoVec, IoVec, as_iovec, iovec_bytes, scatter_vector
+from .layout import FlatIoVec, IoVec, as_iovec, iovec_bytes, runs_at, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .onesided import LeaseState, OneSidedSender
 from .options import EngineOptions
@@ -297,7 +297,7 @@ class Link:
         self.stream.enqueue(op.frame)
         if release is None:
             return
-        if op.frame.sent.done():  # it left at once (small frames do): no callback round through the loop
+        if op.frame.left:  # it left at once (small frames do): no future, no callback round through the loop
             release()
         else:
             op.frame.sent.add_done_callback(lambda _: release())
@@ -357,8 +357,7 @@ class Link:
         small = layout.small
         if small is not None and type(local) is tuple and self.onesided.mover.capabilities.flat_vectors:
             op.local_iov = local
-            op.remote_iov = tuple(value for base in bases for _, offset, length in small
-                                  for value in (base + offset, length))
+            op.remote_iov = runs_at(bases, small, 1)
             runs = len(small)
         else:
             op.local_iov = as_iovec(local)

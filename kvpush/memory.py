@@ -259,6 +259,20 @@ class CacheEntry:
     keys: dict[KeyName, int] = field(default_factory=dict)  # cache keys naming batch slots: name -> slot
     pulled: dict[KeyName, set[int]] = field(default_factory=dict)  # tensors of a keyed slot pulled so far
     deallocated: bool = False  # its owner let go of it; kept (for peers only) while cache keys name its slots
+    # the sealed descriptor's geometry as plain ints (a transfer's checks read them without a call)
+    num_blocks: int = field(init=False)
+    block_bytes: int = field(init=False)
+    tensor_bytes: int = field(init=False)
+    num_tensors: int = field(init=False)
+    data_type: DataType = field(init=False)
+
+    def __post_init__(self) -> None:
+        desc = self.cache.cache_desc  # sealed at registration: these stay true
+        self.num_blocks = desc.num_blocks
+        self.block_bytes = desc.block_bytes
+        self.tensor_bytes = desc.size
+        self.num_tensors = desc.num_tensors
+        self.data_type = desc.data_type
 
     @property
     def desc(self) -> CacheDesc:
@@ -358,6 +372,7 @@ class CacheRegistry:
         if mapping is None:
             for region in regions:
                 prefault(region.address, region.nbytes)
+        desc = desc.sealed_copy()  # the geometry its bounds checks read can no longer change under them
         cache = Cache(
             cache_id=self._next_id,
             cache_desc=desc,

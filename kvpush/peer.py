@@ -60,7 +60,7 @@ class RemoteCache:
     def tensor_bytes(self) -> int:
         return self.desc.size
 
-    @property
+    @cached_property
     def num_blocks(self) -> int:
         return self.shape[0]
 

@@ -113,6 +113,9 @@ SMALL = 16  # block lists up to this long are checked and laid out in plain Pyth
 # which raises the documented error.
 
 
+_ONE_RUN = struct.Struct("<QQ")  # one run's (remote offset, length) on the wire
+
+
 def _plain(blocks: object) -> tuple[int, ...] | None:
     """``blocks`` as a tuple when it is a short list/tuple of plain non-negative ints below 2^63."""
     if type(blocks) not in (list, tuple) or len(blocks) > SMALL:  # type: ignore[arg-type]
@@ -277,10 +280,10 @@ def plain_plan(api: str, kind: Kind, n: int, src: tuple[int, ...], dst: tuple[in
     error)."""
     push = kind == Kind.WRITE
     local_blocks, remote_blocks = (src, dst) if push else (dst, src)
-    local_desc = local.desc
-    if max(local_blocks) >= local_desc.num_blocks or max(remote_blocks) >= remote.num_blocks:
+    block_bytes = local.block_bytes
+    if max(local_blocks) >= local.num_blocks or max(remote_blocks) >= remote.num_blocks:
         return None
-    if local_desc.block_bytes != remote.block_bytes or local_desc.data_type != remote.data_type:
+    if block_bytes != remote.block_bytes or local.data_type != remote.data_type:
         return None
     ranges_given = src_range is not None or dst_range is not None
     if ranges_given and remote.num_tensors % n:
@@ -288,17 +291,23 @@ def plain_plan(api: str, kind: Kind, n: int, src: tuple[int, ...], dst: tuple[in
     remote_range = dst_range if push else src_range
     if remote_range is not None and remote_range.stop > remote.num_tensors // n:
         return None
-    if len(set(dst)) != len(dst):
+    if len(dst) > 1 and len(set(dst)) != len(dst):
         return None
-    local_tensors = local_desc.num_tensors
+    local_tensors = local.num_tensors
     src_tensors, dst_tensors = (local_tensors, remote.num_tensors) if push else (remote.num_tensors, local_tensors)
     if not ranges_given and src_tensors != dst_tensors:
         return None
     steps = v.layer_steps(api, src_tensors, dst_tensors, n, src_range, dst_range)
-    runs = _small_runs(src, dst, local_desc.block_bytes)
-    small = tuple(runs) if push else tuple((d, s, length) for s, d, length in runs)  # (local, remote, length)
-    wire = struct.pack(f"<{2 * len(small)}Q", *(value for _, offset, length in small for value in (offset, length)))
-    return Plan(api, kind, local, remote, None, None, wire, None, steps, sum(run[2] for run in small), small)
+    if len(src) == 1:  # one block: one run, no merging to do
+        first, second = src[0] * block_bytes, dst[0] * block_bytes
+        small: tuple[tuple[int, int, int], ...] = ((first, second, block_bytes) if push
+                                                   else (second, first, block_bytes),)
+        return Plan(api, kind, local, remote, None, None, _ONE_RUN.pack(small[0][1], block_bytes), None, steps,
+                    block_bytes, small)
+    runs = _small_runs(src, dst, block_bytes)
+    small = tuple(runs) if push else tuple([(d, s, length) for s, d, length in runs])  # (local, remote, length)
+    wire = struct.pack(f"<{2 * len(small)}Q", *[value for _, offset, length in small for value in (offset, length)])
+    return Plan(api, kind, local, remote, None, None, wire, None, steps, sum([run[2] for run in small]), small)
 
 
 def plain_args(kind: Kind, remote_key: object, local_cache: object, src_blocks: object, dst_blocks: object,

@@ -9,6 +9,7 @@ others when the link closes.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,78 @@ def _wake(op: PendingOp) -> None:
         waiter.set_result(None)
 
 
+class Deadlines:
+    """Wakes waiters whose deadline passed, with one loop timer for all of them (armed for the
+    earliest), so a request's deadline costs a heap entry instead of a loop timer of its own.
+
+    ``add`` a waiter (a future) with its allowance; ``finished`` when its wait is over, whatever
+    ended it. A waiter still pending at its deadline gets the result None (the caller then sees
+    that its request is not done). Entries of finished waiters leave the heap lazily: from its head
+    on every ``add``, and all at once when they outnumber the live ones (bounded memory whatever mix
+    of allowances is used)."""
+
+    _REBUILD_AT = 64
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._live = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_for = 0.0
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def entries(self) -> int:
+        """Heap entries held, finished ones included (bounded: see the class docstring)."""
+        return len(self._heap)
+
+    def add(self, seconds: float, waiter: asyncio.Future[None]) -> None:
+        heap = self._heap
+        while heap and heap[0][2].done():
+            heapq.heappop(heap)
+        when = self._loop.time() + seconds
+        heapq.heappush(heap, (when, next(self._order), waiter))
+        self._live += 1
+        if self._timer is None or when < self._armed_for:
+            self._arm(when)
+
+    def finished(self) -> None:
+        self._live -= 1
+        heap = self._heap
+        if len(heap) > self._REBUILD_AT and len(heap) > 2 * self._live:
+            heap[:] = [entry for entry in heap if not entry[2].done()]
+            heapq.heapify(heap)
+
+    def close(self) -> None:
+        """Stop the timer (the link is gone: its waiters are woken by their requests ending)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._heap.clear()
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._expire)
+        self._armed_for = when
+
+    def _expire(self) -> None:
+        self._timer = None
+        heap = self._heap
+        now = self._loop.time()
+        while heap:
+            when, _, waiter = heap[0]
+            if not waiter.done():
+                if when > now:
+                    self._arm(when)
+                    return
+                waiter.set_result(None)
+            heapq.heappop(heap)
+
+
 class RequestTable:
     """The requests of one link. ``on_failure`` sees every error a request completes with."""
 
@@ -86,6 +159,7 @@ class RequestTable:
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingOp] = {}
         self._on_failure = on_failure
+        self.deadlines = Deadlines(loop)  # of the waits for this link's requests (``transfer.await_layer``)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -143,3 +217,4 @@ class RequestTable:
             if op.copy is None:
                 op.release()
             self.complete(op, LLMException(status, message))
+        self.deadlines.close()  # every waiter was just woken

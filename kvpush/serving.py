@@ -72,19 +72,24 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     entry = registry.get(transfer.cache_id)
     if entry is None:
         raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
-    desc = entry.desc
     first, count = transfer.first_tensor, transfer.num_tensors
-    if first + count > desc.num_tensors:
+    if first + count > entry.num_tensors:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"tensors {first}..{first + count - 1} exceed the cache's {desc.num_tensors}")
-    if transfer.runs is not None:  # a few runs: checked and laid out with plain ints
-        limit = desc.size
-        if not all(length > 0 and offset + length <= limit for offset, length in transfer.runs):
-            raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
-        bases = entry.cache.tensor_addrs[first:first + count]
-        vector = tuple(value for base in bases for offset, length in transfer.runs for value in (base + offset, length))
-        return entry, vector if flat and len(vector) <= 2 * FLAT_ENTRIES else as_iovec(vector)
-    if not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size):
+                      f"tensors {first}..{first + count - 1} exceed the cache's {entry.num_tensors}")
+    limit = entry.tensor_bytes
+    runs = transfer.runs
+    if runs is not None:  # a few runs: checked and laid out with plain ints (no generator: latency)
+        vector: list[int] = []
+        for offset, length in runs:
+            if length <= 0 or offset + length > limit:
+                raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
+                              f"a run lies outside cache {transfer.cache_id}'s tensors")
+        for base in entry.cache.tensor_addrs[first:first + count]:
+            for offset, length in runs:
+                vector += (base + offset, length)
+        ints = tuple(vector)
+        return entry, ints if flat and len(ints) <= 2 * FLAT_ENTRIES else as_iovec(ints)
+    if not runs_in_bounds(transfer.offsets, transfer.lengths, limit):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
     addrs = entry.addrs[first:first + count]
     return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)

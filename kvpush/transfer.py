@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Coroutine
+from typing import Any
 
-from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, scatter_vector
+from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, runs_at, scatter_vector
 from .link import Link
 from .options import LAYER_MERGE_BYTES
 from .plan import Plan, group_steps
@@ -46,9 +48,7 @@ def local_vector(plan: Plan, first: int, count: int) -> IoVec | FlatIoVec:
     a few runs of a few tensors, flat ints (no numpy call at all)."""
     if len(plan.steps) == 1:
         if plan.small is not None:  # a few runs as ints
-            bases = plan.local.cache.tensor_addrs[first:first + count]
-            flat = tuple(value for base in bases for offset, _, length in plan.small
-                         for value in (base + offset, length))
+            flat = runs_at(plan.local.cache.tensor_addrs[first:first + count], plan.small, 0)
             return flat if len(flat) <= 2 * FLAT_ENTRIES else as_iovec(flat)
         return scatter_vector(plan.local.addrs[first:first + count], plan.local_offset, plan.length)
     if plan.local_iov is None:
@@ -70,11 +70,12 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
         # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
         # request's own future (``drain`` still sees whether the layer's bytes may land)
         waiter = op.waiter = link.loop.create_future()
-        timer = link.loop.call_later(timeout_ms / 1000, _expire, waiter)
+        deadlines = link.requests.deadlines  # one loop timer for every wait of the link, not one per layer
+        deadlines.add(timeout_ms / 1000, waiter)
         try:
             await waiter
         finally:
-            timer.cancel()
+            deadlines.finished()
             op.waiter = None
         if not op.future.done():
             timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
@@ -88,26 +89,25 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
         raise error
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-async def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_MERGE_BYTES) -> None:
-    """Move every layer of ``plan``; returns on remote completion of the last one. Consecutive layers
-    (on both sides) go as one request while it stays within ``merge_bytes`` (0: a request per layer);
-    a request's layers complete together.
+def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_MERGE_BYTES) -> Coroutine[Any, Any, None]:
+    """Move every layer of ``plan`` (await it); returns on remote completion of the last one.
+    Consecutive layers (on both sides) go as one request while it stays within ``merge_bytes`` (0: a
+    request per layer); a request's layers complete together. A plan of one step is the coroutine
+    of ``_run_one`` itself (no coroutine around it: a small transfer's latency).
 
     Timeout: LLM_TIMEOUT (with ``completed_layers``) when a layer misses its deadline; layers not yet
     sent are never sent, and a started one finishes leaving (or the link is closed). Cancellation: no
     further layer is issued; ``CancelledError`` propagates once no byte of the request can still land."""
     if len(plan.steps) == 1:
-        await _run_one(link, plan, timeout_ms)
-        return
+        return _run_one(link, plan, timeout_ms)
+    return _run_many(link, plan, timeout_ms, merge_bytes)
+
+
+async def _run_many(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int) -> None:
     timeout = timeout_ms / 1000
     completed: list[int] = []
     inflight: collections.deque[tuple[tuple[int, ...], PendingOp]] = collections.deque()
-    if len(plan.steps) > 1 and merge_bytes > 0:
+    if merge_bytes > 0:
         if plan.kind == Kind.WRITE and link.writes_alone(plan.remote):
             merge_bytes = max(merge_bytes, GROUP_BYTES)
         groups = group_steps(plan.steps, plan.bytes_per_tensor, merge_bytes)

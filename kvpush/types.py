@@ -161,9 +161,35 @@ class CacheDesc:
         """Length of the batch (block) dimension: blocks or batch slots per tensor."""
         return self.shape[self.batch_dim_index] if self.shape else 0
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if self.__dict__.get("_sealed"):
+            raise AttributeError(f"CacheDesc.{name}: the descriptor of a registered cache cannot change")
+        object.__setattr__(self, name, value)
+
+    def sealed_copy(self) -> CacheDesc:
+        """A copy that can no longer change: a registered cache's own, which its bounds checks read
+        (the caller's descriptor stays the caller's to change and describe the next cache with)."""
+        twin = self.__copy__()
+        object.__setattr__(twin, "_sealed", True)
+        return twin
+
+    def __copy__(self) -> CacheDesc:
+        """Copies (of a sealed descriptor too) can change: they describe another cache."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin.__dict__.pop("_sealed", None)
+        return twin
+
+    def __deepcopy__(self, memo: dict[int, object]) -> CacheDesc:
+        return self.__copy__()  # every field is immutable
+
     def update_dim(self, dim_index: int, dim_value: int) -> None:
         """Set dimension ``dim_index`` to ``dim_value`` (before the descriptor is registered or allocated:
-        a registered cache keeps the size it was registered with)."""
+        a registered cache keeps the size it was registered with; its ``cache_desc`` refuses the change
+        with ValueError)."""
+        if self.__dict__.get("_sealed"):
+            raise ValueError("update_dim: the descriptor of a registered cache cannot change; "
+                             "describe the new shape with a new CacheDesc")
         index = check_int("dim_index", dim_index, -len(self.shape), len(self.shape) - 1) if self.shape else None
         if index is None:
             raise IndexError("update_dim: the shape has no dimensions")

@@ -101,9 +101,14 @@ class StreamHandler(Protocol):
 
 
 class OutgoingFrame(Protocol):
-    """A queued frame. ``sent`` resolves when every byte is handed to the kernel."""
+    """A queued frame. ``sent`` resolves when every byte is handed to the kernel; ``left`` is True
+    from then on (checking it makes no future)."""
 
-    sent: asyncio.Future[None]
+    @property
+    def sent(self) -> asyncio.Future[None]: ...
+
+    @property
+    def left(self) -> bool: ...
 
     @property
     def started(self) -> bool: ...

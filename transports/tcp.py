@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import errno
 import logging
+import os
 import socket
 import struct
 import time
@@ -69,9 +71,10 @@ _HEAD_ENTRY = struct.Struct("<QQ")
 
 class TcpFrame:
     """One queued outgoing frame (see ``transports.base.OutgoingFrame``). Its own iovec and cursor are
-    made only when it is not written whole through the stream's scratch vector at once."""
+    made only when it is not written whole through the stream's scratch vector at once, and its
+    ``sent`` future only when someone asks for it (``left`` says the same without one)."""
 
-    __slots__ = ("head", "payload", "total", "_cursor", "sent", "started", "abandoned")
+    __slots__ = ("head", "payload", "total", "_cursor", "future", "_loop", "left", "started", "abandoned")
 
     def __init__(self, head: bytes, payload: IoVec | FlatIoVec | None, loop: asyncio.AbstractEventLoop,
                  already_sent: int = 0, nbytes: int | None = None) -> None:
@@ -81,9 +84,27 @@ class TcpFrame:
         self._cursor: Cursor | None = None
         if already_sent:
             self.cursor.advance(already_sent)
-        self.sent: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self.future: asyncio.Future[None] | None = None  # ``sent``, once asked for
+        self.left = False  # every byte was handed to the kernel
         self.started = False  # some of it was written: it is always finished (or the stream closed)
         self.abandoned = False
+
+    @property
+    def sent(self) -> asyncio.Future[None]:
+        future = self.future
+        if future is None:
+            future = self.future = self._loop.create_future()
+            if self.left:
+                future.set_result(None)
+        return future
+
+    def finished(self) -> None:
+        """Every byte left."""
+        self.left = True
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(None)
 
     @property
     def cursor(self) -> Cursor:
@@ -182,6 +203,27 @@ class TcpFrameStream:
                 frame.sent.set_exception(ConnectionError(f"stream closed: {self.close_reason}"))
                 frame.sent.exception()
             return
+        if (not self._queue and not self._writer_armed and not self._pump_scheduled
+                and frame.total <= _SEND_NOW_BYTES and frame.short()):
+            # an idle stream and a frame of a few entries (a small transfer): one writev from here,
+            # without the pump's bookkeeping; what does not leave whole is queued for the pump
+            frame.started = True
+            written = writev(self.fd, self._tx_addr, self._fill_scratch(frame))
+            if written == frame.total:
+                self.bytes_out += written
+                frame.finished()
+                return
+            self._queue.append(frame)
+            if written > 0:
+                self.bytes_out += written
+                frame.advance(written)
+            elif written < 0:
+                code = ctypes.get_errno()
+                if code not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                    self.close(f"send failed: {os.strerror(code)}")  # fails the queued frame
+                    return
+            self._arm_writer()  # the rest leaves when the socket has room
+            return
         self._queue.append(frame)
         self._kick(frame.total)
 
@@ -207,9 +249,9 @@ class TcpFrameStream:
             self.bytes_out += sent
             if sent == len(head):
                 frame = TcpFrame.__new__(TcpFrame)
-                frame.sent = self.loop.create_future()
-                frame.sent.set_result(None)
-                frame.started, frame.abandoned = True, False
+                frame.future, frame._loop = None, self.loop
+                frame.left = frame.started = True
+                frame.abandoned = False
                 return frame
         frame = TcpFrame(head, payload, self.loop, sent)
         if sent:
@@ -251,8 +293,7 @@ class TcpFrameStream:
             self.bytes_out += written
             if frame.advance(written):
                 self._queue.popleft()
-                if not frame.sent.done():
-                    frame.sent.set_result(None)
+                frame.finished()
         self._disarm_writer()
 
     def _fill_scratch(self, frame: TcpFrame) -> int:

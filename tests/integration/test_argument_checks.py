@@ -281,3 +281,32 @@ async def test_registration_checks(pair: Pair) -> None:
     readonly.flags.writeable = False
     with pytest.raises(LLMException):
         cm.register_blocks_cache(desc, [readonly, np.zeros((4, 8), np.float32)])
+
+
+async def test_a_registered_cache_keeps_its_geometry_whatever_happens_to_the_descriptor(
+        make_engine: EngineFactory) -> None:
+    """The bounds checks read the geometry the cache was registered with: growing the caller's
+    descriptor afterwards (or trying to grow the cache's own) can never let a push address blocks
+    past the memory that was registered (it would write past the end of the mapping)."""
+    engine = await make_engine(1)
+    desc = CacheDesc(4, [8, 64], DataType.DT_FLOAT16)
+    cache = engine.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    desc.update_dim(0, 1 << 20)  # the caller's object describes the next cache now
+    assert cache.cache_desc.shape == (8, 64) and desc.shape == (1 << 20, 64)
+    with pytest.raises(ValueError, match="registered cache cannot change"):
+        cache.cache_desc.update_dim(0, 1 << 20)
+    with pytest.raises(AttributeError, match="registered cache cannot change"):
+        cache.cache_desc.shape = (1 << 20, 64)  # type: ignore[misc]
+    grown = cache.cache_desc.__copy__()  # a copy describes another cache and may change
+    grown.update_dim(0, 16)
+    assert grown.shape == (16, 64) and cache.cache_desc.shape == (8, 64) and grown != cache.cache_desc
+
+
+async def test_a_grown_descriptor_does_not_widen_a_registered_cache_on_either_side(pair: Pair) -> None:
+    DESC.update_dim(0, 4096)  # the module's descriptor both caches were registered from
+    try:
+        message = await expect_refused(pair, LLMException, P, src_blocks=[0, 1], dst_blocks=[2, 4000])
+        assert "remote cache has 8 blocks" in message
+        await expect_refused(pair, LLMException, P, src_blocks=[0, 4000], dst_blocks=[2, 3])
+    finally:
+        DESC.update_dim(0, 8)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvpush.protocol import Kind
-from kvpush.requests import RequestTable
+from kvpush.requests import Deadlines, RequestTable
 from kvpush.status import LLMException, LLMStatusCode
 
 
@@ -65,3 +65,45 @@ async def test_a_release_runs_exactly_once_even_when_handed_on() -> None:
     assert calls == [] and handed is not None
     handed()
     assert calls == ["unpin"]
+
+
+async def test_deadlines_wake_only_waiters_still_pending_in_the_order_of_their_deadlines() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(loop)
+    woken: list[str] = []
+    slow, fast, done = loop.create_future(), loop.create_future(), loop.create_future()
+    for name, waiter in (("slow", slow), ("fast", fast), ("done", done)):
+        waiter.add_done_callback(lambda _, name=name: woken.append(name))
+    deadlines.add(0.4, slow)
+    deadlines.add(0.05, fast)  # earlier than the armed timer: the timer is moved forward
+    deadlines.add(0.05, done)
+    done.set_result(None)  # its wait ended otherwise: no wakeup from the deadline
+    deadlines.finished()
+    await asyncio.wait_for(fast, 5)
+    assert woken == ["done", "fast"] and not slow.done()
+    await asyncio.wait_for(slow, 5)
+    assert woken == ["done", "fast", "slow"] and slow.result() is None
+    deadlines.finished()
+    deadlines.finished()
+    assert len(deadlines) == 0
+
+
+async def test_deadlines_of_finished_waits_do_not_pile_up_and_close_stops_the_timer() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(loop)
+    keeper = loop.create_future()
+    deadlines.add(0.01, keeper)  # the earliest deadline stays pending: finished ones queue behind it
+    for _ in range(1000):
+        waiter = loop.create_future()
+        deadlines.add(3600, waiter)
+        waiter.set_result(None)
+        deadlines.finished()
+    assert len(deadlines) == 1 and deadlines.entries <= 2 * Deadlines._REBUILD_AT
+    await asyncio.wait_for(keeper, 5)  # the one pending waiter is still woken at its deadline
+    deadlines.finished()
+    later = loop.create_future()
+    deadlines.add(0.01, later)
+    deadlines.close()
+    await asyncio.sleep(0.05)
+    assert not later.done()  # closed: nothing fires (the link's requests wake their own waiters)
+    later.cancel()
