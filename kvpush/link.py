@@ -15,6 +15,7 @@ stream and request table with the frame handlers; splitting it would hand those 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -123,9 +124,10 @@ class Link:
         self._agreed = False  # a BYE came from the peer: it unlinks too (graceful, whoever closes first)
         self._first_table: asyncio.Future[None] = self.loop.create_future()
         self.handshake = Handshake(owner.identity, self._send_control, paths.make_offers, dialer=dialer)
-        self.inbound = Inbound(owner.registry, lambda: owner.options.enable_remote_cache_accessible,
+        options = owner.options  # parsed at init, before any link: read live, through C-level getters
+        self.inbound = Inbound(owner.registry, functools.partial(getattr, options, "enable_remote_cache_accessible"),
                                self._send_frame, self.counters, paths.proves_reach, "?", self.loop, self.close,
-                               lambda: owner.options.sync_kv_timeout_ms, owner.registry_changed)
+                               functools.partial(getattr, options, "sync_kv_timeout_ms"), owner.registry_changed)
         self._handlers: dict[Kind, Handler] = {
             Kind.WRITE: self.inbound.serve_write,
             Kind.READ: self._on_read,
@@ -207,6 +209,7 @@ class Link:
         if self.state == LinkState.HANDSHAKE:
             self.state = LinkState.READY
             self.stream.meta_limit = None
+            self.stream.trusted()
 
     def _own(self, coroutine: Any, name: str) -> None:
         task = self.loop.create_task(coroutine, name=name)

@@ -130,6 +130,10 @@ class FrameStream(Protocol):
     # a peer is authenticated it can make the engine hold only this much.
     meta_limit: int | None
 
+    def trusted(self) -> None:
+        """The peer is authenticated (or, without a token, done with the handshake): from now on the
+        stream may hold more for it than the few KiB a stranger can make it hold."""
+
     def send(self, head: bytes, payload: IoVec | FlatIoVec | None = None) -> OutgoingFrame:
         """Queue a frame now (a small frame on an idle stream leaves before this returns)."""
 

@@ -17,7 +17,7 @@ import numpy as np
 from kvpush.protocol import FrameHeader, Kind, encode_header
 from transports import iovec
 from transports.base import PayloadSink
-from transports.tcp import STAGING_BYTES, TcpFrameStream
+from transports.tcp import STAGING_BYTES, TRUSTED_STAGING_BYTES, TcpFrameStream
 
 
 class Recorder:
@@ -63,13 +63,15 @@ def frames(rng: random.Random, count: int, big: bool) -> list[tuple[Kind, int, b
             size = rng.choice([0, 1, 100, STAGING_BYTES - 24, STAGING_BYTES, 3 * STAGING_BYTES + 7])
             out.append((Kind.TABLE, request_id, rng.randbytes(size), b""))
         else:
-            sizes = [1, 17, 1000, STAGING_BYTES, 5000] + ([40_000, 300_000] if big else [])
+            sizes = [1, 17, 1000, STAGING_BYTES, 5000] + (
+                [40_000, TRUSTED_STAGING_BYTES - 100, TRUSTED_STAGING_BYTES + 3, 300_000] if big else [])
             payload = rng.randbytes(rng.choice(sizes))
             out.append((Kind.WRITE, request_id, rng.randbytes(rng.choice([24, 40, 200])), payload))
     return out
 
 
-async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int = 0) -> None:
+async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int = 0, trust: bool = False) -> None:
+    """``trust``: the peer becomes trusted (the staging buffer grows) at a random point of the stream."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair()
@@ -83,7 +85,11 @@ async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int =
                         for kind, rid, meta, payload in sent)
         theirs.setblocking(False)
         offset = 0
+        trust_at = rng.randrange(len(wire)) if trust else len(wire) + 1
         while offset < len(wire):  # bounded: every pass sends at least one byte or waits for the reader
+            if offset >= trust_at:
+                stream.trusted()
+                trust_at = len(wire) + 1
             chunk = wire[offset:offset + rng.randint(1, max_chunk)]
             try:
                 offset += theirs.send(chunk)
@@ -101,6 +107,14 @@ async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int =
         for rid, payload in expected.items():
             assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
         assert stream.bytes_in == len(wire)
+        if trust:  # the buffer grows at the next read that starts a frame (no cursor points into it then)
+            theirs.send(encode_header(Kind.DONE, count + 1, 0, 0))
+            for _ in range(2000):
+                if len(recorder.frames) > len(sent):
+                    break
+                await asyncio.sleep(0.001)
+            assert recorder.frames[-1][:2] == (Kind.DONE, count + 1)
+        assert stream.staging_bytes == (TRUSTED_STAGING_BYTES if trust else STAGING_BYTES)
     finally:
         stream.close("test over")
         theirs.close()
@@ -109,6 +123,12 @@ async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int =
 async def test_frames_cut_anywhere_arrive_whole_and_in_order() -> None:
     for seed in range(6):
         await run_stream(seed, count=40, max_chunk=rng_chunk(seed))
+
+
+async def test_the_staging_buffer_grows_at_any_point_of_the_stream_without_losing_a_byte() -> None:
+    for seed in range(8):  # trusted mid-header, mid-meta, mid-payload, between frames
+        await run_stream(400 + seed, count=40, max_chunk=rng_chunk(seed), discard_every=3 if seed % 2 else 0,
+                         trust=True)
 
 
 async def test_one_byte_at_a_time() -> None:
