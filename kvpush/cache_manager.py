@@ -202,7 +202,8 @@ class CacheManager:
         queued them.
         """
         api = "push_blocks"
-        check_notify(api, notify)
+        if notify is not None:
+            check_notify(api, notify)
         fast = None if src_batch_index is not None else self._plain_now(
             api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range,
             tensor_num_per_layer)

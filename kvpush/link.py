@@ -262,9 +262,15 @@ class Link:
     # -- outbound requests ----------------------------------------------------------------------
     def _new_op(self, kind: Kind) -> PendingOp:
         if self.state != LinkState.READY:
-            raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK,
-                               f"link to cluster {self.peer_cluster_id} is {self.state.value}: {self.close_reason}")
+            raise self._not_ready()
         return self.requests.new(kind)
+
+    def _not_ready(self) -> LLMException:
+        return LLMException(LLMStatusCode.LLM_NOT_YET_LINK,
+                            f"link to cluster {self.peer_cluster_id} is {self.state.value}: {self.close_reason}")
+
+    def _broke(self) -> str:
+        return f"link to cluster {self.peer_cluster_id} broke during the transfer: {self.close_reason}"
 
     def start_write(self, remote: RemoteCache, first_tensor: int, num_tensors: int, runs_wire: bytes,
                     layout: RunLayout, source: IoVec | FlatIoVec, source_entry: CacheEntry, budget_ms: int,
@@ -282,15 +288,32 @@ class Link:
             leased = self.onesided.lease_active(remote.cache_id)
             return self._start_onesided(Kind.WRITE_INTENT, remote, first_tensor, num_tensors, runs_wire, layout,
                                         source, source_entry, budget_ms, held, leased)
-        op = self._new_op(Kind.WRITE)
-        head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
-                               payload_len, budget_ms)
-        source_entry.pin()
-        op.hold(source_entry.unpin)
-        op.frame = self.stream.prepare(head, source, payload_len)
-        op.held = held
-        if not held:
-            self._enqueue(op)
+        if held:
+            op = self._new_op(Kind.WRITE)
+            head = encode_transfer(Kind.WRITE, op.request_id, remote.cache_id, first_tensor, num_tensors, runs_wire,
+                                   payload_len, budget_ms)
+            source_entry.pin()
+            op.hold(source_entry.unpin)
+            op.frame = self.stream.prepare(head, source, payload_len)
+            op.held = True
+            return op
+        # The frame goes first and the request is booked behind it (a small frame on an idle stream
+        # leaves within ``enqueue``: the bookkeeping is then off the round trip's path). Nothing can
+        # answer it in between: replies are handled by this loop, after this call returns.
+        if self.state != LinkState.READY:
+            raise self._not_ready()
+        request_id = self.requests.reserve()
+        frame = self.stream.prepare(encode_transfer(Kind.WRITE, request_id, remote.cache_id, first_tensor,
+                                                    num_tensors, runs_wire, payload_len, budget_ms),
+                                    source, payload_len)
+        self.stream.enqueue(frame)
+        op = self.requests.new(Kind.WRITE, request_id)
+        op.frame = frame
+        if not frame.left:  # the source stays pinned until its bytes left (or the stream failed them)
+            source_entry.pin()
+            frame.sent.add_done_callback(lambda _: source_entry.unpin())
+            if self.stream.closed:  # the send closed the link before the request was booked
+                self.requests.complete(op, LLMException(LLMStatusCode.LLM_TIMEOUT, self._broke()))
         return op
 
     def _enqueue(self, op: PendingOp) -> None:
@@ -605,8 +628,7 @@ class Link:
         for task in list(self._tasks):
             if task is not current:
                 task.cancel()
-        self.requests.fail_all(LLMStatusCode.LLM_TIMEOUT,
-                               f"link to cluster {self.peer_cluster_id} broke during the transfer: {reason}")
+        self.requests.fail_all(LLMStatusCode.LLM_TIMEOUT, self._broke())
         held = self.inbound.close(self.paths.watch_writer)
         if self.onesided is not None:
             self.onesided.close()

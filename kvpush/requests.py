@@ -167,8 +167,15 @@ class RequestTable:
     def __iter__(self) -> Iterator[PendingOp]:
         return iter(list(self._pending.values()))
 
-    def new(self, kind: Kind) -> PendingOp:
-        request_id = next(self._ids)
+    def reserve(self) -> int:
+        """The id of a request ``new`` books later (once its frame is out: no reply can be handled in
+        between, this loop handles them)."""
+        return next(self._ids)
+
+    def new(self, kind: Kind, request_id: int | None = None) -> PendingOp:
+        """Book a request (under a ``reserve``d id, or a fresh one)."""
+        if request_id is None:
+            request_id = next(self._ids)
         op = PendingOp(request_id, kind, self._loop.create_future())
         self._pending[request_id] = op
         return op

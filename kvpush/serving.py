@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,7 +214,7 @@ class Inbound:
         own = self._limit_ms()
         limit_ms = min(budget_ms, own) if budget_ms > 0 else own
         seconds = 2 * limit_ms / 1000 + 1.0
-        self._deadlines[request_id] = (self._loop.time() + seconds, what, seconds)
+        self._deadlines[request_id] = (time.monotonic() + seconds, what, seconds)  # the sweep's clock, in C
         if self._sweeper is None:
             self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
@@ -222,7 +223,7 @@ class Inbound:
 
     def _sweep(self) -> None:
         self._sweeper = None
-        now = self._loop.time()
+        now = time.monotonic()
         for request_id, (when, what, seconds) in self._deadlines.items():  # at most MAX_INCOMING_IN_FLIGHT
             if when <= now:
                 reason = f"an incoming {what} (request {request_id}) did not complete within {seconds:.1f} s"

@@ -95,6 +95,8 @@ class Cursor:
 
 
 _ENTRY = struct.Struct("<QQ")
+# VECTOR_STRUCTS[n]: the compiled struct of n uint64s, for the iovec of a few entries (up to 64 rows)
+VECTOR_STRUCTS = [struct.Struct(f"<{count}Q") for count in range(2 * 64 + 1)]
 
 
 class FlatCursor:
@@ -107,7 +109,7 @@ class FlatCursor:
 
     def __init__(self, flat: FlatIoVec, total: int, spill: tuple[int, int], scratch: tuple[memoryview, int]) -> None:
         self.buffer, self.base = scratch
-        struct.pack_into(f"<{len(flat) + 2}Q", self.buffer, 0, *flat, *spill)
+        VECTOR_STRUCTS[len(flat) + 2].pack_into(self.buffer, 0, *flat, *spill)  # scratch: < 64 rows
         self.entries = list(flat)
         self.rows = len(flat) // 2
         self.total = total

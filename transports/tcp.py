@@ -47,7 +47,7 @@ from .base import (
     StreamHandler,
     TransportError,
 )
-from .iovec import Cursor, FlatCursor, address_of, check, readv, writev
+from .iovec import VECTOR_STRUCTS, Cursor, FlatCursor, address_of, check, readv, writev
 
 if TYPE_CHECKING:
     from kvpush.layout import FlatIoVec, IoVec
@@ -311,8 +311,8 @@ class TcpFrameStream:
         """Lay a short frame's iovec (head, payload entries) into the scratch vector; its rows."""
         payload = frame.payload
         if type(payload) is tuple:  # ints: one struct call, no numpy
-            struct.pack_into(f"<{len(payload) + 2}Q", self._tx_view, 0, address_of(frame.head), len(frame.head),
-                             *payload)
+            VECTOR_STRUCTS[len(payload) + 2].pack_into(self._tx_view, 0, address_of(frame.head), len(frame.head),
+                                                       *payload)
             return len(payload) // 2 + 1
         _HEAD_ENTRY.pack_into(self._tx_view, 0, address_of(frame.head), len(frame.head))
         if payload is None:
