@@ -116,14 +116,14 @@ def scatter_vector(
     return iov.reshape(-1, 2)
 
 
-def runs_at(bases: Sequence[int], runs: Sequence[tuple[int, int, int]], column: int) -> FlatIoVec:
-    """A flat vector of ``runs`` (triples; ``column`` names the one holding each run's offset, the
-    last holds its length) in every tensor at ``bases``, tensor-major (the wire order). Plain loops:
+def runs_at(bases: Sequence[int], runs: Sequence[tuple[int, ...]], column: int) -> FlatIoVec:
+    """A flat vector of ``runs`` (tuples: ``column`` names the item holding each run's offset, the
+    last item is its length) in every tensor at ``bases``, tensor-major (the wire order). Plain loops:
     for the few runs of a small transfer they cost less than a generator or numpy."""
     vector: list[int] = []
     for base in bases:
         for run in runs:
-            vector += (base + run[column], run[2])
+            vector += (base + run[column], run[-1])
     return tuple(vector)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from transports.base import OutgoingFrame, PayloadSink, PeerWatch
 
-from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, iovec_bytes, runs_in_bounds, scatter_vector
+from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, iovec_bytes, runs_at, runs_in_bounds, scatter_vector
 from .memory import CacheEntry, CacheRegistry
 from .protocol import (
     FrameHeader,
@@ -80,15 +80,11 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     limit = entry.tensor_bytes
     runs = transfer.runs
     if runs is not None:  # a few runs: checked and laid out with plain ints (no generator: latency)
-        vector: list[int] = []
         for offset, length in runs:
             if length <= 0 or offset + length > limit:
                 raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                               f"a run lies outside cache {transfer.cache_id}'s tensors")
-        for base in entry.cache.tensor_addrs[first:first + count]:
-            for offset, length in runs:
-                vector += (base + offset, length)
-        ints = tuple(vector)
+        ints = runs_at(entry.cache.tensor_addrs[first:first + count], runs, 0)
         return entry, ints if flat and len(ints) <= 2 * FLAT_ENTRIES else as_iovec(ints)
     if not runs_in_bounds(transfer.offsets, transfer.lengths, limit):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
