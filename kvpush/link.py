@@ -7,7 +7,7 @@ requests, and - when this side moves bytes one-sided - a ``OneSidedSender``. Whe
 every pending request fails at once and the owner drops the link; ``link_clusters`` to that peer
 then builds a new one.
 
-Longer than most modules (about 600 lines) and still one idea, one peer: half of it is the outbound
+Longer than most modules (about 660 lines) and still one idea, one peer: half of it is the outbound
 side of a request (write, read, one-sided, held, abandon, settle), which shares the link's state,
 stream and request table with the frame handlers; splitting it would hand those back and forth.
 """

@@ -15,7 +15,7 @@ straight from the source memory, resuming after partial writes, and waits with `
 when the socket is full. A frame that has started is always finished (or the stream closed), so
 the byte stream never holds half a frame.
 
-One idea, TCP (about 540 lines): the stream, its in-place receive state machine and its set-up
+One idea, TCP (about 630 lines): the stream, its in-place receive state machine and its set-up
 (listener, connect) belong together.
 """
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
-import errno
 import logging
-import os
 import socket
 import struct
 import time
@@ -63,8 +61,8 @@ _READS_PER_WAKEUP = 64
 STAGING_BYTES = 2048
 # Once the peer is trusted (``FrameStream.trusted``) the staging buffer grows to this: a small frame
 # whole (a 32 KiB block and its head) then comes in the wakeup's one recv and is copied to its sink,
-# instead of a second system call reading the payload (measured: a recv and a few calls less per small
-# transfer; a bigger frame pays one extra copy of at most this much).
+# instead of a second system call reading the payload (a recv and a few calls less per small transfer).
+# Reads fill all of it only while frames are small (``_rx_limit``): big payloads are read in place.
 TRUSTED_STAGING_BYTES = 64 << 10
 # Frames up to this size are written by the call that queues them (a 1 MiB writev costs a few hundred
 # microseconds; deferring it to the next loop pass cost more than that per layer, measured on W-SHORT's
@@ -219,20 +217,21 @@ class TcpFrameStream:
             # an idle stream and a frame of a few entries (a small transfer): one writev from here,
             # without the pump's bookkeeping; what does not leave whole is queued for the pump
             frame.started = True
-            written = writev(self.fd, self._tx_addr, self._fill_scratch(frame))
+            try:
+                written = check(writev(self.fd, self._tx_addr, self._fill_scratch(frame)))
+            except (BlockingIOError, InterruptedError):
+                written = 0
+            except OSError as error:
+                self._queue.append(frame)
+                self.close(f"send failed: {error.strerror or error}")  # fails the queued frame
+                return
+            self.bytes_out += written
             if written == frame.total:
-                self.bytes_out += written
                 frame.finished()
                 return
             self._queue.append(frame)
-            if written > 0:
-                self.bytes_out += written
+            if written:
                 frame.advance(written)
-            elif written < 0:
-                code = ctypes.get_errno()
-                if code not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                    self.close(f"send failed: {os.strerror(code)}")  # fails the queued frame
-                    return
             self._arm_writer()  # the rest leaves when the socket has room
             return
         self._queue.append(frame)
