@@ -467,13 +467,15 @@ class Link:
         self.last_error = str(error)
 
     # -- frames from the peer (StreamHandler) ---------------------------------------------------
-    def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+    def on_frame(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
         if self.state == LinkState.HANDSHAKE:
             if self.handshake.deliver(header.kind, decode_json(header.kind, meta)):
                 self._become_ready()  # the acceptor's next frames (its cache table) may be in this same read
             return None
         if self.state == LinkState.CLOSED:
             return None
+        if in_hand and header.kind == Kind.WRITE:  # a small write, its bytes already here
+            return self.inbound.serve_write(header, meta, True)
         handler = self._handlers.get(header.kind)
         if handler is None:
             raise ProtocolError(f"unexpected {header.kind.name} on a ready link")

@@ -230,14 +230,23 @@ class Inbound:
             self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
     # -- stream transfers ---------------------------------------------------------------------------
-    def serve_write(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+    def serve_write(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
+        """A WRITE: where its payload lands (checked by ``resolve``), or None after answering the
+        refusal. ``in_hand`` (the stream has the whole payload and fills the sink before the loop runs
+        anything else): no pin and no deadline are needed, nothing can release the cache meanwhile."""
         resolved = self._resolve(header, meta, "write", flat=True)  # the stream lands a flat vector as it is
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
             return None
         entry, iov, budget_ms = resolved
-        entry.pin()
         request_id = header.request_id
+        if in_hand:
+            def landed_now() -> None:
+                self._send(encode_status(Kind.DONE, request_id, 0))
+                self._counters["bytes_received"] += header.payload_len
+
+            return PayloadSink(iov, landed_now, header.payload_len)
+        entry.pin()
         self._writes[request_id] = entry
         self._watch(request_id, budget_ms, "write")
 

@@ -93,8 +93,12 @@ class PayloadSink:
 
 
 class StreamHandler(Protocol):
-    def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
-        """A frame's header and meta arrived. Return where its payload goes (None: discard it)."""
+    def on_frame(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
+        """A frame's header and meta arrived. Return where its payload goes (None: discard it).
+
+        ``in_hand``: the whole payload arrived with them; the sink returned is filled, and its
+        ``on_done`` called, before the stream returns to the event loop (nothing else runs on the
+        loop in between, so the handler need not guard the sink's memory across loop passes)."""
 
     def on_close(self, reason: str) -> None:
         """The stream is gone (EOF, error, protocol violation or a local close)."""

@@ -440,6 +440,9 @@ class TcpFrameStream:
                 break  # the rest of the meta is still on its way
             meta = bytes(view[start + HEADER_SIZE:start + HEADER_SIZE + meta_len])
             start += HEADER_SIZE + meta_len
+            if frame.payload_len and end - start >= frame.payload_len:  # its whole payload is staged too
+                start += self._frame_in_hand(frame, meta, start)
+                continue
             self._frame_ready(frame, meta)
         if start >= end:
             start = end = 0
@@ -449,8 +452,34 @@ class TcpFrameStream:
             start = 0
         self._rx_start, self._rx_end = start, end
 
+    def _frame_in_hand(self, frame: FrameHeader, meta: bytes, at: int) -> int:
+        """A frame whose payload is all in the staging buffer at ``at``: the handler is told so (it
+        may then skip what a payload still on its way needs) and a few entries are copied straight
+        into its sink, whose ``on_done`` runs before this returns. Returns the staged bytes consumed
+        (0: the payload is left for ``_parse`` to take through a cursor)."""
+        self._rx_limit = self._staging  # a small frame: reads go on filling the staging buffer
+        sink = self.handler.on_frame(frame, meta, True)
+        payload_len = frame.payload_len
+        if sink is None or sink.cancelled or self.closed:  # discarded
+            return payload_len
+        if sink.nbytes != payload_len:
+            raise ProtocolError(f"payload of {payload_len} bytes does not fit a sink of {sink.nbytes}")
+        iov = sink.iov
+        if type(iov) is not tuple:
+            self._expect(frame, sink)  # an IoVec (many entries): the cursor takes them, in this same _parse
+            return 0
+        source = self._rx_addr + at
+        for index in range(0, len(iov), 2):  # a FlatIoVec: a few entries, a memmove each
+            ctypes.memmove(iov[index], source, iov[index + 1])
+            source += iov[index + 1]
+        sink.on_done()
+        return payload_len
+
     def _frame_ready(self, frame: FrameHeader, meta: bytes) -> None:
-        sink = self.handler.on_frame(frame, meta)
+        self._expect(frame, self.handler.on_frame(frame, meta))
+
+    def _expect(self, frame: FrameHeader, sink: PayloadSink | None) -> None:
+        """The payload of ``frame`` comes next: into ``sink`` (None: discarded)."""
         if frame.payload_len == 0:
             self._frame = None
             return

@@ -30,8 +30,14 @@ class Recorder:
         self.landed: list[int] = []
         self.discard: set[int] = set()
         self.closed: list[str] = []
+        self.in_hand: list[int] = []  # frames whose payload was all staged when they were handed over
 
-    def on_frame(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
+    def on_frame(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
+        # the contract of ``in_hand``: the previous such frame's payload landed before this call
+        assert not self.in_hand or self.in_hand[-1] in self.landed or self.in_hand[-1] in self.discard
+        if in_hand:
+            assert header.payload_len > 0
+            self.in_hand.append(header.request_id)
         self.frames.append((header.kind, header.request_id, meta))
         if header.payload_len == 0 or header.request_id in self.discard:
             return None
@@ -107,6 +113,8 @@ async def run_stream(seed: int, count: int, max_chunk: int, discard_every: int =
         for rid, payload in expected.items():
             assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
         assert stream.bytes_in == len(wire)
+        if max_chunk >= 1000:  # payloads staged whole behind their heads were handed over in hand
+            assert recorder.in_hand
         if trust:  # the buffer grows at the next read that starts a frame (no cursor points into it then)
             theirs.send(encode_header(Kind.DONE, count + 1, 0, 0))
             for _ in range(2000):
