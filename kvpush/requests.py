@@ -2,8 +2,8 @@
 
 Request ids are per link, start at 1 and are never reused, so a late reply to an abandoned request
 can never complete a later one: it finds no entry and is dropped. Every request ends exactly once:
-completed (its future gets None or an ``LLMException``), abandoned (cancelled), or failed with the
-others when the link closes.
+completed (with None or an ``LLMException``), abandoned (cancelled), or failed with the others
+when the link closes.
 """
 
 from __future__ import annotations
@@ -24,18 +24,26 @@ if TYPE_CHECKING:
 
 
 class PendingOp:
-    """A request waiting for its reply. ``future`` resolves with None or an LLMException.
+    """A request waiting for its reply. It ends once: ``ended``, with ``error`` None or an
+    ``LLMException``, or ``cancelled`` (abandoned). ``future`` mirrors that end for whoever awaits
+    the request itself; it is made only when asked for (a transfer's layer waits through ``waiter``
+    instead: a small transfer makes no second future).
 
     One-sided requests also carry both iovecs, the local cache they pin (``release`` unpins it
     exactly once) and, once granted, the transport's ``copy`` future."""
 
-    __slots__ = ("request_id", "kind", "future", "frame", "sink", "expected", "local_iov", "remote_iov",
-                 "copy", "move_args", "held", "granted", "notice", "waiter", "_release")
+    __slots__ = ("request_id", "kind", "ended", "error", "cancelled", "_loop", "_future", "frame", "sink",
+                 "expected", "local_iov", "remote_iov", "copy", "move_args", "held", "granted", "notice",
+                 "waiter", "_release")
 
-    def __init__(self, request_id: int, kind: Kind, future: asyncio.Future[Any]) -> None:
+    def __init__(self, request_id: int, kind: Kind, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.kind = kind
-        self.future = future
+        self.ended = False
+        self.error: LLMException | None = None
+        self.cancelled = False
+        self._loop = loop
+        self._future: asyncio.Future[None] | None = None
         self.frame: OutgoingFrame | None = None
         self.sink: PayloadSink | None = None
         self.expected = 0
@@ -50,6 +58,36 @@ class PendingOp:
         # ``future`` ends, and cancelled instead of ``future`` when that caller is cancelled
         self.waiter: asyncio.Future[None] | None = None
         self._release: Callable[[], None] | None = None
+
+    @property
+    def future(self) -> asyncio.Future[None]:
+        """Resolves with None, raises the request's ``LLMException``, or is cancelled, as it ends."""
+        future = self._future
+        if future is None:
+            future = self._future = self._loop.create_future()
+            if self.ended:
+                self._settle(future)
+        return future
+
+    def end(self, error: LLMException | None = None, cancelled: bool = False) -> bool:
+        """End the request (False: it had ended already)."""
+        if self.ended:
+            return False
+        self.ended, self.error, self.cancelled = True, error, cancelled
+        if self._future is not None:
+            self._settle(self._future)
+        return True
+
+    def _settle(self, future: asyncio.Future[None]) -> None:
+        if future.done():  # cancelled by a task that awaited it
+            return
+        if self.cancelled:
+            future.cancel()
+        elif self.error is not None:
+            future.set_exception(self.error)
+            future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
+        else:
+            future.set_result(None)
 
     def hold(self, release: Callable[[], None]) -> None:
         """``release`` runs exactly once, from ``release()`` (e.g. it unpins the local cache)."""
@@ -176,7 +214,7 @@ class RequestTable:
         """Book a request (under a ``reserve``d id, or a fresh one)."""
         if request_id is None:
             request_id = next(self._ids)
-        op = PendingOp(request_id, kind, self._loop.create_future())
+        op = PendingOp(request_id, kind, self._loop)
         self._pending[request_id] = op
         return op
 
@@ -197,21 +235,17 @@ class RequestTable:
     def complete(self, op: PendingOp, error: LLMException | None) -> None:
         """End ``op`` with success (None) or ``error``; a second completion is ignored."""
         self._pending.pop(op.request_id, None)
-        if op.future.done():
+        if op.ended:
             return
-        if error is None:
-            op.future.set_result(None)
-        else:
+        if error is not None:
             self._on_failure(error)
-            op.future.set_exception(error)
-            op.future.exception()  # retrieved by whoever awaits; never "never retrieved" noise
+        op.end(error)
         _wake(op)
 
     def abandon(self, op: PendingOp) -> None:
-        """Stop waiting for ``op``: forget it and cancel its future."""
+        """Stop waiting for ``op``: forget it and end it cancelled."""
         self._pending.pop(op.request_id, None)
-        if not op.future.done():
-            op.future.cancel()
+        op.end(cancelled=True)
         _wake(op)
 
     def fail_all(self, status: LLMStatusCode, message: str) -> None:

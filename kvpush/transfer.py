@@ -65,10 +65,10 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
                       completed: list[int] | None = None) -> None:
     """Wait for one layer's request (bounded by ``timeout_ms``); raise its failure as an
     ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed)."""
-    if not op.future.done():
+    if not op.ended:
         # ``op.waiter`` rather than ``asyncio.wait``: the table wakes this task in the pass that ends the
         # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
-        # request's own future (``drain`` still sees whether the layer's bytes may land)
+        # request (``drain`` still sees whether the layer's bytes may land)
         waiter = op.waiter = link.loop.create_future()
         deadlines = link.requests.deadlines  # one loop timer for every wait of the link, not one per layer
         deadlines.add(timeout_ms / 1000, waiter)
@@ -77,16 +77,16 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
         finally:
             deadlines.finished()
             op.waiter = None
-        if not op.future.done():
+        if not op.ended:
             timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
                                      completed or ())
             link.note_failure(timed_out)
             raise timed_out
-    error = op.future.exception()
-    if isinstance(error, LLMException):
-        raise LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
+    if op.cancelled:  # abandoned by someone else meanwhile
+        raise asyncio.CancelledError()
+    error = op.error
     if error is not None:
-        raise error
+        raise LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
 
 
 def run(link: Link, plan: Plan, timeout_ms: int, merge_bytes: int = LAYER_MERGE_BYTES) -> Coroutine[Any, Any, None]:
@@ -191,7 +191,7 @@ async def give_up(link: Link, ops: list[PendingOp], timeout: float) -> None:
 async def drain(link: Link, ops: list[PendingOp], timeout: float) -> None:
     """After cancellation: drop what has not started; wait (bounded) for started writes to be
     confirmed so none of their bytes can land later; close the link if that is impossible."""
-    landing = [op for op in ops if op.bytes_may_land and not op.future.done()]
+    landing = [op for op in ops if op.bytes_may_land and not op.ended]
     for op in ops:
         if op not in landing:
             link.abandon(op)

@@ -440,10 +440,13 @@ class TcpFrameStream:
                 break  # the rest of the meta is still on its way
             meta = bytes(view[start + HEADER_SIZE:start + HEADER_SIZE + meta_len])
             start += HEADER_SIZE + meta_len
-            if frame.payload_len and end - start >= frame.payload_len:  # its whole payload is staged too
+            payload_len = frame.payload_len
+            if not payload_len:
+                self.handler.on_frame(frame, meta)
+            elif end - start >= payload_len:  # its whole payload is staged too
                 start += self._frame_in_hand(frame, meta, start)
-                continue
-            self._frame_ready(frame, meta)
+            else:
+                self._frame_ready(frame, meta)
         if start >= end:
             start = end = 0
         elif start:
