@@ -170,33 +170,50 @@ def socket_target(work: Workload) -> None:
             emit_ctl({**verify(work, dst), "server_error": errors[0] if errors else None})
 
 
+class SocketClient:
+    """The sending side of the socket baseline: ``push`` sends every layer's runs (a header, the run
+    table, the bytes) and waits for the target's one-byte acknowledgement of each layer."""
+
+    def __init__(self, work: Workload, target: Target) -> None:
+        self.work = work
+        src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
+        fill_source(src, work.seed)
+        self.views = [memoryview(a.reshape(-1)) for a in src]
+        self.s_off, d_off, self.length = _layer_plan(work)
+        self.pairs = np.stack([np.array(d_off, np.uint64), np.array(self.length, np.uint64)],
+                              1).astype("<u8").tobytes()
+        self.sock = socket.create_connection(("127.0.0.1", target.ready["port"]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.ack = bytearray(1)
+
+    def push(self) -> None:
+        work, views = self.work, self.views
+        for layer in range(work.layers):
+            first = layer * work.kv
+            out: list[Any] = [struct.pack("<II", len(self.s_off), first), self.pairs]
+            out += [views[first + t][s:s + n] for t in range(work.kv) for s, n in zip(self.s_off, self.length)]
+            _send_views(self.sock, out)
+            _recv_into_views(self.sock, [memoryview(self.ack)])
+
+    def close(self) -> None:
+        self.sock.sendall(struct.pack("<II", 0, 0))  # the target's serving thread ends
+        self.sock.close()
+
+
 def case_socket(work: Workload, reps: int, progress: Progress = None) -> dict[str, Any]:
     target = Target([HERE, "--role", "socket-target", *work.as_args()])
     try:
-        src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
-        fill_source(src, work.seed)
-        views = [memoryview(a.reshape(-1)) for a in src]
-        s_off, d_off, length = _layer_plan(work)
-        pairs = np.stack([np.array(d_off, np.uint64), np.array(length, np.uint64)], 1).astype("<u8").tobytes()
-        sock = socket.create_connection(("127.0.0.1", target.ready["port"]))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ack = bytearray(1)
+        client = SocketClient(work, target)
         times = []
         for rep in range(reps + 1):
             if rep == 1:
                 target.ask({"op": "zero"})
             start = time.perf_counter()
-            for layer in range(work.layers):
-                first = layer * work.kv
-                out: list[Any] = [struct.pack("<II", len(s_off), first), pairs]
-                out += [views[first + t][s:s + n] for t in range(work.kv) for s, n in zip(s_off, length)]
-                _send_views(sock, out)
-                _recv_into_views(sock, [memoryview(ack)])
+            client.push()
             if rep:
                 times.append(time.perf_counter() - start)
             _tick(progress, rep + 1, reps + 1)
-        sock.sendall(struct.pack("<II", 0, 0))
-        sock.close()
+        client.close()
         return summarize(work, "socket", times, target.ask({"op": "verify"}))
     finally:
         target.close()
@@ -330,6 +347,77 @@ def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = 
         return asyncio.run(_kvpush_driver(work, reps, transport, target, progress))
     finally:
         target.close()
+
+
+def case_latency(work: Workload, reps: int, transports: list[str], chunk: int, warm: int,
+                 progress: Progress = None, socket_name: str = "socket") -> list[dict[str, Any]]:
+    """Latency of the socket baseline and of kvpush over ``transports``, interleaved: one driver
+    process pushes ``chunk`` times through one system, then the next (a different one first each
+    round), until each has ``reps`` pushes, so the systems see the same phases of a shared, noisy
+    machine and their ratios do not depend on which ran when. A turn starts with ``warm`` pushes that
+    are not measured: after a switch, the first pushes of a system find its memory out of the caches
+    and its processes where the scheduler last put them (run alone, a case has one warm-up). The
+    suite pairs each transport with a socket baseline of its own (``socket_name``, which each kvpush
+    record names as its ``baseline``): engines of several transports in one driver disturb one
+    another (a UCX engine beside two others stalled ~1.5% of its pushes for 1-3 ms, alone ~0.1%).
+    Every target is a process of its own and verifies every destination byte at the end."""
+    targets: dict[str, Target] = {}
+    try:
+        targets["socket"] = Target([HERE, "--role", "socket-target", *work.as_args()])
+        for transport in transports:
+            targets[transport] = start_target(work, transport)
+        return asyncio.run(_latency_driver(work, reps, transports, chunk, warm, targets, progress, socket_name))
+    finally:
+        for target in targets.values():
+            target.close()
+
+
+async def _latency_driver(work: Workload, reps: int, transports: list[str], chunk: int, warm: int,
+                          targets: dict[str, Target], progress: Progress, socket_name: str) -> list[dict[str, Any]]:
+    client = SocketClient(work, targets["socket"])
+    engines: dict[str, tuple[LLMDataDist, Any]] = {}
+    src, dst = (b.tolist() for b in work.block_lists())
+    key, n = BlocksCacheKey(2, 0), work.kv
+    try:
+        for transport in transports:
+            engines[transport] = await linked_prefill(work, transport, targets[transport])
+
+        async def push(system: str) -> None:
+            if system == "socket":
+                client.push()
+            else:
+                engine, cache = engines[system]
+                await engine.cache_manager.push_blocks(key, cache, src, dst, tensor_num_per_layer=n)
+
+        systems = ["socket", *transports]
+        for system in systems:  # a warm-up push each, then every destination is zeroed
+            await push(system)
+        for target in targets.values():
+            await asyncio.to_thread(target.ask, {"op": "zero"})
+        times: dict[str, list[float]] = {system: [] for system in systems}
+        rounds = max(1, reps // chunk)
+        for index in range(rounds):
+            for system in systems[index % len(systems):] + systems[:index % len(systems)]:
+                for _ in range(warm):  # unmeasured: the switch from another system's memory and sockets
+                    await push(system)
+                for _ in range(chunk):
+                    start = time.perf_counter()
+                    await push(system)
+                    times[system].append(time.perf_counter() - start)
+            _tick(progress, index + 1, rounds)
+        used = {transport: engines[transport][0].links[2].transport for transport in transports}
+    finally:
+        client.close()
+        for engine, _ in engines.values():
+            await engine.finalize()
+    interleaved = {"interleaved": {"chunk": chunk, "warm": warm, "rounds": rounds, "with": systems}}
+    records = [summarize(work, socket_name, times["socket"],
+                         {**await asyncio.to_thread(targets["socket"].ask, {"op": "verify"}), **interleaved})]
+    for transport in transports:
+        result = await asyncio.to_thread(targets[transport].ask, {"op": "verify"})
+        records.append(summarize(work, f"kvpush-{used[transport]}", times[transport],
+                                 {**result, "transport": used[transport], "baseline": socket_name, **interleaved}))
+    return records
 
 
 def main() -> int:

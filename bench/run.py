@@ -68,14 +68,15 @@ class Bar:
                          f"{elapsed:5.1f}s")
         sys.stderr.flush()
 
-    def close(self, record: dict[str, Any]) -> None:
+    def close(self, record: dict[str, Any], named: bool = False) -> None:
+        """The case's result after its bar (``named``: one of several records of the case, named)."""
         self.draw(1, 1)  # cases that report no steps of their own (peers, ucx_perftest) end full too
         shown = record.get("result") or (f"{record['gbps']} GB/s" if "gbps" in record else "")
         if record["workload"] in LATENCY and "p50_us" in record:
             shown = f"p50 {record['p50_us']} us, p99 {record['p99_us']} us"
         if record["workload"] == "W-LAYER" and "hidden" in record:
             shown = f"{record['hidden'] * 100:.0f}% of transfer hidden"
-        sys.stderr.write(f"  {shown}\n")
+        sys.stderr.write(f"  {record['case'] + ': ' if named else ''}{shown}\n")
         sys.stderr.flush()
 
 
@@ -237,7 +238,10 @@ def transports() -> list[str]:
     return ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
 
 
-def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int], None]], dict[str, Any] | None]]]:
+Case = Callable[[Callable[[int, int], None]], "dict[str, Any] | list[dict[str, Any]] | None"]
+
+
+def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
     layers = 8 if quick else 32
     reps = 3 if quick else 5
     kv, runs = replace(WORKLOADS["W-KV"], layers=layers), replace(WORKLOADS["W-KV-RUNS"], layers=layers)
@@ -248,7 +252,7 @@ def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int]
     short_reps = 200 if quick else 400
     layer = replace(WORKLOADS["W-LAYER"], layers=layers)
     have_ucx = ucx.available() is None
-    cases: list[tuple[Workload, str, Callable[[Callable[[int, int], None]], dict[str, Any] | None]]] = []
+    cases: list[tuple[Workload, str, Case]] = []
     for work in (kv, runs, contig):
         cases.append((work, "memcpy", lambda p, w=work: pb.case_memcpy(w, reps, p)))
         cases.append((work, "socket", lambda p, w=work: pb.case_socket(w, reps, p)))
@@ -261,13 +265,15 @@ def plan(quick: bool) -> list[tuple[Workload, str, Callable[[Callable[[int, int]
             cases.append((work, "mooncake", lambda p, w=work: case_peer(w, "mooncake", reps, {})))
             cases.append((work, "nixl", lambda p, w=work: case_peer(w, "nixl", reps, {})))
             cases.append((work, "nixl-tcp", lambda p, w=work: case_peer(w, "nixl", reps, {"UCX_TLS": "tcp"})))
-    cases.append((small, "socket", lambda p: pb.case_socket(small, small_reps, p)))
-    for transport in transports():
-        cases.append((small, f"kvpush-{transport}",
-                      lambda p, t=transport: pb.case_kvpush(small, small_reps, t, p)))
-    cases.append((short, "socket", lambda p: pb.case_socket(short, short_reps, p)))
-    for transport in transports():
-        cases.append((short, f"kvpush-{transport}", lambda p, t=transport: pb.case_kvpush(short, short_reps, t, p)))
+    # latency: each kvpush transport interleaved with a socket baseline of its own in one driver (chunks of
+    # pushes taking turns), so each ratio compares two systems measured over the same stretch of a noisy
+    # machine; the first pair's baseline is the workload's "socket" (the peers are compared with it)
+    for timed, count, chunk, warm in ((small, small_reps, 100, 10), (short, short_reps, 20, 2)):
+        for index, transport in enumerate(transports()):
+            name = "socket" if index == 0 else f"socket (with kvpush-{transport})"
+            cases.append((timed, f"{name} + kvpush-{transport}",
+                          lambda p, w=timed, r=count, c=chunk, m=warm, t=transport, n=name:
+                          pb.case_latency(w, r, [t], c, m, p, n)))
     cases.append((short, "mooncake", lambda p: case_peer(short, "mooncake", short_reps, {})))
     cases.append((short, "nixl", lambda p: case_peer(short, "nixl", short_reps, {})))
     cases.append((short, "nixl-tcp", lambda p: case_peer(short, "nixl", short_reps, {"UCX_TLS": "tcp"})))
@@ -299,9 +305,10 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
                 result = f"{record['gbps']:.2f} GB/s"
             cells = []
             for base in ("memcpy", "socket", "ucx_perftest-ucp_put_bw", "mooncake", "nixl-tcp"):
-                other = cases.get(base)
+                # an interleaved latency case is compared with the socket baseline it was measured beside
+                other = cases.get(record.get("baseline", base) if base == "socket" else base)
                 key = "p50_us" if work in LATENCY else "gbps"
-                if other is None or base == name or not record.get(key) or not other.get(key):
+                if other is None or name.startswith(base) or not record.get(key) or not other.get(key):
                     cells.append("")
                 elif work in LATENCY:
                     cells.append(f"{record[key] / other[key]:.2f}x its latency")
@@ -369,16 +376,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             bar = Bar(f"{work.name} {name}")
             try:
-                record = run(bar.draw)
+                result = run(bar.draw)
             except Exception as error:  # one broken case must not hide the others
-                record = {"case": name, "workload": work.name, "result": "FAIL", "error": repr(error)[:300]}
-            if record is None:  # a peer whose environment was not built
+                result = {"case": name, "workload": work.name, "result": "FAIL", "error": repr(error)[:300]}
+            if result is None:  # a peer whose environment was not built
                 sys.stderr.write("  skipped: run bench/peers/setup.sh to build it\n")
                 continue
-            bar.close(record)
-            records.append(record)
-            print(json.dumps(record), flush=True)
-            out.write(json.dumps(record) + "\n")
+            several = isinstance(result, list)  # an interleaved case gives a record per system
+            for record in (result if isinstance(result, list) else [result]):
+                bar.close(record, several)
+                records.append(record)
+                print(json.dumps(record), flush=True)
+                out.write(json.dumps(record) + "\n")
     table = ratios(records)
     elapsed = time.monotonic() - started
     command = "python bench/run.py" + (" --quick" if args.quick else "")

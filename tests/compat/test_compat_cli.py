@@ -164,6 +164,11 @@ def test_bench_passes_its_arguments_through(tmp_path: Any) -> None:
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     kvpush_cases = [r for r in results if r.get("case", "").startswith("kvpush-")]
     assert kvpush_cases and all(r["verified"] is True and r["p50_us"] > 0 for r in kvpush_cases)
+    # latency cases: each transport interleaved with a socket baseline of its own, named by its record
+    sockets = {r["case"]: r for r in results if r.get("case", "").startswith("socket")}
+    assert all(sockets[r["baseline"]]["verified"] is True and sockets[r["baseline"]]["p50_us"] > 0
+               for r in kvpush_cases)
+    assert all(r["interleaved"]["rounds"] >= 1 for r in kvpush_cases)
     written = sorted(p.suffix for p in tmp_path.iterdir())
     assert ".jsonl" in written and ".md" in written
 
