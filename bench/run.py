@@ -8,6 +8,8 @@ limits of this machine and the peers, side by side.
 Workloads (shared/bench/WORKLOADS.md): W-KV, W-KV-RUNS, W-LAYER (layer-pipelined prefill with real
 CPU compute per layer), W-SMALL (one 32 KiB block: p50/p99 latency), W-SHORT (a 64-token request at
 full depth, 8 MiB in one push: p50/p99 latency), W-CONTIG (8 writes of 64 MiB).
+Latency workloads measure each kvpush transport interleaved with a socket baseline of its own
+(``push_bench.case_latency``: turns of pushes in one driver), so their ratios share the machine's phases.
 Systems: memcpy (one-copy limit), socket (plain Python sockets), ucx_perftest (UCX from C),
 kvpush over tcp / cma / ucx, and Mooncake Transfer Engine and NIXL when their environments exist
 (``bash bench/peers/setup.sh`` builds them). Every kvpush and baseline case verifies every
@@ -382,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             if result is None:  # a peer whose environment was not built
                 sys.stderr.write("  skipped: run bench/peers/setup.sh to build it\n")
                 continue
-            several = isinstance(result, list)  # an interleaved case gives a record per system
-            for record in (result if isinstance(result, list) else [result]):
-                bar.close(record, several)
+            batch = result if isinstance(result, list) else [result]  # an interleaved case: a record per system
+            for record in batch:
+                bar.close(record, len(batch) > 1)
                 records.append(record)
                 print(json.dumps(record), flush=True)
                 out.write(json.dumps(record) + "\n")
