@@ -240,20 +240,20 @@ class Inbound:
             return None
         entry, iov, budget_ms = resolved
         request_id = header.request_id
-        if in_hand:
-            def landed_now() -> None:
-                self._send(encode_status(Kind.DONE, request_id, 0))
-                self._counters["bytes_received"] += header.payload_len
 
-            return PayloadSink(iov, landed_now, header.payload_len)
+        def answer() -> None:
+            self._send(encode_status(Kind.DONE, request_id, 0))  # first: the writer waits for it
+            self._counters["bytes_received"] += header.payload_len
+
+        if in_hand:
+            return PayloadSink(iov, answer, header.payload_len)
         entry.pin()
         self._writes[request_id] = entry
         self._watch(request_id, budget_ms, "write")
 
         def landed() -> None:
-            self._send(encode_status(Kind.DONE, request_id, 0))  # first: the writer waits for it
+            answer()
             self._done(request_id)
-            self._counters["bytes_received"] += header.payload_len
             if self._writes.pop(request_id, None) is not None:  # else a failed send closed us, which unpinned
                 entry.unpin()
 

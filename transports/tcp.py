@@ -465,12 +465,12 @@ class TcpFrameStream:
         payload_len = frame.payload_len
         if sink is None or sink.cancelled or self.closed:  # discarded
             return payload_len
-        if sink.nbytes != payload_len:
-            raise ProtocolError(f"payload of {payload_len} bytes does not fit a sink of {sink.nbytes}")
         iov = sink.iov
         if type(iov) is not tuple:
             self._expect(frame, sink)  # an IoVec (many entries): the cursor takes them, in this same _parse
             return 0
+        if sink.nbytes != payload_len:
+            raise ProtocolError(f"payload of {payload_len} bytes does not fit a sink of {sink.nbytes}")
         source = self._rx_addr + at
         for index in range(0, len(iov), 2):  # a FlatIoVec: a few entries, a memmove each
             ctypes.memmove(iov[index], source, iov[index + 1])
