@@ -36,6 +36,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
@@ -46,11 +56,13 @@ def add_parser(commands: Subcommands) -> None:
     proxy = commands.add_parser(
         "proxy", help="one OpenAI endpoint in front of vLLM prefill and decode instances (KvpushConnector)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models and /health.\n"
-                    "Each request gets a fresh transfer id and goes at once to a decode (the client's request\n"
-                    "with do_remote_prefill and the prefill's kvpush address) and to a prefill (max_tokens=1,\n"
-                    "not streamed, do_remote_decode); the client gets the decode's response as it is. Requests\n"
-                    "spread over several --prefill/--decode (fewest in flight, ties in turn).",
+        description="Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /health and\n"
+                    "/metrics. Each request gets a fresh transfer id and goes first to a prefill (max_tokens=1,\n"
+                    "do_remote_decode); once that prefill accepted it, the decode gets the client's request with\n"
+                    "do_remote_prefill and the prefill's kvpush address, and the client gets the decode's response\n"
+                    "as it is. When no prefill accepts (down, starting, refusing), the decode gets the request\n"
+                    "plain and computes it alone. Requests spread over several --prefill/--decode (fewest in\n"
+                    "flight, ties in turn); an upstream that refuses a request is skipped for a back-off.",
         epilog="A prefill's kvpush address is its URL's host and --prefill-kv-port; one prefill's own goes\n"
                "in its URL's fragment:\n"
                "  --prefill 'http://10.0.0.5:8100#kv=10.0.0.5:14600'   (or #kv=14600: the URL's host)\n"
@@ -68,7 +80,14 @@ def add_parser(commands: Subcommands) -> None:
     proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     proxy.add_argument("--port", type=_port, default=8000, help="port to serve on; 0 picks a free one (default 8000)")
     proxy.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
-                       help="bound on every upstream request, streamed ones included (default 600)")
+                       help="bound on a client's request, from its arrival to the last byte of the answer, streamed "
+                            "ones included (default 600)")
+    proxy.add_argument("--accept-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                       help="how long a prefill may take to accept a request before the next prefill is tried, or the "
+                            "decode computes it alone (default 5)")
+    proxy.add_argument("--retry-for", type=_non_negative, default=30.0, metavar="SECONDS",
+                       help="how long a request waits for a decode to accept it when every decode refuses connections "
+                            "(restarting); then 503 (default 30)")
     proxy.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
 
 
@@ -80,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("proxy", f"needs aiohttp (pip install 'kvpush[proxy]'): {error}")
     try:
         prefills = [proxy.parse_prefill(spec, args.prefill_kv_port) for spec in args.prefill]
-        config = proxy.ProxyConfig(prefills, [proxy.base_url(spec) for spec in args.decode], args.timeout)
+        config = proxy.ProxyConfig(prefills, [proxy.base_url(spec) for spec in args.decode], args.timeout,
+                                   accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for)
     except proxy.SpecError as error:
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):

@@ -3,198 +3,172 @@ endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
 
     kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
-``POST /v1/completions`` and ``POST /v1/chat/completions``: for each request the proxy makes a fresh
-transfer id and sends, at the same time, the decode instance the client's request with the decode's
-``kv_transfer_params`` (``do_remote_prefill``, the chosen prefill's kvpush address) and the prefill
-instance a copy with the prefill's (``do_remote_decode``, ``max_tokens=1``, not streamed). The decode
-allocates the request's blocks and tells the prefill where they go (decode first, see ``vllm_core``).
-The client gets the decode's response as it is (status, body, usage), passed through chunk by chunk as
-it arrives, so a ``stream`` request is streamed. The prefill's answer is never waited for before the
-decode's: a prefill that fails is logged, and the decode recomputes the prompt (the connector reports
-the blocks as load errors); once the decode answered, a prefill still running gets ``prefill_grace_s``
-(default 2 s) and is then cancelled. Requests with ``n`` > 1 are refused (one transfer per request).
+``POST /v1/completions`` and ``POST /v1/chat/completions``, for each request:
+
+1. A decode is picked (fewest requests in flight, ties in turn; see ``routing.Pool``).
+2. A prefill gets a copy with a fresh transfer id (``do_remote_decode``, ``max_tokens=1``, streamed) and
+   must *accept* it - answer the head of its response - within ``accept_timeout_s``. A prefill that is
+   refused, reset, times out or answers an error before that is skipped for a back-off and the next one
+   is tried.
+3. The decode gets the client's request: with the accepting prefill's kvpush address in its
+   ``kv_transfer_params`` (it allocates the blocks and sends their ids to that prefill, which pushes the
+   KV layer by layer), or - when no prefill accepted - as a plain request that the decode computes alone,
+   whatever its ``kv_load_failure_policy`` says. The response carries ``X-Kvpush-Route: pd`` or
+   ``decode-only``, the proxy logs why, and ``/metrics`` counts it. The decode only ever waits for KV
+   from a prefill that holds the request, so a prefill that is down or starting up never makes it wait.
+4. The client gets the decode's response as it comes (status, body, usage), chunk by chunk, so a
+   ``stream`` request is streamed. The prefill's stream is drained meanwhile; once the decode answered,
+   a prefill still running gets ``prefill_grace_s`` and is then cancelled.
+
+Bounds: a request is answered or cut within ``timeout_s`` of arriving, streamed ones included. A decode
+that refuses the connection, or closes it before any byte of its answer, is skipped for a back-off and
+the request goes again (new transfer, from step 1) to a decode that accepts, waiting for one for at most
+``retry_for_s``; then a 503 names why each decode was skipped. Past the first byte to the client, an
+upstream that breaks cuts the client's connection (nothing else can tell a streaming client). A timeout
+before any byte is a 504. A client that disconnects cancels both upstream requests (vLLM aborts them and
+frees their blocks). Requests with ``n`` > 1 are refused (one transfer per request).
 
 A prefill's kvpush address is the host of its URL and ``--prefill-kv-port`` (default 14579, vLLM's
-``kv_port`` default, where a prefill's connector listens); one prefill's own goes in the URL's
-fragment: ``http://10.0.0.5:8100#kv=10.0.0.5:14600`` (or ``#kv=14600``: the URL's host), with
-``&cluster=ID`` when that prefill sets ``cluster_id`` in its extra config. The host must be spelt as the
-prefill's connector listens (its ``VLLM_HOST_IP``; an IP address is safest): the decode derives the
-prefill's cluster id from it.
+``kv_port`` default, where a prefill's connector listens); one prefill's own goes in the URL's fragment:
+``http://10.0.0.5:8100#kv=10.0.0.5:14600`` (or ``#kv=14600``: the URL's host), with ``&cluster=ID`` when
+that prefill sets ``cluster_id`` in its extra config. The host must be spelt as the prefill's connector
+listens (its ``VLLM_HOST_IP``; an IP address is safest): the decode derives the prefill's cluster id from it.
 
-Each request goes to the prefill and the decode with the fewest requests in flight, ties in turn (round
-robin). ``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's
-``/health`` does, else 503 naming those that did not.
-
-Failures: an upstream's error status and body are passed through; an unreachable decode is a 502 and a
-timeout a 504 (after the first byte went to the client its connection is cut instead). A client that
-disconnects cancels both upstream requests (vLLM aborts them and frees their blocks). Every upstream
-request is bounded by ``timeout_s``.
+``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's ``/health``
+does, else 503 naming those that did not; ``GET /metrics`` is the proxy's counters in Prometheus' text
+format (requests by route, errors by status, retries, and each upstream's requests in flight and state).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Generic, TypeVar
-from urllib.parse import parse_qs, urlsplit
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from .vllm_core import decode_request_params, new_transfer_id, prefill_request_params
+from .routing import (
+    DEFAULT_KV_PORT,
+    Pool,
+    Prefill,
+    SpecError,
+    base_url,
+    decode_body,
+    parse_prefill,
+    plain_body,
+    prefill_body,
+)
+from .vllm_core import new_transfer_id
+
+__all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
+           "start"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig.kv_port default: a prefill's connector listens there
 DEFAULT_TIMEOUT_S = 600.0
+ACCEPT_TIMEOUT_S = 5.0  # a healthy vLLM answers a streamed request's head within milliseconds
+RETRY_FOR_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 UPSTREAM_KEEPALIVE_S = 4.0
 PREFILL_GRACE_S = 2.0  # after the decode answered, how long a prefill's answer may still come (then cancelled)
 MAX_BODY_BYTES = 64 << 20
+MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authenticate", "proxy-authorization", "date", "server"})
 
-T = TypeVar("T")
-
-
-class SpecError(ValueError):
-    """An upstream URL (or its ``#kv=`` fragment) that cannot be used; says why."""
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """A prefill instance: its OpenAI server's base URL and where its kvpush connector listens."""
-
-    url: str
-    kv_host: str
-    kv_port: int
-    kv_cluster_id: int | None = None
-
-
-def base_url(spec: str) -> str:
-    """``spec`` without its fragment and trailing ``/``; raises SpecError unless http(s)://host[:port]."""
-    parts = urlsplit(spec.strip())
-    try:
-        port = parts.port
-    except ValueError as error:
-        raise SpecError(f"{spec!r}: {error}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SpecError(f"{spec!r} is not an http(s)://HOST[:PORT] URL")
-    if parts.query:
-        raise SpecError(f"{spec!r}: an upstream URL takes no query")
-    netloc = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{netloc}{'' if port is None else f':{port}'}{parts.path.rstrip('/')}"
-
-
-def _port(text: str, spec: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise SpecError(f"{spec!r}: {text!r} is not a TCP port")
-    return int(text)
-
-
-def parse_prefill(spec: str, default_kv_port: int = DEFAULT_KV_PORT) -> Prefill:
-    """``URL``, ``URL#kv=PORT``, ``URL#kv=HOST:PORT`` or ``[HOST]:PORT`` for IPv6, each with an optional
-    ``&cluster=ID`` -> a Prefill; raises SpecError."""
-    url = base_url(spec)
-    host = urlsplit(spec.strip()).hostname or ""
-    port, cluster_id = default_kv_port, None
-    fields = parse_qs(urlsplit(spec.strip()).fragment, keep_blank_values=True, strict_parsing=False)
-    unknown = set(fields) - {"kv", "cluster"}
-    if unknown or any(len(values) > 1 for values in fields.values()):
-        raise SpecError(f"{spec!r}: the fragment takes kv=[HOST:]PORT and cluster=ID, once each")
-    if "kv" in fields:
-        kv = fields["kv"][0]
-        if kv.startswith("["):
-            kv_host, sep, kv_port = kv[1:].partition("]:")
-            host, port = kv_host, _port(kv_port if sep else "", spec)
-        elif kv.count(":") == 1:
-            kv_host, _, kv_port = kv.partition(":")
-            host, port = kv_host, _port(kv_port, spec)
-        elif ":" in kv:
-            raise SpecError(f"{spec!r}: an IPv6 kv host goes in brackets: kv=[HOST]:PORT")
-        else:
-            port = _port(kv, spec)
-    if "cluster" in fields:
-        text = fields["cluster"][0]
-        if not text.isdigit() or int(text) >= 1 << 64:
-            raise SpecError(f"{spec!r}: cluster={text!r} is not a uint64")
-        cluster_id = int(text)
-    if not host:
-        raise SpecError(f"{spec!r}: no kvpush host")
-    return Prefill(url, host, port, cluster_id)
-
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """What ``kvpush proxy`` serves; ``timeout_s`` bounds every upstream request, streamed ones included."""
+    """What ``kvpush proxy`` serves. ``timeout_s`` bounds a client's request from its arrival to the last
+    byte of the answer; ``accept_timeout_s`` how long a prefill may take to accept its copy;
+    ``retry_for_s`` how long a request waits for a decode to accept it; ``prefill_grace_s`` how long a
+    prefill may still run after the decode answered."""
 
     prefills: Sequence[Prefill]
     decodes: Sequence[str]  # base URLs
     timeout_s: float = DEFAULT_TIMEOUT_S
     prefill_grace_s: float = PREFILL_GRACE_S
+    accept_timeout_s: float = ACCEPT_TIMEOUT_S
+    retry_for_s: float = RETRY_FOR_S
 
     def __post_init__(self) -> None:
         if not self.prefills or not self.decodes:
             raise SpecError("a proxy needs at least one prefill and one decode")
-        if not self.timeout_s > 0 or not self.prefill_grace_s >= 0:
-            raise SpecError(f"timeout {self.timeout_s} must be > 0 and prefill grace {self.prefill_grace_s} >= 0")
+        if not (self.timeout_s > 0 and self.accept_timeout_s > 0 and self.prefill_grace_s >= 0
+                and self.retry_for_s >= 0):
+            raise SpecError(f"timeout {self.timeout_s} and accept timeout {self.accept_timeout_s} must be > 0, "
+                            f"prefill grace {self.prefill_grace_s} and retry window {self.retry_for_s} >= 0")
 
 
-class Balancer(Generic[T]):
-    """Upstreams of one kind: ``lease`` the one with the fewest requests in flight, ties in turn."""
-
-    def __init__(self, members: Sequence[T]) -> None:
-        self.members = tuple(members)
-        self.in_flight = [0] * len(self.members)
-        self._next = 0
-
-    @contextmanager
-    def lease(self) -> Iterator[T]:
-        count = len(self.members)
-        index = min(((self._next + i) % count for i in range(count)), key=self.in_flight.__getitem__)
-        self._next = (index + 1) % count
-        self.in_flight[index] += 1
-        try:
-            yield self.members[index]
-        finally:
-            self.in_flight[index] -= 1
-
-
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
     """An OpenAI-style error body."""
     return web.json_response({"error": {"message": message, "type": HTTPStatus(status).phrase, "code": status}},
-                             status=status)
+                             status=status, headers=headers)
 
 
-def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
-    """The prefill instance's copy: one token (``max_tokens``, and ``max_completion_tokens`` if set),
-    not streamed (no ``stream_options``), no ``min_tokens``, the prefill's kv_transfer_params."""
-    copy = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
-    copy.update(kv_transfer_params=prefill_request_params(transfer_id), max_tokens=1, stream=False)
-    if "max_completion_tokens" in copy:
-        copy["max_completion_tokens"] = 1
-    return copy
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return str(error) or type(error).__name__
 
 
-def decode_body(body: Mapping[str, Any], transfer_id: str, prefill: Prefill) -> dict[str, Any]:
-    """The decode instance's copy: the client's request with the decode's kv_transfer_params."""
-    params = decode_request_params(transfer_id, prefill.kv_host, prefill.kv_port, prefill.kv_cluster_id)
-    return {**body, "kv_transfer_params": params}
+class _Unanswered(Exception):
+    """The decode refused the connection or closed it before any byte of its answer: nothing reached the
+    client, so the request may go again."""
+
+
+class _PrefillRun:
+    """A prefill's accepted copy of one request: its response is drained by a task until ``end``."""
+
+    def __init__(self, proxy: Proxy, prefill: Prefill, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
+        self.prefill = prefill
+        self._pool = proxy.prefills
+        self._task = asyncio.get_running_loop().create_task(self._drain(reply, transfer_id))
+
+    async def _drain(self, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
+        """Read the prefill's stream to its end; an error event in it is logged (the decode learns of a
+        failed prefill from kvpush itself)."""
+        try:
+            async for line in reply.content:
+                if line.startswith(b"data:") and b'"error"' in line:
+                    log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
+                                line[5:505].decode("utf-8", "replace").strip())
+            reply.release()  # read to its end: the connection goes back to the pool
+        except (aiohttp.ClientError, TimeoutError) as error:
+            log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
+                        _describe(error))
+        finally:
+            if not reply.closed:
+                reply.close()  # before its end: drops the connection, which makes vLLM abort the request
+
+    async def end(self, grace: float) -> None:
+        """Give the prefill up to ``grace`` seconds to finish, then cancel it; returns once it ended."""
+        try:
+            if grace > 0:
+                await asyncio.wait([self._task], timeout=grace)
+        finally:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+            self._pool.release(self.prefill)
 
 
 class Proxy:
-    """The proxy's state: the two balancers and one client session (opened and closed with the app)."""
+    """The proxy's state: the two pools, the counters and one client session (opened and closed with the
+    app)."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefills = Balancer(config.prefills)
-        self.decodes = Balancer(config.decodes)
+        self.prefills: Pool[Prefill] = Pool(config.prefills)
+        self.decodes: Pool[str] = Pool(config.decodes)
+        #: requests by route (pd, decode_only), errors by status, resends, clients that left
+        self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -209,65 +183,155 @@ class Proxy:
             app.router.add_post(path, self.completion)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.cleanup_ctx.append(self._client)
         return app
 
     async def _client(self, app: web.Application) -> AsyncIterator[None]:
-        total = self.config.timeout_s
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT_S))
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s,
+                                        sock_connect=min(self.config.timeout_s, CONNECT_TIMEOUT_S))
         # Idle pooled connections are dropped before vLLM's HTTP server (uvicorn, 5 s keep-alive) closes
-        # them: a POST on a connection the server is closing fails ("Server disconnected") and is not
-        # retried, which would leave the decode waiting for KV its prefill never got the request for.
+        # them: a POST on a connection the server is closing fails ("Server disconnected").
         connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector) as self._session:
             yield
         self._session = None
 
+    # -- completions -------------------------------------------------------------------------------
     async def completion(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except ValueError as error:
-            return _error(400, f"the request body is not JSON: {error}")
+            return self._fail(400, f"the request body is not JSON: {error}")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
+            return self._fail(400, "the request body must be a JSON object")
         if body.get("n") not in (None, 1):
-            return _error(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
-        transfer_id = new_transfer_id()
+            return self._fail(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
-        with self.prefills.lease() as prefill, self.decodes.lease() as decode:
-            log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.url, decode)
-            prefilling = asyncio.create_task(self._prefill(prefill, request.path, prefill_body(body, transfer_id),
-                                                           headers, transfer_id))
-            answered = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        give_up_waiting = min(deadline, loop.time() + self.config.retry_for_s)
+        resends = 0
+        try:
+            while True:
+                decode = self.decodes.pick()
+                if decode is None:
+                    wake = self.decodes.next_up_at()
+                    now = loop.time()
+                    if wake is None or now >= give_up_waiting:
+                        waited = now - (deadline - self.config.timeout_s)
+                        return self._fail(504 if now >= deadline else 503, "no decode instance accepted the request "
+                                          f"within {waited:.1f} s: {self._down(self.decodes)}", {"Retry-After": "1"})
+                    await asyncio.sleep(min(max(wake - now, 0.01), give_up_waiting - now))
+                    continue
+                if self.decodes.probing(decode):  # back after failing? (no prefill works for a decode that is not)
+                    problem = await self._healthy(decode, deadline)
+                    if problem is not None:
+                        self.decodes.failed(decode, problem)
+                        continue
+                try:
+                    return await self._attempt(request, body, headers, decode, deadline)
+                except _Unanswered as error:
+                    backoff = self.decodes.failed(decode, str(error))
+                    resends += 1
+                    self.counters["resent"] += 1
+                    log.warning("decode %s did not take the request (%s); skipped for %.2f s, the request goes "
+                                "again", decode, error, backoff)
+                    if resends > MAX_RESENDS:
+                        return self._fail(502, f"decode instances closed the connection {resends} times before "
+                                          f"answering; last: {decode}: {error}")
+        except asyncio.CancelledError:
+            self.counters["client_left"] += 1
+            raise
+
+    async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str], decode: str,
+                       deadline: float) -> web.StreamResponse:
+        """One try: a prefill (if any accepts), then the decode's answer relayed. Raises _Unanswered."""
+        transfer_id = new_transfer_id()
+        prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline)
+        answered = False
+        try:
+            if prefill is None:
+                copy, route = plain_body(body), "decode-only"
+            else:
+                copy, route = decode_body(body, transfer_id, prefill.prefill), "pd"
+                log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.prefill.url, decode)
+            self.decodes.acquire(decode)
             try:
-                response = await self._relay(request, "POST", decode + request.path, decode,
-                                             json=decode_body(body, transfer_id, prefill), headers=headers)
-                answered = True
-                return response
-            finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
-                await _end(prefilling, grace=self.config.prefill_grace_s if answered else 0.0)
+                response = await self._relay(request, "POST", decode + request.path, decode, deadline, json=copy,
+                                             headers=headers, route=route, resend=True)
+            finally:
+                self.decodes.release(decode)
+            answered = True
+            self.decodes.accepted(decode)
+            self.counters[f"route_{route.replace('-', '_')}"] += 1
+            return response
+        finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
+            if prefill is not None:
+                await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
-    async def _prefill(self, prefill: Prefill, path: str, body: dict[str, Any], headers: Mapping[str, str],
-                       transfer_id: str) -> None:
-        """The prefill's request; its answer is only logged (the decode recomputes if it failed)."""
-        try:
-            async with self.session.post(prefill.url + path, json=body, headers=headers) as reply:
-                text = await reply.read()
-                if reply.status >= 400:
-                    log.warning("transfer %s: prefill %s answered %d: %s", transfer_id, prefill.url, reply.status,
-                                text[:500].decode("utf-8", "replace"))
-        except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("transfer %s: prefill %s failed (%s); the decode recomputes the prompt", transfer_id,
-                        prefill.url, type(error).__name__ if isinstance(error, TimeoutError) else error)
+    async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], transfer_id: str,
+                            deadline: float) -> _PrefillRun | None:
+        """The first prefill (in the pool's order) that accepts its copy of the request, or None: then the
+        decode computes the request alone."""
+        loop = asyncio.get_running_loop()
+        tried: list[Prefill] = []
+        reasons: list[str] = []
+        while (prefill := self.prefills.pick(exclude=tried)) is not None:
+            tried.append(prefill)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            self.prefills.acquire(prefill)
+            reply: aiohttp.ClientResponse | None = None
+            try:
+                async with asyncio.timeout(min(self.config.accept_timeout_s, remaining)):
+                    reply = await self.session.post(prefill.url + path, json=prefill_body(body, transfer_id),
+                                                    headers=headers, timeout=aiohttp.ClientTimeout(total=remaining))
+                    if reply.status != 200:
+                        text = (await reply.content.read(500)).decode("utf-8", "replace")
+                        raise _Refused(f"answered {reply.status}: {text}", client_error=reply.status < 500)
+            except (aiohttp.ClientError, TimeoutError, OSError, _Refused) as error:
+                self.prefills.release(prefill)
+                if reply is not None:
+                    reply.close()
+                reason = _describe(error)
+                reasons.append(f"{prefill.url}: {reason}")
+                if isinstance(error, _Refused) and error.client_error:
+                    break  # the request itself was refused: the decode answers it (and says what is wrong)
+                backoff = self.prefills.failed(prefill, reason)
+                log.warning("transfer %s: prefill %s did not accept the request (%s); skipped for %.2f s", transfer_id,
+                            prefill.url, reason, backoff)
+                continue
+            except BaseException:
+                self.prefills.release(prefill)
+                if reply is not None:
+                    reply.close()
+                raise
+            self.prefills.accepted(prefill)
+            return _PrefillRun(self, prefill, reply, transfer_id)
+        if reasons:
+            log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone", transfer_id,
+                        "; ".join(reasons))
+        else:  # every prefill sits out a back-off (its failure was logged when it began)
+            log.debug("transfer %s: every prefill is skipped (%s); the decode computes the request alone", transfer_id,
+                      self._down(self.prefills))
+        return None
 
-    async def _relay(self, request: web.Request, method: str, url: str, upstream: str, json: Any = None,
-                     headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, method: str, url: str, upstream: str, deadline: float,
+                     json: Any = None, headers: Mapping[str, str] | None = None, route: str | None = None,
+                     resend: bool = False) -> web.StreamResponse:
         """Pass the answer of ``upstream`` to ``method url`` on to the client as it arrives: status,
-        headers, body chunk by chunk. An error before the first byte becomes a 502 or 504."""
+        headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable upstream a
+        502, or with ``resend`` _Unanswered (when a connection error says nothing was answered)."""
         response: web.StreamResponse | None = None
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
         try:
-            async with self.session.request(method, url, json=json, headers=headers) as reply:
+            async with self.session.request(method, url, json=json, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=remaining)) as reply:
                 passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
+                if route is not None:
+                    passed["X-Kvpush-Route"] = route
                 response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
                 await response.prepare(request)
                 async for chunk in reply.content.iter_any():
@@ -275,10 +339,13 @@ class Proxy:
                 await response.write_eof()
                 return response
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as error:
-            what = "timed out" if isinstance(error, TimeoutError) else str(error) or type(error).__name__
+            what = _describe(error)
             if response is None:
+                timed_out = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
+                if resend and not timed_out and isinstance(error, (aiohttp.ClientConnectionError, ConnectionError)):
+                    raise _Unanswered(what) from None
                 log.warning("%s%s: %s", upstream, request.path, what)
-                return _error(504 if isinstance(error, TimeoutError) else 502, f"upstream {upstream}: {what}")
+                return self._fail(504 if timed_out else 502, f"upstream {upstream}: {what}")
             if request.transport is None or request.transport.is_closing():
                 log.info("%s%s: the client left (%s)", upstream, request.path, what)
             else:
@@ -287,36 +354,88 @@ class Proxy:
                 request.transport.abort()
             return response
 
+    def _fail(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
+        self.counters[f"error_{status}"] += 1
+        if status >= 500:
+            log.warning("answered %d: %s", status, message)
+        return _error(status, message, headers)
+
+    @staticmethod
+    def _down(pool: Pool[Any]) -> str:
+        """Each member of ``pool`` and why it was last skipped."""
+        return "; ".join(f"{_url(state['target'])}: {state['reason'] or 'up'}" for state in pool.state())
+
+    # -- the rest ----------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.StreamResponse:
-        with self.decodes.lease() as decode:
-            headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
-            return await self._relay(request, "GET", decode + request.path, decode, headers=headers)
+        decode = self.decodes.pick()
+        if decode is None:
+            return self._fail(503, f"no decode instance is up: {self._down(self.decodes)}")
+        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
+        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+        return await self._relay(request, "GET", decode + request.path, decode, deadline, headers=headers)
 
     async def health(self, request: web.Request) -> web.Response:
         urls = [prefill.url for prefill in self.config.prefills] + list(self.config.decodes)
-        answers = await asyncio.gather(*(self._healthy(url) for url in urls))
+        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+        answers = await asyncio.gather(*(self._healthy(url, deadline) for url in urls))
         failing = {url: answer for url, answer in zip(urls, answers) if answer is not None}
         if failing:
             return _error(503, "unhealthy: " + "; ".join(f"{url}: {answer}" for url, answer in failing.items()))
         return web.json_response({"status": "ok", "upstreams": urls})
 
-    async def _healthy(self, url: str) -> str | None:
-        """None when ``url``'s /health answers 200, else why not."""
+    async def _healthy(self, url: str, deadline: float) -> str | None:
+        """None when ``url``'s /health answers 200 before ``deadline`` (loop time), else why not."""
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
         try:
-            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)) as r:
+            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=remaining)) as r:
                 return None if r.status == 200 else f"status {r.status}"
         except (aiohttp.ClientError, TimeoutError) as error:
-            return "timed out" if isinstance(error, TimeoutError) else str(error) or type(error).__name__
+            return _describe(error)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes),
+                            content_type="text/plain", charset="utf-8")
 
 
-async def _end(task: asyncio.Task[None], grace: float) -> None:
-    """Give ``task`` up to ``grace`` seconds to finish, then cancel it and wait until it ended."""
-    try:
-        if grace > 0:
-            await asyncio.wait([task], timeout=grace)
-    finally:
-        task.cancel()
-    await asyncio.wait([task])
+def _url(target: str | Prefill) -> str:
+    return target if isinstance(target, str) else target.url
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.client_error = client_error
+
+
+def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str]) -> str:
+    """The proxy's counters and upstream states in Prometheus' text exposition format."""
+    def label(text: str) -> str:
+        return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    lines = ["# HELP kvpush_proxy_requests_total Requests answered by a decode, by route (pd: with a prefill's KV).",
+             "# TYPE kvpush_proxy_requests_total counter"]
+    lines += [f'kvpush_proxy_requests_total{{route="{route}"}} {counters.get(f"route_{route}", 0)}'
+              for route in ("pd", "decode_only")]
+    lines += ["# HELP kvpush_proxy_errors_total Requests the proxy answered with an error itself, by status.",
+              "# TYPE kvpush_proxy_errors_total counter"]
+    lines += [f'kvpush_proxy_errors_total{{status="{key[6:]}"}} {value}'
+              for key, value in sorted(counters.items()) if key.startswith("error_")]
+    lines += ["# HELP kvpush_proxy_resent_total Requests sent again after a decode closed the connection unanswered.",
+              "# TYPE kvpush_proxy_resent_total counter", f"kvpush_proxy_resent_total {counters.get('resent', 0)}",
+              "# HELP kvpush_proxy_clients_left_total Clients that disconnected before their answer ended.",
+              "# TYPE kvpush_proxy_clients_left_total counter",
+              f"kvpush_proxy_clients_left_total {counters.get('client_left', 0)}",
+              "# HELP kvpush_proxy_upstream_in_flight Requests in flight per upstream.",
+              "# TYPE kvpush_proxy_upstream_in_flight gauge",
+              "# HELP kvpush_proxy_upstream_up 1 unless the upstream is skipped after refusing a request.",
+              "# TYPE kvpush_proxy_upstream_up gauge"]
+    for role, pool in (("prefill", prefills), ("decode", decodes)):
+        for state in pool.state():
+            target = state["target"]
+            url = label(_url(target))
+            lines.append(f'kvpush_proxy_upstream_in_flight{{role="{role}",url="{url}"}} {state["in_flight"]}')
+            lines.append(f'kvpush_proxy_upstream_up{{role="{role}",url="{url}"}} {int(state["up"])}')
+    return "\n".join(lines) + "\n"
 
 
 async def start(config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:

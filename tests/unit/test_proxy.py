@@ -1,7 +1,8 @@
 """kvpush.integrations.proxy: routing only. Small aiohttp servers stand in for a vLLM prefill and decode
 (loopback) so the proxy's own behaviour can be checked: the two copies of a request, their
-kv_transfer_params, streaming chunk by chunk, passthrough of usage and errors, spreading, cancellation.
-Real vLLM servers behind the proxy are tested in tests/vllm."""
+kv_transfer_params, the prefill accepting before the decode gets its copy, the decode computing alone
+when no prefill accepts, streaming chunk by chunk, passthrough of usage and errors, spreading, back-off,
+resending, bounds, cancellation. Real vLLM servers behind the proxy are tested in tests/vllm."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ import pytest
 from aiohttp import web
 
 from kvpush.integrations import proxy
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 Behaviour = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
@@ -39,7 +48,7 @@ class FakeVllm:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> FakeVllm:
+    async def start(self, port: int = 0) -> FakeVllm:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completion)
         app.router.add_post("/v1/chat/completions", self.completion)
@@ -47,7 +56,7 @@ class FakeVllm:
         app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
         return self
@@ -64,8 +73,15 @@ class FakeVllm:
             raise
 
     async def answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        return web.json_response({"id": f"cmpl-{self.name}", "object": "text_completion",
-                                  "choices": [{"index": 0, "text": f"from {self.name}"}], "usage": USAGE})
+        answer = {"id": f"cmpl-{self.name}", "object": "text_completion",
+                  "choices": [{"index": 0, "text": f"from {self.name}"}], "usage": USAGE}
+        if not body.get("stream"):
+            return web.json_response(answer)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
@@ -77,6 +93,14 @@ class FakeVllm:
 async def hang(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     await asyncio.sleep(3600)
     raise AssertionError("not reached")
+
+
+async def accept_then_hang(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """A prefill that accepts (answers the head of a streamed response) and never finishes."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await asyncio.sleep(3600)
+    return response
 
 
 @pytest.fixture
@@ -121,13 +145,15 @@ async def test_completion_copies_share_a_transfer_id_and_the_client_gets_the_dec
     request = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0, "min_tokens": 2}
     async with client.post(url + "/v1/completions", json=request, headers={"Authorization": "Bearer k"}) as reply:
         assert reply.status == 200
+        assert reply.headers["X-Kvpush-Route"] == "pd"
         answer = await reply.json()
     assert answer == {"id": "cmpl-decode", "object": "text_completion",
                       "choices": [{"index": 0, "text": "from decode"}], "usage": USAGE}
     [decode_body], [prefill_body] = fakes["decode"].bodies, fakes["prefill"].bodies
     decode_params, prefill_params = decode_body.pop("kv_transfer_params"), prefill_body.pop("kv_transfer_params")
     assert decode_body == request  # everything else as the client sent it
-    assert prefill_body == {"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0, "stream": False}
+    # streamed: the head of its answer says the prefill accepted it
+    assert prefill_body == {"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0, "stream": True}
     assert decode_params == {"do_remote_prefill": True, "do_remote_decode": False,
                              "transfer_id": prefill_params["transfer_id"],
                              "remote_host": "127.0.0.1", "remote_port": proxy.DEFAULT_KV_PORT}
@@ -185,12 +211,32 @@ async def test_streaming_passes_each_chunk_through_as_it_comes_usage_included(
     assert fakes["decode"].bodies[0]["stream"] is True
     assert fakes["decode"].bodies[0]["stream_options"] == {"include_usage": True}
     prefill_body = fakes["prefill"].bodies[0]
-    assert prefill_body["stream"] is False and "stream_options" not in prefill_body and prefill_body["max_tokens"] == 1
+    assert prefill_body["stream"] is True and "stream_options" not in prefill_body and prefill_body["max_tokens"] == 1
 
 
-async def test_the_decode_answer_does_not_wait_for_a_hanging_prefill_which_is_then_cancelled(
+async def test_the_decode_gets_its_copy_only_once_the_prefill_accepted(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
-    fakes["prefill"].behaviour = hang
+    accept = asyncio.Event()
+
+    async def slow_to_accept(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await accept.wait()
+        return await fakes["prefill"].answer(request, body)
+
+    fakes["prefill"].behaviour = slow_to_accept
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    reply_task = asyncio.create_task(client.post(url + "/v1/completions", json={"prompt": "x"}))
+    await asyncio.wait_for(fakes["prefill"].started.wait(), 5)
+    await asyncio.sleep(0.3)
+    assert not fakes["decode"].bodies  # a decode never waits for KV from a prefill that has not the request
+    accept.set()
+    async with await asyncio.wait_for(reply_task, 5) as reply:
+        assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
+    assert "kv_transfer_params" in fakes["decode"].bodies[0]
+
+
+async def test_the_decode_answer_does_not_wait_for_an_accepting_prefill_which_is_then_cancelled(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    fakes["prefill"].behaviour = accept_then_hang
     url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], prefill_grace_s=0.5)
     async with client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as reply:
         assert reply.status == 200
@@ -199,21 +245,67 @@ async def test_the_decode_answer_does_not_wait_for_a_hanging_prefill_which_is_th
     await asyncio.wait_for(fakes["prefill"].cancelled.wait(), 5)  # after the grace it is cancelled
 
 
-async def test_a_failing_prefill_is_logged_and_the_decode_still_answers(
+async def test_a_prefill_that_does_not_accept_in_time_is_cancelled_and_the_decode_computes_alone(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    fakes["prefill"].behaviour = hang  # takes the connection, never answers (a frozen server)
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], accept_timeout_s=0.3)
+    request = {"prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}}
+    async with client.post(url + "/v1/completions", json=request) as reply:
+        assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
+        assert (await reply.json())["id"] == "cmpl-decode"
+    assert fakes["decode"].bodies == [{"prompt": "x", "max_tokens": 2}]  # plain: no KV expected
+    await asyncio.wait_for(fakes["prefill"].cancelled.wait(), 5)
+
+
+async def test_a_refusing_or_unreachable_prefill_is_skipped_and_the_decode_computes_alone(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession,
         caplog: pytest.LogCaptureFixture) -> None:
     async def refuse(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        return web.json_response({"error": {"message": "no"}}, status=500)
+        return web.json_response({"error": {"message": "no"}}, status=503)
 
     fakes["prefill"].behaviour = refuse
     url = await start_proxy([fakes["prefill"].url, "http://127.0.0.1:9"], [fakes["decode"].url])
-    for _ in range(2):  # one to the refusing prefill, one to a port nobody listens on
-        async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
-            assert reply.status == 200
-            assert (await reply.json())["id"] == "cmpl-decode"
+    async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+        assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
+        assert (await reply.json())["id"] == "cmpl-decode"
+    assert len(fakes["prefill"].bodies) == 1 and "kv_transfer_params" not in fakes["decode"].bodies[0]
     warnings = [record.getMessage() for record in caplog.records if record.name == proxy.__name__]
-    assert any("answered 500" in text for text in warnings)
-    assert any("failed" in text and "recomputes" in text for text in warnings)
+    assert any("answered 503" in text and "skipped" in text for text in warnings)
+    assert any("127.0.0.1:9" in text and "did not accept" in text for text in warnings)
+    assert any("no prefill accepted" in text and "computes it alone" in text for text in warnings)
+    # both sit out their back-off: the next request goes straight to the decode, alone
+    async with client.post(url + "/v1/completions", json={"prompt": "y"}) as reply:
+        assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
+    assert len(fakes["prefill"].bodies) == 1
+    async with client.get(url + "/metrics") as reply:
+        text = await reply.text()
+    assert 'kvpush_proxy_requests_total{route="decode_only"} 2' in text
+    assert f'kvpush_proxy_upstream_up{{role="prefill",url="{fakes["prefill"].url}"}} 0' in text
+
+
+async def test_a_prefill_that_refuses_leaves_the_request_to_the_next_prefill(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    url = await start_proxy(["http://127.0.0.1:9#kv=14600", fakes["prefill2"].url + "#kv=14601"],
+                            [fakes["decode"].url])
+    for _ in range(2):
+        async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+            assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
+    assert [body["kv_transfer_params"]["remote_port"] for body in fakes["decode"].bodies] == [14601, 14601]
+
+
+async def test_a_request_made_invalid_by_the_client_goes_to_the_decode_which_answers_it(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    error = {"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}
+
+    async def bad_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response(error, status=400)
+
+    fakes["prefill"].behaviour = fakes["decode"].behaviour = bad_request
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    for _ in range(2):
+        async with client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 10**9}) as reply:
+            assert reply.status == 400 and await reply.json() == error
+    assert len(fakes["prefill"].bodies) == 2  # not skipped: the prefill is fine, the request is not
 
 
 # -- errors -------------------------------------------------------------------------------------------
@@ -234,10 +326,15 @@ async def test_upstream_errors_pass_through_with_their_status_and_body(
 
 async def test_proxy_errors_unreachable_decode_timeout_and_bad_requests(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
-    unreachable = await start_proxy([fakes["prefill"].url], ["http://127.0.0.1:9"])
+    unreachable = await start_proxy([fakes["prefill"].url], ["http://127.0.0.1:9"], retry_for_s=0.5)
+    started = asyncio.get_running_loop().time()
     async with client.post(unreachable + "/v1/completions", json={"prompt": "x"}) as reply:
-        assert reply.status == 502
-        assert "127.0.0.1:9" in (await reply.json())["error"]["message"]
+        assert reply.status == 503 and reply.headers["Retry-After"] == "1"
+        message = (await reply.json())["error"]["message"]
+    assert "127.0.0.1:9" in message and "no decode instance accepted" in message, message
+    assert asyncio.get_running_loop().time() - started >= 0.5  # it waited for a decode, and no longer than told
+    # the decode was tried once with a prefill's copy; after that only its /health, until it is back
+    assert len(fakes["prefill"].bodies) == 1
     fakes["decode"].behaviour = hang
     slow = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], timeout_s=0.3)
     async with client.post(slow + "/v1/completions", json={"prompt": "x"}) as reply:
@@ -266,6 +363,46 @@ async def test_a_decode_cut_mid_stream_cuts_the_client(
         assert reply.status == 200
         with pytest.raises(aiohttp.ClientPayloadError):
             await reply.read()
+
+
+async def test_a_request_waits_for_a_restarting_decode_within_its_bounds(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    port = _free_port()
+    url = await start_proxy([fakes["prefill"].url], [f"http://127.0.0.1:{port}"], retry_for_s=20)
+    reply_task = asyncio.create_task(client.post(url + "/v1/completions", json={"prompt": "x"}))
+    await asyncio.sleep(0.6)  # refused a few times meanwhile
+    late = await FakeVllm("late-decode").start(port)
+    assert late.runner is not None
+    try:
+        async with await asyncio.wait_for(reply_task, 10) as reply:
+            assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
+            assert (await reply.json())["id"] == "cmpl-late-decode"
+        assert len(late.bodies) == 1 and len(fakes["prefill"].bodies) == 2  # one copy per try of a decode
+        # bounded by the whole request's timeout too: a decode that never comes back is a 504 in time
+        bounded = await start_proxy([fakes["prefill"].url], ["http://127.0.0.1:9"], retry_for_s=60, timeout_s=0.5)
+        async with client.post(bounded + "/v1/completions", json={"prompt": "x"}) as reply:
+            assert reply.status == 504
+    finally:
+        await late.runner.cleanup()
+
+
+async def test_a_decode_that_closes_the_connection_unanswered_gets_the_request_again(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    async def drop(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.abort()  # a decode killed while it held the request
+        await asyncio.sleep(3600)
+        raise AssertionError("not reached")
+
+    fakes["decode"].behaviour = drop
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url, fakes["decode2"].url])
+    async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
+        assert reply.status == 200 and (await reply.json())["id"] == "cmpl-decode2"
+    ids = [body["kv_transfer_params"]["transfer_id"] for body in fakes["decode"].bodies + fakes["decode2"].bodies]
+    assert len(ids) == 2 and len(set(ids)) == 2  # sent again as a new transfer, with a new prefill copy
+    assert [b["kv_transfer_params"]["transfer_id"] for b in fakes["prefill"].bodies] == ids
+    async with client.get(url + "/metrics") as reply:
+        assert "kvpush_proxy_resent_total 1" in await reply.text()
 
 
 # -- spreading ----------------------------------------------------------------------------------------
@@ -322,7 +459,7 @@ async def test_a_client_that_disconnects_cancels_both_upstream_requests(
         await asyncio.sleep(3600)
         return response
 
-    fakes["prefill"].behaviour = hang
+    fakes["prefill"].behaviour = accept_then_hang
     fakes["decode"].behaviour = stream_then_hang if streaming else hang
     url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
     async with aiohttp.ClientSession() as session:
