@@ -92,6 +92,7 @@ class LLMDataDist:
         self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
         self._losses: dict[int, int] = {}  # cluster id -> links to it lost (see links_lost)
+        self._held_caches = 0  # caches pinned for closed links (see held_caches)
         self._accepting: dict[asyncio.Task[Any], Connection] = {}  # in handshake, oldest first
         self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
@@ -385,7 +386,27 @@ class LLMDataDist:
             if self._finalized:
                 held.release_now_or_keep()
             else:
-                self._own(held.release_when_safe(), f"kvpush-grants-{link.peer_cluster_id}")
+                self._own(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
+
+    async def _release_held(self, held: HeldGrants) -> None:
+        count = len(held.entries)
+        self._held_caches += count
+        try:
+            await held.release_when_safe()
+        finally:
+            self._held_caches -= count
+
+    @property
+    def held_caches(self) -> int:
+        """How many caches this engine keeps pinned for links that closed while their peer might still
+        write into them (released once it cannot: its process exited, or a grace passed). A plain int:
+        safe to read from any thread, e.g. for a metrics exporter."""
+        return self._held_caches
+
+    @property
+    def link_count(self) -> int:
+        """Ready links (one per linked peer cluster). Safe to read from any thread."""
+        return len(self._links)
 
     def deliver(self, link: Link, channel: int, data: bytes) -> bool:
         """A peer's message or notification (LinkOwner): queued, or False when the inbox is full."""

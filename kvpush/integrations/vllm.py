@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
@@ -27,9 +28,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from . import vllm_core as core
 from .vllm_worker import ConnectorSettings, WorkerSide, scheduled_requests
+
+log = logging.getLogger(__name__)
 
 try:  # where vLLM's metrics say external hits come from (0.32: CacheHitSource.P2P)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found, unused-ignore]
@@ -78,6 +85,79 @@ def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
     return key
 
 
+# -- metrics ---------------------------------------------------------------------------------------
+
+# counters: what ended since the last step, by (book, its counter) -> the reported key
+_COUNTERS = {("producer", "landed"): "send_landed", ("producer", "failed"): "send_failed",
+             ("producer", "blocks_pushed"): "blocks_pushed", ("consumer", "landed"): "receive_landed",
+             ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted"}
+_GAUGES = ("open", "links", "held_caches")
+
+
+@dataclass
+class KvpushStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
+    """One step's kvpush numbers (``data``: plain ints): the counters of ``_COUNTERS`` as deltas and the
+    gauges of ``_GAUGES`` as values. ``aggregate`` sums (the tensor-parallel workers of a step); vLLM's log
+    line shows the counters."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in (*_COUNTERS.values(), *_GAUGES)}
+
+    def aggregate(self, other: KVConnectorStats) -> KvpushStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: self.data.get(key, 0) for key in _COUNTERS.values()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key, 0) for key in _COUNTERS.values())
+
+
+class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ignore]
+    """kvpush's numbers in vLLM's /metrics: ``vllm:kvpush_transfers_open`` (transfers this instance's
+    connector tracks), ``vllm:kvpush_links`` (live kvpush links), ``vllm:kvpush_held_caches`` (caches kept
+    pinned for links that closed), each as of the engine's last step; counters
+    ``vllm:kvpush_transfers_total{side,outcome}`` and ``vllm:kvpush_blocks_pushed_total``."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._values = per_engine_labelvalues
+        docs = {"open": "KV transfers the kvpush connector tracks (as of the engine's last step)",
+                "links": "live kvpush links of this instance (as of the engine's last step)",
+                "held_caches": "caches kvpush keeps pinned for links that closed while their peer might still "
+                               "write (as of the engine's last step)"}
+        names = {"open": "vllm:kvpush_transfers_open", "links": "vllm:kvpush_links",
+                 "held_caches": "vllm:kvpush_held_caches"}
+        gauge: Any = self._gauge_cls
+        counter: Any = self._counter_cls
+        self._gauges: dict[str, Any] = {key: gauge(name=names[key], documentation=docs[key], labelnames=labelnames,
+                                                   multiprocess_mode="mostrecent") for key in _GAUGES}
+        self._transfers: Any = counter(name="vllm:kvpush_transfers", labelnames=[*labelnames, "side", "outcome"],
+                                       documentation="kvpush transfers ended, by side (send: prefill, receive: "
+                                                     "decode) and outcome")
+        self._blocks: Any = counter(name="vllm:kvpush_blocks_pushed", labelnames=labelnames,
+                                    documentation="KV blocks pushed to decode instances (per layer group)")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self._values[engine_idx]
+        for key in _GAUGES:
+            self._gauges[key].labels(*labels).set(transfer_stats_data.get(key, 0))
+        for key in _COUNTERS.values():
+            value = transfer_stats_data.get(key, 0)
+            if value and key != "blocks_pushed":
+                side, outcome = key.split("_", 1)
+                self._transfers.labels(*labels, side, outcome).inc(value)
+        if transfer_stats_data.get("blocks_pushed"):
+            self._blocks.labels(*labels).inc(transfer_stats_data["blocks_pushed"])
+
+
 # -- the connector ---------------------------------------------------------------------------------
 
 class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
@@ -107,10 +187,16 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._settings = ConnectorSettings(vllm_config)
         self._scheduler: core.SchedulerBook | None = None
         self._worker: WorkerSide | None = None
+        self._reported: dict[str, int] = {}  # the counters as of the last get_kv_connector_stats
         if kv_cache_config is not None and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
             raise NotImplementedError("KvpushConnector: this model's KV cache needs zeroing of new blocks "
                                       "(Mamba or mixed precision layers); not supported yet")
         s = self._settings
+        if role == KVConnectorRole.SCHEDULER and s.consume and s.load_failure_policy == "fail":
+            log.warning("KvpushConnector: this decode runs with kv_load_failure_policy='fail': a request whose "
+                        "prefill dies after accepting it fails (HTTP 500) instead of being computed here. Set "
+                        "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config (what a deployment "
+                        "should run with)")
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
                                                  lambda: s.default_remote, s.name)
@@ -194,6 +280,26 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
+
+    def get_kv_connector_stats(self) -> KvpushStats | None:
+        """This step's counters (since the last call) and gauges, for vLLM's metrics (worker side only)."""
+        if self._worker is None or self._worker.engine is None:
+            return None
+        counters = self._worker.stats()
+        data = {key: counters.get(f"{book}.{name}", 0) - self._reported.get(f"{book}.{name}", 0)
+                for (book, name), key in _COUNTERS.items()}
+        self._reported = counters
+        data.update(self._worker.gauges())
+        return KvpushStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvpushStats:
+        return KvpushStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvpushPromMetrics:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self) -> dict[str, int]:
         """This worker's counters: pushes pipelined or after the forward, blocks pushed, transfers

@@ -424,6 +424,14 @@ class WorkerSide:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
+    def gauges(self) -> dict[str, int]:
+        """Now: ``open`` transfers in the books, the engine's ``links`` and ``held_caches`` (pinned for
+        links that closed while their peer might still write). Cheap; callable from vLLM's thread."""
+        transfers = sum(len(book) for book in (self.producer, self.consumer) if book is not None)
+        dd = self.engine.dd if self.engine is not None else None
+        return {"open": transfers, "links": dd.link_count if dd is not None else 0,
+                "held_caches": dd.held_caches if dd is not None else 0}
+
     def stats(self) -> dict[str, int]:
         """Counters of both books (``producer.pushes_pipelined``, ``consumer.landed``, ...)."""
         counts: dict[str, int] = {}
@@ -476,6 +484,8 @@ class ConnectorSettings:
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self.produce = self.role in ("kv_producer", "kv_both")
         self.consume = self.role in ("kv_consumer", "kv_both")
+        #: vLLM's answer to a request whose KV did not come ("fail" or "recompute"; None: a vLLM without it)
+        self.load_failure_policy: str | None = getattr(transfer, "kv_load_failure_policy", None)
         self.engine_role = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}.get(self.role, LLMRole.MIX)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
