@@ -65,6 +65,28 @@ class Server:
         except OSError as error:
             return f"--- {self.name}: no log ({error}) ---"
 
+    def workers(self) -> list[int]:
+        """The pids of this server's ``VLLM::Worker`` processes (one per tensor-parallel rank): where the model
+        runs and the connector's kvpush engine lives."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    comm = f.read().strip()
+                if comm.startswith("VLLM::Worker") and os.getpgid(int(entry)) == self.process.pid:
+                    found.append(int(entry))
+            except (OSError, ProcessLookupError):
+                continue
+        return sorted(found)
+
+    def signal_workers(self, signum: int) -> None:
+        """Send ``signum`` to this server's worker processes (see ``workers``)."""
+        for pid in self.workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the process group this server started (its engine core and worker too)."""
         with contextlib.suppress(ProcessLookupError):
@@ -101,7 +123,9 @@ def start_vllm(name: str, model: Path, core: str, kv_transfer_config: Mapping[st
                *extra: str, port: int | None = None) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` with its OpenMP threads pinned to ``core``
     (``VLLM_CPU_OMP_THREADS_BIND``), loopback only, tests/vllm's engine settings (float32, eager, block
-    size 32) and the worker inside the engine-core process (``uni`` executor: one process less to start)."""
+    size 32). Processes: the API server, its ``VLLM::EngineCore`` (scheduler) and a ``VLLM::Worker`` (the
+    model and the connector's kvpush engine): vLLM's CPU platform runs the ``uni`` executor's worker in a
+    process of its own too."""
     port = free_port() if port is None else port
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
