@@ -16,8 +16,9 @@ off; one request at a time; the client does the routing a proxy would, so no pro
 - ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, on core 1, where the single instance
   computed the same prompts) and a decode (``kv_consumer``, core 0) with KvpushConnector (its timed
   subclass, bench/vllm_timed_connector.py) and ``kv_connector_extra_config={"transport": ...}``.
-  Each request goes to both at once, as ``kvpush proxy`` sends it (the prefill's copy with
-  ``max_tokens=1``); the client streams the decode's. "pushed in forward" counts the requests whose
+  Each request goes as ``kvpush proxy`` sends it: the prefill's copy first (``max_tokens=1``, streamed),
+  and once the prefill accepted it (the head of its answer came) the decode's; the client streams the
+  decode's. "pushed in forward" counts the requests whose
   block ids reached the prefill before its forward started (the others are pushed after it).
 - ``example``: vLLM's ExampleConnector (prefill ``kv_producer``, decode ``kv_consumer``): the prefill
   writes every layer's KV to files (on tmpfs, /dev/shm, emptied after each request), the decode
@@ -536,6 +537,27 @@ def post(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any]
         connection.close()
 
 
+def accept(server: Server, ids: list[int], params: dict[str, Any], timeout_s: float = 600) -> http.client.HTTPResponse:
+    """The prefill's copy of a request as ``kvpush proxy`` sends it (one token, streamed): returns once the
+    prefill accepted it (the head of its answer came); ``drain`` reads the rest."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
+    connection.request("POST", "/v1/completions", _body(ids, 1, True, params), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        text = response.read()[:300]
+        connection.close()
+        raise RuntimeError(f"{server.name}: HTTP {response.status}: {text!r}")
+    return response
+
+
+def drain(response: http.client.HTTPResponse) -> None:
+    """Read an accepted prefill's stream to its end."""
+    try:
+        response.read()
+    finally:
+        response.close()
+
+
 def stream(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any] | None, started: float,
            timeout_s: float = 600) -> Sample:
     """A streamed completion; TTFT and total are measured from ``started`` (time.monotonic)."""
@@ -597,13 +619,14 @@ class Route:
         if self.system == "single":
             return stream(self.servers[0], ids, max_tokens, None, started)
         prefill, decode = self.servers
-        if self.system.startswith("kvpush"):  # both at once, as kvpush proxy sends them
+        if self.system.startswith("kvpush"):  # as kvpush proxy sends them: the prefill accepts, then the decode
             tid = uuid.uuid4().hex
             to_prefill = {"do_remote_decode": True, "transfer_id": tid}
             to_decode = {"do_remote_prefill": True, "transfer_id": tid}
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 if not self.decode_first:
-                    prefilled = pool.submit(post, prefill, ids, 1, to_prefill)
+                    prefilling = accept(prefill, ids, to_prefill)
+                    prefilled = pool.submit(drain, prefilling)
                     sample = stream(decode, ids, max_tokens, to_decode, started)
                     prefilled.result()
                     return sample
