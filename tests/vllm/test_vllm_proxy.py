@@ -9,7 +9,8 @@ decoding, loopback only. Every prompt is distinct (no shared first block), so th
 reports as cached came from the pushed KV, not from its own prefix cache.
 
 The failure tests come last, in this order: a client that leaves (mid-stream; while the decode waits
-for the KV), a hung prefill (woken up after), a prefill killed mid-request. A test that finds the
+for the KV), a prefill whose HTTP server does not answer (its kvpush engine up), a hung prefill (woken up
+after), a prefill killed mid-request. A test that finds the
 prefill dead (run out of order) starts it again on the same ports. The proxy gives the decode its copy
 of a request only once a prefill accepted one: to make the decode wait for KV, a test freezes the
 prefill's worker process (its model and kvpush engine), not its API server.
@@ -88,10 +89,12 @@ STREAMED = [_ids(n) for n in (2, 20, 48, 96, 257, 520)]
 CONCURRENT = [_ids(n) for n in (3, 30, 33, 65, 128, 200, 350, 600)]
 AFTER_ABORT = [_ids(n) for n in (7, 90)]
 AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN = _ids(36), _ids(120), _ids(66), _ids(150), _ids(70)
+NO_HTTP, AFTER_NO_HTTP = _ids(90), _ids(45)
 ABORTED, LEFT_WAITING = _ids(50), _ids(80)  # no reference: never answered
 CHATS = [_chat(n) for n in (1, 6, 25, 60, 150, 300)]
 STREAMED_CHATS = [_chat(n) for n in (10, 120)]
-PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN]
+PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN,
+           NO_HTTP, AFTER_NO_HTTP]
 assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING]}) == len(PROMPTS) + 2  # no shared first block
 
 
@@ -390,6 +393,30 @@ def test_a_client_that_leaves_while_the_decode_waits_for_the_kv_frees_both_sides
     state = _wait_idle(pd.prefill, IDS_TIMEOUT_S + 10)
     print(f"prefill {time.monotonic() - woke:.2f} s after answering: {state}\n{_kvpush_lines(pd.prefill, prefill_log)}")
     assert not any(state.values()), state
+
+
+@pytest.mark.timeout(200)
+def test_a_prefill_whose_http_server_is_not_up_never_makes_the_decode_wait(pd: Stack) -> None:
+    """The window of a prefill's restart (issue 19): its kvpush engine listens (it starts with the engine
+    core) while its HTTP server does not answer yet. A decode given the request then linked, sent its block
+    ids to an engine whose vLLM never got the request, and waited for its transfer_timeout_s. Here the
+    prefill's API server is frozen, its engine running."""
+    decode_log, request_id = log_size(pd.decode), f"no-http-{uuid.uuid4().hex}"
+    os.kill(pd.prefill.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        status, answer = post(f"{pd.proxy.url}/v1/completions", _body(NO_HTTP), timeout=60,
+                              headers={"X-Request-Id": request_id})
+        elapsed = time.monotonic() - started
+    finally:
+        _wake(pd.prefill, signal_all=True)
+    lines = _kvpush_lines(pd.decode, decode_log)
+    print(f"answer {elapsed:.2f} s after the request: status {status}\n{lines}")
+    assert status == 200 and answer["choices"][0]["token_ids"] == pd.ref(NO_HTTP), answer
+    assert "not landed" not in lines and not log_lines(pd.decode, request_id, "WAITING_FOR_REMOTE_KVS")
+    assert elapsed < ACCEPT_TIMEOUT_S + 5
+    _check([(len(AFTER_NO_HTTP), pd.ref(AFTER_NO_HTTP), _complete(pd.proxy.url, AFTER_NO_HTTP))],
+           "through the prefill once its HTTP server answers again")
 
 
 @pytest.mark.timeout(200)
