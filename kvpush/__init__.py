@@ -1,6 +1,6 @@
 """kvpush: push paged KV-cache blocks between LLM serving processes (LLM-DataDist's model, async)."""
 
-from .cache_manager import CacheManager
+from .cache_manager import BlockAccess, CacheManager
 from .datadist import LLMDataDist
 from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
 from .options import LLMConfig
@@ -16,11 +16,13 @@ from .types import (
     LLMClusterInfo,
     LLMRole,
     Placement,
+    RemoteAccess,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockAccess",
     "BlocksCacheKey",
     "Cache",
     "CacheDesc",
@@ -39,5 +41,6 @@ __all__ = [
     "LLMStatusCode",
     "MAX_MESSAGE_BYTES",
     "Placement",
+    "RemoteAccess",
     "__version__",
 ]

@@ -35,6 +35,7 @@ from .types import (
     CacheKeyByIdAndIndex,
     KeyName,
     KvCacheExtParam,
+    RemoteAccess,
     check_int,
 )
 
@@ -59,6 +60,50 @@ class EngineServices(Protocol):
         """The registry changed: tell every peer."""
 
 
+class BlockAccess:
+    """A grant of some blocks of a ``RemoteAccess.GRANTED`` cache to one peer (``CacheManager.allow``).
+    It ends at ``revoke()`` (idempotent; also on leaving ``with``), when the link to that peer closes, or
+    when the cache is unregistered, whichever comes first. A request the peer made while it held the grant
+    was checked on arrival and runs to its end."""
+
+    def __init__(self, entry: CacheEntry, peer: int, blocks: np.ndarray[Any, Any], write: bool, read: bool) -> None:
+        assert entry.grants is not None
+        self.peer_cluster_id = peer
+        self.cache_id = entry.cache.cache_id
+        self.num_blocks = len(blocks)
+        self._entry = entry
+        self._blocks = blocks
+        self._modes = [mode for mode, wanted in ((True, write), (False, read)) if wanted]
+        self._epoch = entry.grants.epoch(peer)
+        for mode in self._modes:
+            entry.grants.add(peer, blocks, mode)
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        grants = self._entry.grants
+        return self._active and grants is not None and grants.epoch(self.peer_cluster_id) == self._epoch \
+            and not self._entry.removed
+
+    def revoke(self) -> None:
+        """End the grant: requests of the peer that arrive from now on are refused."""
+        if self.active:
+            assert self._entry.grants is not None
+            for mode in self._modes:
+                self._entry.grants.remove(self.peer_cluster_id, self._blocks, mode)
+        self._active = False
+
+    def __enter__(self) -> BlockAccess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.revoke()
+
+    def __repr__(self) -> str:
+        return (f"<BlockAccess cache={self.cache_id} peer={self.peer_cluster_id} blocks={self.num_blocks} "
+                f"{'/'.join('write' if m else 'read' for m in self._modes)}{'' if self.active else ' ended'}>")
+
+
 class CacheManager:
     """Registers caches and moves their blocks. Obtain it from ``LLMDataDist.cache_manager``."""
 
@@ -68,8 +113,10 @@ class CacheManager:
 
     # -- registration (synchronous) ---------------------------------------------------------------
     def _register(self, api: str, desc: object, addrs: object, is_blocks: bool, model_id: int | None,
-                  cache_keys: Sequence[CacheKey] = ()) -> Cache:
+                  cache_keys: Sequence[CacheKey] = (), access: object = RemoteAccess.OPEN) -> Cache:
         self._engine.require_init(api)
+        v.check_type(api, "remote_access", access, RemoteAccess)
+        assert isinstance(access, RemoteAccess)
         v.check_type(api, "cache_desc", desc, CacheDesc)
         assert isinstance(desc, CacheDesc)
         v.check_type(api, "addrs", addrs, (list, tuple))
@@ -78,29 +125,34 @@ class CacheManager:
         if len(addrs) != desc.num_tensors:
             raise param_invalid(f"{api}: {len(addrs)} addresses given for {desc.num_tensors} tensors")
         regions = [region_of(item, f"addrs[{i}]", desc) for i, item in enumerate(addrs)]
-        cache = self.registry.add(desc, regions, is_blocks, model_id, cache_keys=cache_keys)
+        cache = self.registry.add(desc, regions, is_blocks, model_id, cache_keys=cache_keys, access=access)
         self._engine.registry_changed()
         return cache
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                              blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
-        """Register caller-owned paged memory. ``blocks_cache_key.model_id`` names it for peers."""
+                              blocks_cache_key: BlocksCacheKey | None = None, *,
+                              remote_access: RemoteAccess = RemoteAccess.OPEN) -> Cache:
+        """Register caller-owned paged memory. ``blocks_cache_key.model_id`` names it for peers;
+        ``remote_access`` says what they may do with it (see ``RemoteAccess``; ``allow`` grants blocks)."""
         if blocks_cache_key is not None:
             v.check_type("register_blocks_cache", "blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
-        return self._register("register_blocks_cache", cache_desc, addrs, True, model_id)
+        return self._register("register_blocks_cache", cache_desc, addrs, True, model_id, access=remote_access)
 
     def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
-                       cache_keys: Sequence[CacheKey] = ()) -> Cache:
+                       cache_keys: Sequence[CacheKey] = (), *,
+                       remote_access: RemoteAccess = RemoteAccess.OPEN) -> Cache:
         """Register caller-owned contiguous memory (``shape[0]`` is the batch dimension). ``cache_keys[i]``
         names batch slot i for peers (``pull_cache`` / ``pull_blocks`` by ``CacheKey``); see
         ``allocate_cache``. The keys of caller-owned memory stay until ``remove_cache_key``."""
         v.check_type("register_cache", "cache_keys", cache_keys, (list, tuple))
-        return self._register("register_cache", cache_desc, addrs, False, None, cache_keys)
+        return self._register("register_cache", cache_desc, addrs, False, None, cache_keys, remote_access)
 
     def _allocate(self, api: str, desc: object, is_blocks: bool, model_id: int | None,
-                  cache_keys: Sequence[CacheKey] = ()) -> Cache:
+                  cache_keys: Sequence[CacheKey] = (), access: object = RemoteAccess.OPEN) -> Cache:
         self._engine.require_init(api)
+        v.check_type(api, "remote_access", access, RemoteAccess)
+        assert isinstance(access, RemoteAccess)
         v.check_type(api, "cache_desc", desc, CacheDesc)
         assert isinstance(desc, CacheDesc)
         v.check_batch_dim(api, desc)
@@ -108,16 +160,42 @@ class CacheManager:
             raise param_invalid(f"{api}: {desc!r} describes no memory")
         mapping, regions = allocate_regions(desc)
         cache = self.registry.add(desc, regions, is_blocks, model_id, mapping,  # on error the mapping is dropped
-                                  cache_keys=cache_keys)
+                                  cache_keys=cache_keys, access=access)
         self._engine.registry_changed()
         return cache
 
-    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None, *,
+                              remote_access: RemoteAccess = RemoteAccess.OPEN) -> Cache:
         """kvpush-owned, page-aligned, prefaulted paged memory; ``cache.tensors`` are numpy views."""
         if blocks_cache_key is not None:
             v.check_type("allocate_blocks_cache", "blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
-        return self._allocate("allocate_blocks_cache", cache_desc, True, model_id)
+        return self._allocate("allocate_blocks_cache", cache_desc, True, model_id, access=remote_access)
+
+    def allow(self, cache: Cache, peer_cluster_id: int, blocks: Sequence[int], *, write: bool = True,
+              read: bool = False) -> BlockAccess:
+        """Grant the linked peer ``peer_cluster_id`` access to ``blocks`` of ``cache`` (registered with
+        ``RemoteAccess.GRANTED``): to write them (``write``), read them (``read``), or both, every tensor of
+        those blocks. Synchronous: requests the peer makes from now on are checked against it on arrival.
+        The grant ends with ``BlockAccess.revoke()``, the link to that peer closing, or the cache going.
+        TypeError / ValueError / LLM_PARAM_INVALID for a bad argument (nothing is granted then)."""
+        api = "allow"
+        self._engine.require_init(api)
+        v.check_type(api, "cache", cache, Cache)
+        peer = check_int("peer_cluster_id", peer_cluster_id)
+        ids = v.check_blocks(api, "blocks", list(blocks) if isinstance(blocks, range) else blocks)
+        entry = self.registry.get(cache.cache_id)
+        if entry is None or entry.cache is not cache:
+            raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"{api}: cache {cache.cache_id} is not registered")
+        if entry.access is not RemoteAccess.GRANTED:
+            raise param_invalid(f"{api}: cache {cache.cache_id} was registered with remote_access="
+                                f"{entry.access.name}; grants apply to RemoteAccess.GRANTED caches only")
+        if not (write or read):
+            raise param_invalid(f"{api}: grants neither writing nor reading")
+        if not len(ids):
+            raise param_invalid(f"{api}: blocks is empty")
+        v.check_block_bounds(api, "blocks", ids, entry.num_blocks, "the")
+        return BlockAccess(entry, peer, ids.astype(np.int64), write, read)
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
         """kvpush-owned contiguous memory (``shape[0]`` is the batch dimension), page-aligned and prefaulted.

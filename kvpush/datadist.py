@@ -375,6 +375,7 @@ class LLMDataDist:
                 return self._keep_grants(link, held)
             del self._links[cluster_id]
             self._losses[cluster_id] = self._losses.get(cluster_id, 0) + 1
+            self.registry.drop_grants(cluster_id)  # a restarted peer of that id inherits none
             for inbox in (self.messages, self.notifications):
                 inbox.peer_gone(cluster_id, reason)
             for listener in self._link_listeners:

@@ -184,7 +184,7 @@ class Link:
             else:
                 result = await link.handshake.accept()
             link.peer_cluster_id, link.peer_instance = result.peer_cluster_id, result.peer_instance
-            link.inbound.rename(str(result.peer_cluster_id))
+            link.inbound.rename(result.peer_cluster_id)
             paths.take_peer_offers(result.peer_offers)
             mover, link.fallback_reason = paths.choose(owner.options.transport, result.peer_cluster_id, link.close)
             if mover is not None:

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .access import BlockGrants
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import REQUEST_KEY, U64_MAX, Cache, CacheDesc, CacheKey, DataType, KeyName, Placement
+from .types import REQUEST_KEY, U64_MAX, Cache, CacheDesc, CacheKey, DataType, KeyName, Placement, RemoteAccess
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,8 @@ class CacheEntry:
     keys: dict[KeyName, int] = field(default_factory=dict)  # cache keys naming batch slots: name -> slot
     pulled: dict[KeyName, set[int]] = field(default_factory=dict)  # tensors of a keyed slot pulled so far
     deallocated: bool = False  # its owner let go of it; kept (for peers only) while cache keys name its slots
+    access: RemoteAccess = RemoteAccess.OPEN
+    grants: BlockGrants | None = None  # which peer may write or read which blocks (RemoteAccess.GRANTED)
     # the sealed descriptor's geometry as plain ints (a transfer's checks read them without a call)
     num_blocks: int = field(init=False)
     block_bytes: int = field(init=False)
@@ -349,7 +352,15 @@ class CacheRegistry:
         return self._entries.get(cache_id)
 
     def table(self, with_addresses: bool = False, with_rkeys: bool = False) -> list[dict[str, Any]]:
-        return [entry.describe(with_addresses, with_rkeys) for entry in self._entries.values()]
+        """What peers are told of this engine's caches (private ones are left out)."""
+        return [entry.describe(with_addresses, with_rkeys) for entry in self._entries.values()
+                if entry.access is not RemoteAccess.PRIVATE]
+
+    def drop_grants(self, peer: int) -> None:
+        """Every grant to ``peer`` ends (its link closed: a grant never outlives the link it was made for)."""
+        for entry in self._entries.values():
+            if entry.grants is not None:
+                entry.grants.drop(peer)
 
     def add(
         self,
@@ -359,9 +370,12 @@ class CacheRegistry:
         model_id: int | None,
         mapping: mmap.mmap | None = None,
         cache_keys: Sequence[CacheKey] = (),
+        access: RemoteAccess = RemoteAccess.OPEN,
     ) -> Cache:
         """Register a cache; ``cache_keys[i]`` names batch slot i (contiguous caches; placeholders name
-        nothing). LLMException(LLM_PARAM_INVALID / LLM_FEATURE_NOT_ENABLED) before anything is kept."""
+        nothing); ``access`` says what peers may do with it (only an ``OPEN`` cache is registered with a
+        one-sided transport that hands out remote keys). LLMException(LLM_PARAM_INVALID /
+        LLM_FEATURE_NOT_ENABLED) before anything is kept."""
         check_placement(desc, regions)
         if desc.num_tensors < 1 or not desc.shape or min(desc.shape) < 1:
             raise param_invalid(f"{desc!r} describes no memory (num_tensors and every dim must be >= 1)")
@@ -381,8 +395,9 @@ class CacheRegistry:
             tensors=[r.flat().view(desc.data_type.numpy_dtype).reshape(desc.shape) for r in regions],
         )
         self._next_id += 1
-        entry = CacheEntry(cache, model_id, regions, np.array(cache.tensor_addrs, np.uint64), mapping)
-        if self.mapper is not None:
+        entry = CacheEntry(cache, model_id, regions, np.array(cache.tensor_addrs, np.uint64), mapping, access=access,
+                           grants=BlockGrants(desc.num_blocks) if access is RemoteAccess.GRANTED else None)
+        if self.mapper is not None and access is RemoteAccess.OPEN:
             entry.mapper = self.mapper
             try:
                 for region in regions:

@@ -38,6 +38,7 @@ from .protocol import (
     encode_status,
 )
 from .status import LLMStatusCode
+from .types import RemoteAccess
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,17 @@ class Refusal(Exception):
         self.reason = reason
 
 
-def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta,
-            flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec]:
-    """Check a peer's transfer against the local registry: the cache and the iovec it addresses, or
-    ``Refusal``. ``flat``: a vector of a few entries may come as ``FlatIoVec`` (no numpy call). Pure:
+def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta, peer: int | None = None,
+            write: bool = True, flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec]:
+    """Check a peer's transfer (``write``: into this engine's memory, else out of it) against the local
+    registry: the cache and the iovec it addresses, or ``Refusal``. A private cache is refused as if it
+    did not exist; a ``GRANTED`` one only where every run lies in blocks granted to ``peer`` for that
+    direction. ``flat``: a vector of a few entries may come as ``FlatIoVec`` (no numpy call). Pure:
     nothing is pinned, nothing is sent."""
     if not access_allowed:
         raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
     entry = registry.get(transfer.cache_id)
-    if entry is None:
+    if entry is None or entry.access is RemoteAccess.PRIVATE:
         raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
     first, count = transfer.first_tensor, transfer.num_tensors
     if first + count > entry.num_tensors:
@@ -84,12 +87,29 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
             if length <= 0 or offset + length > limit:
                 raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                               f"a run lies outside cache {transfer.cache_id}'s tensors")
+        _check_grants(entry, transfer, peer, write)
         ints = runs_at(entry.cache.tensor_addrs[first:first + count], runs, 0)
         return entry, ints if flat and len(ints) <= 2 * FLAT_ENTRIES else as_iovec(ints)
     if not runs_in_bounds(transfer.offsets, transfer.lengths, limit):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
+    _check_grants(entry, transfer, peer, write)
     addrs = entry.addrs[first:first + count]
     return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
+
+
+def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, write: bool) -> None:
+    """Refuse a transfer into or out of a ``GRANTED`` cache that strays from the blocks granted to ``peer``."""
+    grants = entry.grants
+    if grants is None:
+        return
+    runs = transfer.runs
+    covered = peer is not None and (
+        grants.covers(peer, write, entry.block_bytes, runs) if runs is not None
+        else grants.covers(peer, write, entry.block_bytes, None, transfer.offsets, transfer.lengths))
+    if not covered:
+        raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                      f"cache {transfer.cache_id}: the {'written' if write else 'read'} blocks are not all granted to "
+                      f"cluster {peer} for {'writing' if write else 'reading'}")
 
 
 @dataclass
@@ -183,9 +203,12 @@ class Inbound:
         self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
         self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
+        self._peer_id: int | None = None  # None until the handshake named the peer: no grant applies
 
-    def rename(self, peer: str) -> None:
-        self._peer = peer
+    def rename(self, peer_cluster_id: int) -> None:
+        """The peer's cluster id, known once the handshake is over: what grants are checked against."""
+        self._peer = str(peer_cluster_id)
+        self._peer_id = peer_cluster_id
 
     def _resolve(self, header: FrameHeader, meta: bytes, what: str,
                  flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec, int] | Refusal:
@@ -196,7 +219,8 @@ class Inbound:
             if len(self._writes) + len(self._granted) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
-            entry, iov = resolve(self._registry, self._access_allowed(), transfer, flat)
+            write = header.kind in (Kind.WRITE, Kind.WRITE_INTENT)
+            entry, iov = resolve(self._registry, self._access_allowed(), transfer, self._peer_id, write, flat)
         except Refusal as refusal:
             log.warning("refused a %s from cluster %s: %s", what, self._peer, refusal.reason)
             return refusal
@@ -304,8 +328,9 @@ class Inbound:
         if op == "request":
             entry = self._registry.get(cache_id)
             # only a writer that read our in-memory secret (it can reach this process) gets a lease
-            if (entry is None or not self._proves_reach(str(body.get("proof", ""))) or cache_id in self._leases
-                    or not self._access_allowed()):
+            # a lease opens the whole cache to the writer: only an OPEN cache is leased
+            if (entry is None or entry.access is not RemoteAccess.OPEN or cache_id in self._leases
+                    or not self._proves_reach(str(body.get("proof", ""))) or not self._access_allowed()):
                 self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
                 return
             entry.pin()
@@ -363,8 +388,9 @@ class Inbound:
             log.warning("ignored a cache key release from cluster %s: remote cache access is disabled", self._peer)
             return
         entry = self._registry.get(release.cache_id)
-        if entry is None:
-            log.debug("cache key release from cluster %s for cache %d, which is gone", self._peer, release.cache_id)
+        if entry is None or entry.access is not RemoteAccess.OPEN:
+            log.debug("cache key release from cluster %s for cache %d, which is gone or not open to peers", self._peer,
+                      release.cache_id)
             return
         if release.first_tensor + release.num_tensors > entry.desc.num_tensors:
             raise ProtocolError(f"RELEASE_KEY names tensors {release.first_tensor}..+{release.num_tensors} of cache "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,20 @@ class _NamedIntEnum(IntEnum):
 
     def __str__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
+
+
+class RemoteAccess(Enum):
+    """What linked peers may do with a registered cache (kvpush's own; LLM-DataDist's model is ``OPEN``).
+
+    ``OPEN``: any linked peer may read and write it (unless ``llm.EnableRemoteCacheAccessible`` is 0).
+    ``GRANTED``: a peer may write (or read) only the blocks this side granted to it with
+    ``CacheManager.allow``, while the grant lasts; one-sided transports whose remote keys open a whole
+    registration (UCX) are not given any for it, so its bytes go in the link's stream, checked on arrival.
+    ``PRIVATE``: peers neither see it in the cache table nor reach it."""
+
+    OPEN = "open"
+    GRANTED = "granted"
+    PRIVATE = "private"
 
 
 class LLMRole(_NamedIntEnum):

@@ -52,7 +52,8 @@ async def _serve() -> None:
             desc = CacheDesc(cmd["num_tensors"], tuple(cmd["shape"]), DataType(cmd.get("dtype", 1)))
             key = BlocksCacheKey(engine.cluster_id, cmd["model_id"]) if cmd.get("model_id") is not None else None
             if cmd.get("blocks", True):
-                cache = cm.allocate_blocks_cache(desc, key)
+                access = kvpush.RemoteAccess(cmd.get("access", "open"))
+                cache = cm.allocate_blocks_cache(desc, key, remote_access=access)
             else:  # "req_ids": the request ids of the cache keys naming its slots, in slot order
                 cache = cm.allocate_cache(desc, [CacheKey(engine.cluster_id, r) for r in cmd.get("req_ids", [])])
             caches[cmd["name"]] = cache
@@ -103,6 +104,17 @@ async def _serve() -> None:
             except kvpush.LLMException as error:
                 status = int(error.status_code)
             return {"status": status, "seconds": loop.time() - started}
+        if op == "allow":  # grant a peer write access to blocks of a GRANTED cache, for the process's life
+            held.append(cm.allow(caches[cmd["name"]], cmd["peer"], cmd["blocks"]))
+            return {}
+        if op == "try_pull":  # report the terminal state instead of raising
+            try:
+                await cm.pull_blocks(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
+                                     cmd["src_blocks"], cmd["dst_blocks"])
+                status = 0
+            except kvpush.LLMException as error:
+                status = int(error.status_code)
+            return {"status": status}
         if op == "hold_pusher":  # prepare a request (its one-sided layers get granted) and push nothing yet
             held.append(cm.layer_pusher(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
                                         cmd["src_blocks"], cmd["dst_blocks"]))

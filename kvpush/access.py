@@ -1,0 +1,92 @@
+"""Which peer may write or read which blocks of one cache registered with ``RemoteAccess.GRANTED``. Pure.
+
+A grant names a peer cluster, blocks of the cache and a direction. The receiver checks every request a
+peer makes against the grants in force when it arrives (``BlockGrants.covers``): all of the request's
+byte runs must lie in blocks granted to that peer for that direction. Grants nest - they are counted per
+block - so a block granted twice stays granted until both are revoked. A check costs O(runs): the prefix
+sums it reads are rebuilt (O(blocks), numpy) only when the grants change, twice per request at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+_Key = tuple[int, bool]  # (peer cluster id, write)
+
+
+class BlockGrants:
+    """The grants of one cache of ``num_blocks`` blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._counts: dict[_Key, np.ndarray[Any, np.dtype[np.uint32]]] = {}
+        self._prefix: dict[_Key, np.ndarray[Any, np.dtype[np.int64]]] = {}  # granted blocks below i, per key
+        self._epochs: dict[int, int] = {}  # peer -> how many times its grants were dropped
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+    def add(self, peer: int, blocks: np.ndarray[Any, Any], write: bool) -> None:
+        """Grant ``blocks`` (valid block ids; repeats count once each) to ``peer``."""
+        key = (peer, write)
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = np.zeros(self.num_blocks, np.uint32)
+        np.add.at(counts, blocks, 1)
+        self._reindex(key)
+
+    def epoch(self, peer: int) -> int:
+        """Changes when ``drop`` ends every grant to ``peer``: an ``add`` made before must not be removed after."""
+        return self._epochs.get(peer, 0)
+
+    def drop(self, peer: int) -> None:
+        """End every grant to ``peer``."""
+        for key in [key for key in self._counts if key[0] == peer]:
+            del self._counts[key], self._prefix[key]
+        self._epochs[peer] = self.epoch(peer) + 1
+
+    def remove(self, peer: int, blocks: np.ndarray[Any, Any], write: bool) -> None:
+        """Revoke one ``add`` of exactly these blocks (made in the current ``epoch``)."""
+        key = (peer, write)
+        counts = self._counts.get(key)
+        if counts is None:
+            return
+        np.subtract.at(counts, blocks, 1)
+        if not counts.any():
+            del self._counts[key], self._prefix[key]
+        else:
+            self._reindex(key)
+
+    def _reindex(self, key: _Key) -> None:
+        prefix = np.zeros(self.num_blocks + 1, np.int64)
+        np.cumsum(self._counts[key] > 0, out=prefix[1:])
+        self._prefix[key] = prefix
+
+    def granted(self, peer: int, write: bool) -> int:
+        """How many blocks ``peer`` holds a grant on, in that direction."""
+        prefix = self._prefix.get((peer, write))
+        return 0 if prefix is None else int(prefix[-1])
+
+    def covers(self, peer: int, write: bool, block_bytes: int, runs: Sequence[tuple[int, int]] | None,
+               offsets: np.ndarray[Any, Any] | None = None, lengths: np.ndarray[Any, Any] | None = None) -> bool:
+        """Every byte run (offset, length within a tensor) lies in blocks granted to ``peer``: a few runs as
+        Python pairs (``runs``), many as arrays (``offsets``, ``lengths``)."""
+        prefix = self._prefix.get((peer, write))
+        if prefix is None:
+            return False
+        limit = self.num_blocks
+        if runs is not None:
+            for offset, length in runs:
+                start, stop = offset // block_bytes, -(-(offset + length) // block_bytes)
+                if length <= 0 or stop > limit or int(prefix[stop]) - int(prefix[start]) != stop - start:
+                    return False
+            return True
+        assert offsets is not None and lengths is not None
+        starts = offsets.astype(np.int64) // block_bytes
+        stops = -(-(offsets.astype(np.int64) + lengths.astype(np.int64)) // block_bytes)
+        if not len(starts) or int(lengths.min()) <= 0 or int(stops.max()) > limit or int(starts.min()) < 0:
+            return False
+        return bool(np.array_equal(prefix[stops] - prefix[starts], stops - starts))
