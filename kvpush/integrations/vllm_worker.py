@@ -32,6 +32,7 @@ from kvpush import (
     LLMException,
     LLMRole,
     LLMStatusCode,
+    RemoteAccess,
 )
 
 from . import vllm_core as core
@@ -122,6 +123,7 @@ class EngineBridge:
         self.dd = LLMDataDist(role, cluster_id)
         self.cache: Cache | None = None
         self._pushes: dict[int, _Push] = {}
+        self._grants: dict[str, Any] = {}  # transfer id -> the BlockAccess its prefill writes under
         self._peer_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
@@ -138,10 +140,13 @@ class EngineBridge:
         log.info("kvpush engine cluster %d ready (listening on %s)", self.cluster_id,
                  self.dd.listen_address or "nothing: dials only")
 
-    def register(self, desc: CacheDesc, tensors: Sequence[Any]) -> Cache:
+    def register(self, desc: CacheDesc, tensors: Sequence[Any], access: RemoteAccess) -> Cache:
+        """Register vLLM's KV tensors in place: ``PRIVATE`` on a prefill (no peer reads or writes them),
+        ``GRANTED`` on a decode (a prefill writes only the blocks of a transfer it was sent, while it lasts)."""
         async def register() -> Cache:
             return self.dd.cache_manager.register_blocks_cache(desc, list(tensors),
-                                                               BlocksCacheKey(self.cluster_id, MODEL_ID))
+                                                               BlocksCacheKey(self.cluster_id, MODEL_ID),
+                                                               remote_access=access)
         self.cache = self.thread.run(register(), timeout=30)
         return self.cache
 
@@ -186,12 +191,16 @@ class EngineBridge:
         return lock
 
     # -- decode side -------------------------------------------------------------------------------
-    def send_ids(self, remote: core.PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
-        self.thread.call_soon(self._spawn, self._send_ids(remote, list(frames), transfer_id))
+    def send_ids(self, remote: core.PeerAddress, frames: Sequence[bytes], transfer_id: str,
+                 blocks: Sequence[int]) -> None:
+        self.thread.call_soon(self._spawn, self._send_ids(remote, list(frames), transfer_id, list(blocks)))
 
-    async def _send_ids(self, remote: core.PeerAddress, frames: list[bytes], transfer_id: str) -> None:
+    async def _send_ids(self, remote: core.PeerAddress, frames: list[bytes], transfer_id: str,
+                        blocks: list[int]) -> None:
         async with self._lock(remote.cluster_id):
             problem = await self._ensure_link(remote)
+            if problem is None and blocks:
+                problem = self._grant(remote.cluster_id, transfer_id, blocks)
             if problem is not None:
                 self.events.put(("ids_sent", transfer_id, problem[0], problem[1], False))
                 return
@@ -205,6 +214,26 @@ class EngineBridge:
                     return
                 delivered = True
             self.events.put(("ids_sent", transfer_id, None, False, True))
+
+    def _grant(self, peer: int, transfer_id: str, blocks: list[int]) -> tuple[str, bool] | None:
+        """Open ``blocks`` to ``peer`` for this transfer (again, if the link its grant was made on closed)."""
+        access = self._grants.get(transfer_id)
+        if access is not None and access.active:
+            return None
+        assert self.cache is not None
+        try:
+            self._grants[transfer_id] = self.dd.cache_manager.allow(self.cache, peer, blocks)
+        except (LLMException, TypeError, ValueError) as error:
+            return f"cannot open the blocks to cluster {peer}: {describe_error(error)}", False
+        return None
+
+    def transfer_ended(self, transfer_id: str) -> None:
+        self.thread.call_soon(self._end_grant, transfer_id)
+
+    def _end_grant(self, transfer_id: str) -> None:
+        access = self._grants.pop(transfer_id, None)
+        if access is not None:
+            access.revoke()
 
     async def _ensure_link(self, remote: core.PeerAddress) -> tuple[str, bool] | None:
         if remote.cluster_id in self.dd.links:
@@ -339,7 +368,7 @@ class WorkerSide:
         desc = cache_desc(names, tensors)
         engine = EngineBridge(s.cluster_id, s.listen, s.config, s.engine_role, self.events)
         engine.start()
-        engine.register(desc, tensors)
+        engine.register(desc, tensors, RemoteAccess.GRANTED if s.consume else RemoteAccess.PRIVATE)
         self.engine = engine
         self.layer_index = {name: i for i, name in enumerate(names)}
         clock = time.monotonic

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from peer import Peer
 
+from kvpush import LLMStatusCode
 from kvpush.integrations import vllm_core as core
 from kvpush.integrations.vllm_core import FinishedSend, RecvSpec, SendStep, StepMeta
 from kvpush.integrations.vllm_worker import ConnectorSettings, WorkerSide, cache_desc
@@ -260,3 +262,38 @@ def test_ids_that_came_over_a_link_that_died_are_never_pushed_over_the_next_one(
     assert "d-t7" not in decode.failed
     assert_landed(prefill, decode, src7, [30, 31])
     assert not decode.buffer[:, [25, 26, 27]].any()  # t6a and t6: nothing pushed after the link died
+
+
+def test_a_stranger_linked_to_either_side_reads_nothing_and_writes_nowhere(tmp_path: Any) -> None:
+    """A third kvpush engine (another process) that links to the prefill and to a listening decode: the
+    prefill's KV is neither listed nor readable, and the decode's blocks refuse it even while they are
+    open to the prefill for a transfer, under the exact block ids that transfer uses."""
+    port, decode_port = free_port(), free_port()
+    prefill = Side("kv_producer", port, transport="tcp", ids_timeout_s=5, transfer_timeout_s=5)
+    decode = Side("kv_consumer", port, transport="tcp", port=decode_port, transfer_timeout_s=5)
+    try:
+        prefill.buffer[:] = 7.0
+        dst = [40, 41]
+        decode.step(StepMeta(recv=[recv_spec(prefill, "t8", dst, 8)]))  # open to the prefill from now on
+        until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t8")), prefill, decode)
+        assert decode.worker.engine is not None
+        decode_id = decode.worker.settings.cluster_id
+        with Peer(99, options={"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": "tcp"}) as stranger:
+            stranger.call("allocate", name="kv", num_tensors=LAYERS, shape=[BLOCKS, HEADS * BLOCK * WIDTH],
+                          dtype=0, model_id=0, seed=3)
+            for cluster, at in ((prefill.worker.settings.cluster_id, port), (decode_id, decode_port)):
+                assert stranger.call("link", cluster_id=cluster, port=at)["status"] == 0
+            not_exist = int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            pulled = stranger.call("try_pull", name="kv", cluster_id=prefill.worker.settings.cluster_id,
+                                   src_blocks=[1, 2], dst_blocks=[1, 2])
+            assert pulled["status"] == not_exist
+            pushed = stranger.call("try_push", name="kv", cluster_id=prefill.worker.settings.cluster_id,
+                                   src_blocks=[1], dst_blocks=[1])
+            assert pushed["status"] == not_exist
+            pushed = stranger.call("try_push", name="kv", cluster_id=decode_id, src_blocks=[1, 2], dst_blocks=dst)
+            assert pushed["status"] == int(LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        assert not decode.buffer[:, dst].any() and (prefill.buffer == 7.0).all()
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+

@@ -676,9 +676,14 @@ class ConsumerFx:
     def __init__(self) -> None:
         self.sent: list[tuple[PeerAddress, list[Any], str]] = []
         self.aborts: list[tuple[int, Any]] = []
+        self.open: dict[str, tuple[int, ...]] = {}  # transfer id -> the blocks opened to its prefill
 
-    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
+    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str, blocks: Sequence[int]) -> None:
         self.sent.append((remote, [core.decode(f) for f in frames], transfer_id))
+        self.open[transfer_id] = tuple(blocks)
+
+    def transfer_ended(self, transfer_id: str) -> None:
+        self.open.pop(transfer_id, None)
 
     def send_abort(self, peer: int, data: bytes) -> None:
         self.aborts.append((peer, core.decode(data)))
@@ -703,6 +708,7 @@ def test_decode_sends_its_ids_and_reports_the_request_only_after_the_landed_noti
     book.begin_step([spec()])
     ((remote, frames, tid),) = fx.sent
     assert remote == PREFILL and tid == "tid" and frames == [BlockIds("tid", 32, 70, 0, 3, 0, (7, 8, 9))]
+    assert fx.open == {"tid": (7, 8, 9)}  # opened to the prefill with the ids, not before
     assert book.state_of("tid") == ConsumerState.SENDING_IDS
     book.on_ids_sent("tid")
     assert book.state_of("tid") == ConsumerState.WAITING_LANDED
@@ -710,6 +716,7 @@ def test_decode_sends_its_ids_and_reports_the_request_only_after_the_landed_noti
     assert book.take_finished() == core.Received(set(), set(), set())
     book.on_message(PREFILL.cluster_id, landed())
     assert book.take_finished() == core.Received({"r1"}, set(), set())
+    assert fx.open == {}
     assert book.take_finished() == core.Received(set(), set(), set()) and len(book) == 0
     book.on_message(PREFILL.cluster_id, landed())  # a duplicate changes nothing
     assert not book.take_finished().finished
@@ -914,6 +921,7 @@ class World:
         self.producer = ProducerBook(block_size, layers, self.config, self.clock, self._PFx(self))
         self.consumer = ConsumerBook(block_size, self.config, self.clock, self._CFx(self))
         self.pushes: dict[int, tuple[list[int], list[int]]] = {}
+        self.granted: set[int] = set()  # decode blocks open to the prefill (RemoteAccess.GRANTED)
         self.released: list[str] = []
         self.received: list[core.Received] = []
 
@@ -923,6 +931,7 @@ class World:
 
     def copy(self, push_id: int, layer: int) -> None:
         src, dst = self.pushes[push_id]
+        assert set(dst) <= self.granted, "the prefill wrote a block the decode had not opened to it (or closed)"
         self.d_mem[layer, dst] = self.p_mem[layer, src]
 
     class _PFx:
@@ -959,7 +968,10 @@ class World:
         def __init__(self, world: World) -> None:
             self.w = world
 
-        def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
+        def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str,
+                     blocks: Sequence[int]) -> None:
+            self.w.granted |= set(blocks)  # opened before the ids leave
+
             def deliver() -> None:
                 for frame in frames:
                     self.w.producer.on_message(DECODE_CLUSTER, core.decode(frame))
@@ -969,6 +981,9 @@ class World:
         def send_abort(self, peer: int, data: bytes) -> None:
             message = core.decode(data)
             self.w.pending.append(("abort", lambda: self.w.producer.on_message(DECODE_CLUSTER, message)))
+
+        def transfer_ended(self, transfer_id: str) -> None:
+            self.w.granted.clear()
 
     def complete(self, push_id: int) -> None:
         error = "LLM_TIMEOUT: injected" if push_id == self.fail_push else None
@@ -1216,6 +1231,7 @@ def test_any_sequence_of_consumer_events_reports_the_request_exactly_once(events
         apply("ids_ok")
         apply("tick")
     assert [r.finished for r in reports] == [{"r1"}] and len(book) == 0
+    assert fx.open == {}  # however it ended, its blocks are no longer open to the prefill
     (report,) = reports
     assert report.failed <= report.finished
     assert report.load_errors == ({7, 8, 9} if report.failed else set())

@@ -214,7 +214,7 @@ class ConsumerBook:
             return
         t.sending = True
         self.stats["ids_sent"] += 1
-        self.effects.send_ids(spec.remote, frames, spec.transfer_id)
+        self.effects.send_ids(spec.remote, frames, spec.transfer_id, spec.blocks)
 
     def _give_up(self, t: _Incoming, reason: str, now: float) -> None:
         t.reason = t.reason or reason
@@ -245,6 +245,7 @@ class ConsumerBook:
         self.stats[state.name.lower()] += 1
         del self._transfers[t.spec.transfer_id]
         self._by_req.pop(t.spec.req_id, None)
+        self.effects.transfer_ended(t.spec.transfer_id)
         self._finished.add(t.spec.req_id)
         if state == ConsumerState.FAILED:
             self._failed.add(t.spec.req_id)

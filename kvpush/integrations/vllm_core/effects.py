@@ -41,8 +41,13 @@ class ConsumerEffects(Protocol):
     """What the decode worker's book asks the engine to do; ``send_ids`` reports
     ``on_ids_sent(transfer_id, error, retryable, delivered_any)``."""
 
-    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str) -> None:
-        """Link to ``remote`` if needed, then send ``frames`` in order, after anything sent before."""
+    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str, blocks: Sequence[int]) -> None:
+        """Link to ``remote`` if needed, open ``blocks`` (this worker's, where the transfer lands) to it for
+        writing, then send ``frames`` in order, after anything sent before."""
+
+    def transfer_ended(self, transfer_id: str) -> None:
+        """The transfer ended here (landed, failed or aborted): its blocks are no longer open to the
+        prefill, whatever it sends (vLLM may reuse them)."""
 
     def send_abort(self, peer: int, data: bytes) -> None:
         """Best effort, ordered after earlier sends to that peer."""
