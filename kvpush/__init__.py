@@ -3,7 +3,7 @@
 from .cache_manager import BlockAccess, CacheManager
 from .datadist import LLMDataDist
 from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
-from .options import LLMConfig
+from .options import AUTH_TOKEN_ENV, LLMConfig, is_loopback
 from .status import LLMException, LLMStatusCode
 from .types import (
     BlocksCacheKey,
@@ -22,6 +22,7 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AUTH_TOKEN_ENV",
     "BlockAccess",
     "BlocksCacheKey",
     "Cache",
@@ -43,4 +44,5 @@ __all__ = [
     "Placement",
     "RemoteAccess",
     "__version__",
+    "is_loopback",
 ]

@@ -23,7 +23,7 @@ from .handshake import Identity
 from .link import Link
 from .memory import CacheRegistry
 from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
-from .options import EngineOptions, parse_options
+from .options import EngineOptions, is_loopback, parse_options
 from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import LLMClusterInfo, LLMRole, check_int, check_ip
@@ -276,6 +276,10 @@ class LLMDataDist:
                                f"cannot listen on {host}:{port}: {error.strerror or error}") from None
         self._accept_task = asyncio.create_task(self._accept_loop(self._listener),
                                                 name=f"kvpush-accept-{self.cluster_id}")
+        if not self._options.auth_token and not is_loopback(host):
+            log.warning("engine cluster=%d listens on %s:%d, which other hosts may reach, without kvpush.auth_token: "
+                        "any peer that reaches it can link and use the caches it may reach", self.cluster_id, host,
+                        port)
 
     def _stop_listening(self) -> None:
         if self._accept_task is not None:

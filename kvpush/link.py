@@ -200,8 +200,8 @@ class Link:
             link.close("handshake interrupted")
             raise
         link._own(link._keepalive_loop(), f"kvpush-keepalive-{link.peer_cluster_id}")
-        log.info("link to cluster %s ready over %s (%s)%s", link.peer_cluster_id, link.transport,
-                 "dialed" if dialer else "accepted",
+        log.info("link to cluster %s ready over %s (%s%s)%s", link.peer_cluster_id, link.transport,
+                 "dialed" if dialer else "accepted", ", authenticated" if owner.options.auth_token else "",
                  f"; same-host path not used: {link.fallback_reason}" if link.fallback_reason else "")
         return link
 

@@ -9,6 +9,7 @@ in the debug log. A key that is neither is an error, never silently ignored.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
@@ -24,6 +25,19 @@ from .types import check_int, check_ip
 log = logging.getLogger(__name__)
 
 TRANSPORTS = transport_names()  # every name kvpush.transport accepts, "auto" first
+AUTH_TOKEN_ENV = "KVPUSH_AUTH_TOKEN"  # where kvpush's own programs (CLI, vLLM connector) read a shared token
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this host reaches (127.0.0.0/8, ::1, ``localhost``); False for anything
+    else, wildcard addresses (0.0.0.0, ::) and other names included."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _UINT32_MAX = (1 << 32) - 1

@@ -4,9 +4,12 @@ destination (computed here, independently of kvpush's own layout code) and a lin
 from __future__ import annotations
 
 import asyncio
+import queue
+import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from peer import Peer, pattern
@@ -100,3 +103,26 @@ def cluster(cluster_id: int, port: int, host: str = "127.0.0.1") -> LLMClusterIn
 async def link(engine: LLMDataDist, cluster_id: int, port: int) -> None:
     status, codes = await engine.link_clusters([cluster(cluster_id, port)], timeout=5000)
     assert status == 0 and codes == [0], (status, codes)
+
+
+class Lines:
+    """A child's output (its stdout, or ``stream``), read by a thread, so every read here is bounded by a
+    timeout."""
+
+    def __init__(self, proc: subprocess.Popen[str], stream: IO[str] | None = None) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        stream = proc.stdout if stream is None else stream
+        assert stream is not None
+
+        def pump() -> None:
+            for line in stream:
+                self._queue.put(line)
+            self._queue.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def next(self, timeout: float = 30.0) -> str:
+        line = self._queue.get(timeout=timeout)
+        if line is None:
+            raise EOFError("the process closed its output")
+        return line

@@ -8,9 +8,10 @@ way after parsing. Nothing here touches the network.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
-from kvpush import DataType, LLMClusterInfo
+from kvpush import AUTH_TOKEN_ENV, DataType, LLMClusterInfo
 
 if TYPE_CHECKING:
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -93,14 +94,22 @@ def add_engine_args(sub: argparse.ArgumentParser) -> None:
                      help="per-layer transfer deadline, llm.SyncKvCacheWaitTime (default 1000)")
     sub.add_argument("--transport", choices=TRANSPORT_CHOICES, default="auto",
                      help="kvpush.transport (default auto)")
-    sub.add_argument("--auth-token", default=None, help="shared secret both ends must know (kvpush.auth_token)")
+    sub.add_argument("--auth-token", default=None,
+                     help=f"shared secret both ends must know (kvpush.auth_token); default: the environment variable "
+                          f"{AUTH_TOKEN_ENV}, which stays out of process listings and shell history")
     sub.add_argument("--json", action="store_true", help="machine-readable output (JSON)")
     sub.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The token in force: ``--auth-token``, else the environment's."""
+    return str(args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or "") or None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, str]:
     """The engine options the flags of ``add_engine_args`` ask for."""
     options = {"llm.SyncKvCacheWaitTime": str(args.sync_kv_timeout), "kvpush.transport": args.transport}
-    if args.auth_token:
-        options["kvpush.auth_token"] = args.auth_token
+    token = auth_token(args)
+    if token:
+        options["kvpush.auth_token"] = token
     return options

@@ -17,9 +17,9 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMException, LLMRole
+from kvpush import AUTH_TOKEN_ENV, BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMException, LLMRole, is_loopback
 
-from .args import add_engine_args, address_arg, dtype_arg, engine_options, positive, shape_arg
+from .args import add_engine_args, address_arg, auth_token, dtype_arg, engine_options, positive, shape_arg
 from .output import Reporter, configure_logging, fail, format_address, size
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ def add_parser(commands: Subcommands) -> None:
                        help="element type: float16, bf16, float32, int8, int32, ... (default float16)")
     serve.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                        help="how often to report what arrived (default 1.0)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="listen off loopback without an auth token (any peer that reaches the port can link)")
     add_engine_args(serve)
 
 
@@ -103,6 +105,13 @@ class _Traffic:
 async def _serve(args: argparse.Namespace) -> int:
     report = Reporter(args.json)
     host, port = args.listen
+    if not is_loopback(host) and not auth_token(args):
+        if not args.insecure:
+            return fail("serve", f"{format_address(host, port)} is reachable from other hosts and no auth token is "
+                                 f"set: any of them could link and write into the cache. Set the same token on both "
+                                 f"ends ({AUTH_TOKEN_ENV}=... or --auth-token), or pass --insecure")
+        logging.getLogger("kvpush.cli").warning("insecure: listening on %s with no auth token",
+                                                format_address(host, port))
     options = {**engine_options(args), "llm.listenIpInfo": format_address(host, port)}
     traffic = _Traffic(report)
     engine = LLMDataDist(LLMRole.DECODER, args.cluster_id)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvpush import (
+    AUTH_TOKEN_ENV,
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -33,6 +34,7 @@ from kvpush import (
     LLMRole,
     LLMStatusCode,
     RemoteAccess,
+    is_loopback,
 )
 
 from . import vllm_core as core
@@ -114,10 +116,11 @@ class EngineBridge:
     """
 
     def __init__(self, cluster_id: int, listen: tuple[str, int] | None, config: core.ConnectorConfig,
-                 role: LLMRole, events: queue.SimpleQueue[tuple[Any, ...]]) -> None:
+                 role: LLMRole, events: queue.SimpleQueue[tuple[Any, ...]], auth_token: str | None = None) -> None:
         self.cluster_id = cluster_id
         self.listen = listen
         self.config = config
+        self.auth_token = auth_token
         self.events = events
         self.thread = LoopThread(f"kvpush-{cluster_id}")
         self.dd = LLMDataDist(role, cluster_id)
@@ -133,7 +136,7 @@ class EngineBridge:
         self.thread.run(self._start(), timeout=30)
 
     async def _start(self) -> None:
-        await self.dd.init(self.config.engine_options_for(self.listen))
+        await self.dd.init(self.config.engine_options_for(self.listen, self.auth_token))
         self.dd.add_link_listener(self._on_link)
         self._spawn(self._read(self.dd.messages))
         self._spawn(self._read(self.dd.notifications))
@@ -366,7 +369,10 @@ class WorkerSide:
         """Start the engine and register ``tensors`` (one per layer, in layer order) in place."""
         s = self.settings
         desc = cache_desc(names, tensors)
-        engine = EngineBridge(s.cluster_id, s.listen, s.config, s.engine_role, self.events)
+        if s.insecure_listener:
+            log.warning("KvpushConnector: insecure: this engine listens on %s:%d, which other hosts may reach, with no "
+                        "auth token: any of them can link to it", *(s.listen or ("?", 0)))
+        engine = EngineBridge(s.cluster_id, s.listen, s.config, s.engine_role, self.events, s.auth_token)
         engine.start()
         engine.register(desc, tensors, RemoteAccess.GRANTED if s.consume else RemoteAccess.PRIVATE)
         self.engine = engine
@@ -532,6 +538,17 @@ class ConnectorSettings:
         else:  # a decode that only dials: any id no address derives to (those are < 2**48 or >= 2**63)
             self.cluster_id = (1 << 48) + secrets.randbelow((1 << 62) - (1 << 48))
         self.local = core.PeerAddress(self.listen[0], self.listen[1], self.cluster_id) if self.listen else None
+        #: the shared secret of this deployment's links: the config's, else the environment's
+        self.auth_token: str | None = self.config.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+        self.insecure_listener = self.listen is not None and not self.auth_token and not is_loopback(self.listen[0])
+        if self.insecure_listener and not self.config.insecure:
+            assert self.listen is not None
+            raise core.ParamsError(
+                f"KvpushConnector: its kvpush engine would listen on {self.listen[0]}:{self.listen[1]}, which other "
+                f"hosts may reach, with no auth token: any of them could link to it. Give every prefill and decode "
+                f"the same secret in the environment variable {AUTH_TOKEN_ENV} (or \"auth_token\" in "
+                f"kv_connector_extra_config, which shows in process listings), or run it unauthenticated on a "
+                f"private network with \"insecure\": true in kv_connector_extra_config")
         default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
         self.name = f"kvpush-{str(transfer.engine_id)[:8]}"

@@ -4,42 +4,19 @@ from __future__ import annotations
 
 import io
 import json
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from kvtest import Lines
 
 from kvpush.cli.output import Progress as _Progress
 
 KVPUSH = [sys.executable, "-m", "kvpush"]
-
-
-class Lines:
-    """A child's stdout, read by a thread, so every read here is bounded by a timeout."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        assert proc.stdout is not None
-        stream = proc.stdout
-
-        def pump() -> None:
-            for line in stream:
-                self._queue.put(line)
-            self._queue.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-
-    def next(self, timeout: float = 30.0) -> str:
-        line = self._queue.get(timeout=timeout)
-        if line is None:
-            raise EOFError("the process closed its output")
-        return line
 
 
 @pytest.fixture

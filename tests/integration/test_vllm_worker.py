@@ -297,3 +297,32 @@ def test_a_stranger_linked_to_either_side_reads_nothing_and_writes_nowhere(tmp_p
         decode.worker.close()
         prefill.worker.close()
 
+
+
+def test_a_listener_other_hosts_reach_needs_a_token_or_an_explicit_opt_out(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("KVPUSH_AUTH_TOKEN", raising=False)
+    for host in ("0.0.0.0", "10.1.2.3", "::", "prefill.example"):
+        with pytest.raises(core.ParamsError, match="KVPUSH_AUTH_TOKEN") as refused:
+            settings("kv_producer", 14579, host=host)
+        assert host in str(refused.value) and '"insecure": true' in str(refused.value)
+    assert settings("kv_producer", 14579).listen == ("127.0.0.1", 14579)  # loopback: nothing to configure
+    assert settings("kv_consumer", 14579, host="::1", port=15000).auth_token is None
+    assert settings("kv_producer", 14579, host="0.0.0.0", auth_token="s").auth_token == "s"
+    monkeypatch.setenv("KVPUSH_AUTH_TOKEN", "from-env")
+    with_env = settings("kv_producer", 14579, host="0.0.0.0")
+    assert with_env.auth_token == "from-env" and not with_env.insecure_listener
+    assert with_env.config.engine_options_for(with_env.listen, with_env.auth_token)["kvpush.auth_token"] == "from-env"
+    monkeypatch.delenv("KVPUSH_AUTH_TOKEN")
+    opted_out = settings("kv_producer", free_port(), host="0.0.0.0", insecure=True)
+    assert opted_out.insecure_listener
+    with pytest.raises(core.ParamsError, match="true or false"):
+        settings("kv_producer", 14579, insecure="yes")
+    # the opt-out is logged at every start
+    worker = WorkerSide(opted_out)
+    buffer = np.zeros((LAYERS, BLOCKS, HEADS, BLOCK, WIDTH), np.float32)
+    try:
+        worker.register(NAMES, [buffer[i] for i in range(LAYERS)])
+    finally:
+        worker.close()
+    assert any("insecure" in record.getMessage() and record.levelname == "WARNING" for record in caplog.records)

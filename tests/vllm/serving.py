@@ -120,15 +120,16 @@ def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path,
 
 
 def start_vllm(name: str, model: Path, core: str, kv_transfer_config: Mapping[str, Any] | None, workdir: Path,
-               *extra: str, port: int | None = None) -> Server:
+               *extra: str, port: int | None = None, env: Mapping[str, str] | None = None) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` with its OpenMP threads pinned to ``core``
     (``VLLM_CPU_OMP_THREADS_BIND``), loopback only, tests/vllm's engine settings (float32, eager, block
     size 32). Processes: the API server, its ``VLLM::EngineCore`` (scheduler) and a ``VLLM::Worker`` (the
     model and the connector's kvpush engine): vLLM's CPU platform runs the ``uni`` executor's worker in a
     process of its own too."""
     port = free_port() if port is None else port
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    environment = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core,
+                       **(env or {}))
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--distributed-executor-backend", "uni",
                "--host", "127.0.0.1", "--port", str(port), "--model", str(model), "--served-model-name", MODEL_NAME,
                "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
@@ -136,7 +137,7 @@ def start_vllm(name: str, model: Path, core: str, kv_transfer_config: Mapping[st
                *extra]
     if kv_transfer_config is not None:
         command += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
-    return _spawn(name, command, env, workdir / f"{name}.log", f"http://127.0.0.1:{port}")
+    return _spawn(name, command, environment, workdir / f"{name}.log", f"http://127.0.0.1:{port}")
 
 
 def kvpush_command() -> list[str]:

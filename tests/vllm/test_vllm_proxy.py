@@ -1,6 +1,7 @@
 """``kvpush proxy`` in front of two ``vllm serve`` processes with KvpushConnector, for real.
 
-One module-scoped stack: a prefill (``kv_producer``, OpenMP threads on core 0,
+One module-scoped stack, its kvpush links authenticated with a token both servers read from
+``KVPUSH_AUTH_TOKEN`` (the same outputs as without one): a prefill (``kv_producer``, OpenMP threads on core 0,
 ``--max-num-batched-tokens 64`` so long prompts are prefilled in chunks), a decode (``kv_consumer``,
 core 1, ``kv_load_failure_policy`` recompute, a short ``transfer_timeout_s``) and ``kvpush proxy`` (a
 subprocess of the kvpush CLI) in front of both; a single offline engine without a connector
@@ -64,6 +65,7 @@ TRANSFER_TIMEOUT_S = 10.0  # the decode's deadline from allocation to the last b
 IDS_TIMEOUT_S = 10.0  # how long a prefill keeps a finished request's blocks for block ids that do not come
 ABORT_GRACE_S = 3.0  # how long a decode waits for the prefill to confirm an abort
 ACCEPT_TIMEOUT_S = 5.0  # the proxy's default: how long a prefill may take to accept a request
+TOKEN = {"KVPUSH_AUTH_TOKEN": "a-shared-secret-of-this-test"}
 DECODE_MODEL_LEN = 4096  # the decode's context (the tiny model's whole): long generations for clients that leave
 STARTUP_S = 300.0
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -144,7 +146,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     def start_prefill() -> Server:
         servers["prefill"] = start_vllm(
             "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S), work,
-            "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port)
+            "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port, env=TOKEN)
         return servers["prefill"]
 
     try:
@@ -152,7 +154,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         servers["decode"] = start_vllm("decode", tiny_model, "1", _kv_config(
             "kv_consumer", kv_port, transfer_timeout_s=TRANSFER_TIMEOUT_S, abort_grace_s=ABORT_GRACE_S), work,
             "--max-num-batched-tokens", "128", "--enable-log-requests", "--max-model-len", str(DECODE_MODEL_LEN),
-            *chat)
+            *chat, env=TOKEN)
         wait_healthy(list(servers.values()), STARTUP_S)
         assert reference.wait(timeout=max(10.0, STARTUP_S - (time.monotonic() - started))) == 0, \
             (work / "reference.log").read_text()[-4000:]
@@ -233,7 +235,22 @@ def _check(rows: list[tuple[int, list[int], dict[str, Any]]], what: str) -> None
 def test_completions_through_the_proxy_equal_a_single_instance_and_use_the_pushed_kv(pd: Stack) -> None:
     print(f"stack healthy and reference done in {pd.startup_s:.1f} s")
     rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in COMPLETIONS]
+    assert log_lines(pd.prefill, "ready over", "authenticated") and not log_lines(pd.prefill, "insecure")
     _check(rows, "/v1/completions through kvpush proxy")
+
+
+@pytest.mark.timeout(200)
+def test_a_prefill_listening_where_other_hosts_reach_it_without_a_token_does_not_start(
+        tiny_model: Path, tmp_path: Path) -> None:
+    config = _kv_config("kv_producer", free_port(pair=True), host="0.0.0.0")
+    server = start_vllm("open-prefill", tiny_model, "0", config, tmp_path, env={"KVPUSH_AUTH_TOKEN": ""})
+    try:
+        assert wait_for(lambda: not server.alive(), 150, 0.5), "a prefill listening on 0.0.0.0 without a token started"
+        refusal = log_lines(server, "KVPUSH_AUTH_TOKEN")
+        print(refusal[-1][-400:] if refusal else server.tail())
+        assert refusal and '"insecure": true' in refusal[-1] and "0.0.0.0" in refusal[-1]
+    finally:
+        server.stop()
 
 
 @pytest.mark.timeout(200)

@@ -32,7 +32,8 @@ class ConnectorConfig:
     127.0.0.1, and ``listen_port(kv_port, role)``); ``cluster_id``: its kvpush cluster id (default:
     derived from host and port for a listener, random for a decode that only dials);
     ``transport``, ``auth_token``: kvpush's ``kvpush.transport`` / ``kvpush.auth_token``;
-    ``engine_options``: more kvpush options, passed through. Deadlines: ``transfer_timeout_s``
+    ``engine_options``: more kvpush options, passed through; ``insecure``: let a listener off loopback
+    run without a token (see ``ConnectorSettings``). Deadlines: ``transfer_timeout_s``
     bounds a decode's wait from allocation to the last byte; ``ids_timeout_s`` how long a finished
     prefill request keeps its blocks for block ids that have not come; ``abort_grace_s`` how long a
     decode waits, after an abort or timeout, for the prefill to confirm nothing more will land;
@@ -50,11 +51,13 @@ class ConnectorConfig:
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 5000
     max_transfers: int = 4096
+    insecure: bool = False
     engine_options: Mapping[str, str] = field(default_factory=dict)
 
     _FLOATS = ("transfer_timeout_s", "ids_timeout_s", "abort_grace_s")
     _INTS = ("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers")
     _STRS = ("host", "transport", "auth_token")
+    _BOOLS = ("insecure",)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -73,20 +76,25 @@ class ConnectorConfig:
                 if not isinstance(value, str):
                     raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
                 values[key] = value
+            elif key in cls._BOOLS:
+                if not isinstance(value, bool):
+                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+                values[key] = value
             elif key == "engine_options":
                 if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                              for k, v in value.items()):
                     raise ParamsError("kv_connector_extra_config['engine_options'] must map strings to strings")
                 values[key] = dict(value)
             else:
-                known = sorted(cls._FLOATS + cls._INTS + cls._STRS + ("engine_options",))
+                known = sorted(cls._FLOATS + cls._INTS + cls._STRS + cls._BOOLS + ("engine_options",))
                 raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; known: {', '.join(known)}")
         if "port" in values and not 0 < values["port"] < 65536:
             raise ParamsError(f"kv_connector_extra_config['port']={values['port']} is not a TCP port")
         return cls(**values)
 
-    def engine_options_for(self, listen: tuple[str, int] | None) -> dict[str, str]:
-        """kvpush ``LLMDataDist`` options for this worker's engine."""
+    def engine_options_for(self, listen: tuple[str, int] | None, auth_token: str | None = None) -> dict[str, str]:
+        """kvpush ``LLMDataDist`` options for this worker's engine; ``auth_token``: the one in force (the
+        config's, or the environment's)."""
         # A serving process's event-loop thread can be starved for a second on a busy host (a 1 s keepalive
         # dropped links during the vLLM benchmark on 2 shared cores); a peer that dies is still noticed at
         # once by its socket closing. engine_options may set other values.
@@ -95,8 +103,8 @@ class ConnectorConfig:
         if listen is not None:
             host, port = listen
             options["llm.listenIpInfo"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if self.auth_token:
-            options["kvpush.auth_token"] = self.auth_token
+        if auth_token or self.auth_token:
+            options["kvpush.auth_token"] = auth_token or self.auth_token or ""
         options.update(self.engine_options)
         return options
 
