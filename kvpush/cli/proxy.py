@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .args import Subcommands
 
 DEFAULT_KV_PORT = 14579  # vLLM's kv_port default; kvpush.integrations.proxy.DEFAULT_KV_PORT (not imported here)
+API_KEY_ENV, UPSTREAM_API_KEY_ENV = "KVPUSH_PROXY_API_KEY", "KVPUSH_UPSTREAM_API_KEY"
 
 
 def _seconds(text: str) -> float:
@@ -88,6 +90,15 @@ def add_parser(commands: Subcommands) -> None:
     proxy.add_argument("--retry-for", type=_non_negative, default=30.0, metavar="SECONDS",
                        help="how long a request waits for a decode to accept it when every decode refuses connections "
                             "(restarting); then 503 (default 30)")
+    proxy.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"clients must send 'Authorization: Bearer KEY' (every route but /health), as vLLM's "
+                            f"--api-key; default: the environment variable {API_KEY_ENV} (keeps it out of process "
+                            f"listings). The header goes on to the upstreams unless --upstream-api-key is set")
+    proxy.add_argument("--upstream-api-key", default=None, metavar="KEY",
+                       help=f"the key the upstream vLLM servers expect (their --api-key), sent instead of the "
+                            f"client's; default: the environment variable {UPSTREAM_API_KEY_ENV}")
+    proxy.add_argument("--max-body-mb", type=_seconds, default=32.0, metavar="MB",
+                       help="refuse request bodies larger than this (413; default 32)")
     proxy.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
 
 
@@ -99,8 +110,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("proxy", f"needs aiohttp (pip install 'kvpush[proxy]'): {error}")
     try:
         prefills = [proxy.parse_prefill(spec, args.prefill_kv_port) for spec in args.prefill]
+        upstream_key = args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
         config = proxy.ProxyConfig(prefills, [proxy.base_url(spec) for spec in args.decode], args.timeout,
-                                   accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for)
+                                   accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for,
+                                   api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                                   upstream_api_key=upstream_key, max_body_bytes=int(args.max_body_mb * (1 << 20)))
     except proxy.SpecError as error:
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):

@@ -37,11 +37,18 @@ listens (its ``VLLM_HOST_IP``; an IP address is safest): the decode derives the 
 ``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's ``/health``
 does, else 503 naming those that did not; ``GET /metrics`` is the proxy's counters in Prometheus' text
 format (requests by route, errors by status, retries, and each upstream's requests in flight and state).
+
+Clients: with ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (as
+vLLM's ``--api-key``; else 401), and that header goes on to the upstreams, unless ``upstream_api_key``
+is set, which the upstreams get instead. A request body above ``max_body_bytes`` is refused (413). The
+proxy keeps nothing of one request that another could read: each answer is relayed from its own upstream
+request to its own client, and an error the proxy writes names upstreams and reasons, never request data.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -76,7 +83,7 @@ RETRY_FOR_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 UPSTREAM_KEEPALIVE_S = 4.0
 PREFILL_GRACE_S = 2.0  # after the decode answered, how long a prefill's answer may still come (then cancelled)
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY_BYTES = 32 << 20  # far above a 128k-token prompt as JSON (~1 MB); images inline may need more
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
@@ -97,6 +104,9 @@ class ProxyConfig:
     prefill_grace_s: float = PREFILL_GRACE_S
     accept_timeout_s: float = ACCEPT_TIMEOUT_S
     retry_for_s: float = RETRY_FOR_S
+    api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    upstream_api_key: str | None = None  # what the upstreams get instead of the client's Authorization
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.prefills or not self.decodes:
@@ -105,6 +115,8 @@ class ProxyConfig:
                 and self.retry_for_s >= 0):
             raise SpecError(f"timeout {self.timeout_s} and accept timeout {self.accept_timeout_s} must be > 0, "
                             f"prefill grace {self.prefill_grace_s} and retry window {self.retry_for_s} >= 0")
+        if self.max_body_bytes < 1:
+            raise SpecError(f"max body size {self.max_body_bytes} must be >= 1 byte")
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -178,7 +190,7 @@ class Proxy:
         return self._session
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._authorize])
         for path in COMPLETION_PATHS:
             app.router.add_post(path, self.completion)
         app.router.add_get("/v1/models", self.models)
@@ -186,6 +198,24 @@ class Proxy:
         app.router.add_get("/metrics", self.metrics)
         app.cleanup_ctx.append(self._client)
         return app
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With an API key, every route but /health needs ``Authorization: Bearer <key>``."""
+        key = self.config.api_key
+        if key and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return self._fail(401, "Unauthorized: this proxy needs 'Authorization: Bearer <api key>'")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The client's headers the upstreams get (Authorization replaced by ``upstream_api_key`` if set)."""
+        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        return headers
 
     async def _client(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s,
@@ -201,13 +231,15 @@ class Proxy:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return self._fail(413, f"the request body exceeds this proxy's limit of {self.config.max_body_bytes} bytes")
         except ValueError as error:
             return self._fail(400, f"the request body is not JSON: {error}")
         if not isinstance(body, dict):
             return self._fail(400, "the request body must be a JSON object")
         if body.get("n") not in (None, 1):
             return self._fail(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
-        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
+        headers = self._upstream_headers(request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
         give_up_waiting = min(deadline, loop.time() + self.config.retry_for_s)
@@ -370,9 +402,9 @@ class Proxy:
         decode = self.decodes.pick()
         if decode is None:
             return self._fail(503, f"no decode instance is up: {self._down(self.decodes)}")
-        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        return await self._relay(request, "GET", decode + request.path, decode, deadline, headers=headers)
+        return await self._relay(request, "GET", decode + request.path, decode, deadline,
+                                 headers=self._upstream_headers(request))
 
     async def health(self, request: web.Request) -> web.Response:
         urls = [prefill.url for prefill in self.config.prefills] + list(self.config.decodes)

@@ -493,6 +493,68 @@ async def test_models_and_health(fakes: dict[str, FakeVllm], start_proxy: Start,
         assert fakes["prefill"].url in (await reply.json())["error"]["message"]
 
 
+# -- secure defaults ----------------------------------------------------------------------------------
+
+async def test_an_api_key_guards_every_route_but_health_and_goes_on_to_the_upstreams(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], api_key="k-123")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k-123"}):
+        async with client.post(url + "/v1/completions", json={"prompt": "x"}, headers=headers) as reply:
+            assert reply.status == 401 and "Unauthorized" in (await reply.json())["error"]["message"]
+        async with client.get(url + "/v1/models", headers=headers) as reply:
+            assert reply.status == 401
+        async with client.get(url + "/metrics", headers=headers) as reply:
+            assert reply.status == 401
+    assert not fakes["decode"].bodies and not fakes["prefill"].bodies  # nothing reached an upstream
+    async with client.get(url + "/health") as reply:  # for load balancers: no key
+        assert reply.status == 200
+    good = {"Authorization": "Bearer k-123"}
+    async with client.post(url + "/v1/completions", json={"prompt": "x"}, headers=good) as reply:
+        assert reply.status == 200
+    assert fakes["decode"].headers[0]["Authorization"] == fakes["prefill"].headers[0]["Authorization"] == "Bearer k-123"
+    other = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], api_key="k-123",
+                              upstream_api_key="upstream-key")
+    async with client.post(other + "/v1/completions", json={"prompt": "x"}, headers=good) as reply:
+        assert reply.status == 200
+    assert fakes["decode"].headers[1]["Authorization"] == "Bearer upstream-key"  # instead of the client's
+
+
+async def test_a_body_over_the_limit_is_refused_before_any_upstream_sees_it(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], max_body_bytes=4096)
+    async with client.post(url + "/v1/completions", json={"prompt": "x" * 5000}) as reply:
+        assert reply.status == 413 and "4096" in (await reply.json())["error"]["message"]
+    async with client.post(url + "/v1/completions", json={"prompt": "x" * 3000}) as reply:
+        assert reply.status == 200
+    assert len(fakes["decode"].bodies) == 1
+
+
+async def test_concurrent_clients_each_get_only_their_own_answer(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    async def echo(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.01 * (hash(body["prompt"]) % 5))  # answers finish out of order
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in (body["prompt"][:8], body["prompt"][8:]):
+            await response.write(f"data: {json.dumps({'text': piece})}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await response.write_eof()
+        return response
+
+    fakes["decode"].behaviour = fakes["decode2"].behaviour = echo
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url, fakes["decode2"].url])
+
+    async def ask(secret: str) -> str:
+        async with client.post(url + "/v1/completions", json={"prompt": secret, "stream": True}) as reply:
+            return (await reply.read()).decode()
+
+    secrets_ = [f"client-{i}-secret-{i * 7919}" for i in range(24)]
+    answers = await asyncio.gather(*(ask(secret) for secret in secrets_))
+    for secret, answer in zip(secrets_, answers):
+        assert secret[:8] in answer and secret[8:] in answer
+        assert not any(other in answer for other in secrets_ if other != secret)
+
+
 # -- specs and the command ----------------------------------------------------------------------------
 
 def test_prefill_specs() -> None:
@@ -519,6 +581,31 @@ def test_the_command_serves_until_sigterm() -> None:
         assert "kvpush 127.0.0.1:14579" in line
         process.send_signal(signal.SIGTERM)
         assert process.wait(10) == 0
+
+
+def test_the_command_takes_its_api_key_from_the_environment() -> None:
+    import urllib.error
+    import urllib.request
+
+    command = [sys.executable, "-m", "kvpush", "proxy", "--prefill", "http://127.0.0.1:9", "--decode",
+               "http://127.0.0.1:9", "--port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVPUSH_PROXY_API_KEY": "from-the-environment"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
+        assert process.stdout is not None
+        try:
+            url = process.stdout.readline().split("serving ")[1].split(" ")[0]
+            request = urllib.request.Request(url + "/metrics")
+            try:
+                urllib.request.urlopen(request, timeout=5)
+                raise AssertionError("the key was not asked for")
+            except urllib.error.HTTPError as error:
+                assert error.code == 401
+            request.add_header("Authorization", "Bearer from-the-environment")
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                assert reply.status == 200
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(10) == 0
 
 
 def test_the_command_refuses_a_bad_url() -> None:
