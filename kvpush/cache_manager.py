@@ -172,7 +172,8 @@ class CacheManager:
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         return self._allocate("allocate_blocks_cache", cache_desc, True, model_id, access=remote_access)
 
-    def allow(self, cache: Cache, peer_cluster_id: int, blocks: Sequence[int], *, write: bool = True,
+    def allow(self, cache: Cache, peer_cluster_id: int, blocks: Sequence[int] | np.ndarray[Any, Any], *,
+              write: bool = True,
               read: bool = False) -> BlockAccess:
         """Grant the linked peer ``peer_cluster_id`` access to ``blocks`` of ``cache`` (registered with
         ``RemoteAccess.GRANTED``): to write them (``write``), read them (``read``), or both, every tensor of

@@ -7,7 +7,9 @@ A prefill instance (``kv_producer``) listens on ``VLLM_HOST_IP`` (or 127.0.0.1) 
 decode instance (``kv_consumer``) dials the prefill named in a request's ``kv_transfer_params``
 (``remote_host``/``remote_port``, default: its own ``kv_port`` on the same host), so a prefill and a
 decode server started with vLLM's defaults on one host find each other. ``kv_connector_extra_config``
-takes ``vllm_core.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines).
+takes ``vllm_core.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines). With tensor
+parallelism every worker rank runs its own kvpush engine (rank ``r`` listening on ``port + 2 * r``) and
+pushes its own KV heads; prefill and decode may use different TP sizes (``vllm_core.topology``).
 
 This module is the thin part: it translates vLLM's hooks into calls on the scheduler book of
 ``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``EngineBridge``, which runs
@@ -68,6 +70,18 @@ def _log_like_vllm() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.getEffectiveLevel())
     ours.propagate = False
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 without a TP group, e.g. in a unit test)."""
+    try:
+        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
+            get_tensor_model_parallel_rank,
+        )
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError):
+        return 0
 
 
 def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
@@ -184,7 +198,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_like_vllm()
-        self._settings = ConnectorSettings(vllm_config)
+        self._settings = ConnectorSettings(vllm_config, 0 if role == KVConnectorRole.SCHEDULER else _tp_rank())
         self._scheduler: core.SchedulerBook | None = None
         self._worker: WorkerSide | None = None
         self._reported: dict[str, int] = {}  # the counters as of the last get_kv_connector_stats

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import json
 import logging
 import os
 import queue
@@ -21,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from kvpush import (
     AUTH_TOKEN_ENV,
@@ -126,7 +130,10 @@ class EngineBridge:
         self.dd = LLMDataDist(role, cluster_id)
         self.cache: Cache | None = None
         self._pushes: dict[int, _Push] = {}
-        self._grants: dict[str, Any] = {}  # transfer id -> the BlockAccess its prefill writes under
+        self._grants: dict[str, dict[int, Any]] = {}  # transfer id -> prefill rank -> the BlockAccess it writes under
+        self.geometry: core.Geometry | None = None  # this worker's, once its KV is registered
+        self._peer_geometry: dict[int, core.Geometry] = {}  # prefill workers that accepted ours (decode side)
+        self._welcomes: dict[int, asyncio.Future[core.Welcome]] = {}
         self._peer_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
@@ -178,14 +185,75 @@ class EngineBridge:
                     # memory vLLM may have reused
                     log.info("dropped a message from cluster %d that came over a link closed since", peer)
                     continue
-                self.events.put(("inbound", peer, delivery.data))
+                try:
+                    message = core.decode(delivery.data)
+                except core.MessageError as error:
+                    log.warning("message from cluster %d ignored: %s", peer, error)
+                    continue
+                if isinstance(message, core.Hello):
+                    self._spawn(self._welcome(peer, message))
+                elif isinstance(message, core.Welcome):
+                    waiter = self._welcomes.get(peer)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(message)
+                else:
+                    self.events.put(("inbound", peer, message))
         except LLMException:
             return  # finalized
 
     def _on_link(self, link: Any, reason: str | None) -> None:
         peer = getattr(link, "peer_cluster_id", None)
         if reason is not None and peer is not None:
+            self._peer_geometry.pop(peer, None)  # a new link answers our geometry again
             self.events.put(("link_lost", peer, reason))
+
+    # -- geometry, once per link -------------------------------------------------------------------
+    async def _welcome(self, peer: int, hello: core.Hello) -> None:
+        """Prefill side: answer a decode's geometry with ours, refusing what cannot be bridged."""
+        if self.geometry is None:
+            return
+        if self.dd.role == LLMRole.DECODER:
+            refusal: str | None = "this vLLM instance is not a KV producer"
+        else:
+            refusal = core.incompatibility(self.geometry, hello.geometry)
+        if refusal:
+            log.error("KvpushConnector: refused to send KV to cluster %d: %s", peer, refusal)
+        try:
+            await asyncio.wait_for(self.dd.send_notification(peer, core.encode(core.Welcome(self.geometry,
+                                                                                           refusal or ""))),
+                                   self._send_timeout)
+        except (LLMException, TimeoutError) as error:
+            log.info("answer to cluster %d's geometry not sent: %s", peer, describe_error(error))
+
+    async def _handshake(self, address: core.PeerAddress) -> tuple[str, bool] | None:
+        """Decode side: link to a prefill worker and, once per link, have it accept this worker's geometry;
+        an incompatible one is unlinked, with both values named in the log and the returned reason."""
+        problem = await self._ensure_link(address)
+        if problem is not None or address.cluster_id in self._peer_geometry:
+            return problem
+        assert self.geometry is not None
+        waiter: asyncio.Future[core.Welcome] = asyncio.get_running_loop().create_future()
+        self._welcomes[address.cluster_id] = waiter
+        try:
+            await asyncio.wait_for(self.dd.send_message(address.cluster_id, core.encode(core.Hello(self.geometry))),
+                                   self._send_timeout)
+            welcome = await asyncio.wait_for(waiter, self._send_timeout)
+        except (LLMException, TimeoutError) as error:
+            retryable = isinstance(error, LLMException) and error.status_code in _RETRYABLE
+            return (f"the prefill at {address.host}:{address.port} did not answer this decode's geometry: "
+                    f"{describe_error(error)}", retryable)
+        finally:
+            self._welcomes.pop(address.cluster_id, None)
+        refusal = welcome.refusal or core.incompatibility(welcome.geometry, self.geometry)
+        if refusal:
+            log.error("KvpushConnector: the prefill at %s:%d (cluster %d) cannot send KV to this decode: %s",
+                      address.host, address.port, address.cluster_id, refusal)
+            info = LLMClusterInfo()
+            info.remote_cluster_id = address.cluster_id
+            await self.dd.unlink_clusters([info], force=True)
+            return f"incompatible prefill at {address.host}:{address.port}: {refusal}", False
+        self._peer_geometry[address.cluster_id] = welcome.geometry
+        return None
 
     def _lock(self, peer: int) -> asyncio.Lock:
         lock = self._peer_locks.get(peer)
@@ -194,48 +262,77 @@ class EngineBridge:
         return lock
 
     # -- decode side -------------------------------------------------------------------------------
-    def send_ids(self, remote: core.PeerAddress, frames: Sequence[bytes], transfer_id: str,
-                 blocks: Sequence[int]) -> None:
-        self.thread.call_soon(self._spawn, self._send_ids(remote, list(frames), transfer_id, list(blocks)))
+    def send_ids(self, spec: core.RecvSpec, block_size: int) -> None:
+        self.thread.call_soon(self._spawn, self._send_ids(spec, block_size))
 
-    async def _send_ids(self, remote: core.PeerAddress, frames: list[bytes], transfer_id: str,
-                        blocks: list[int]) -> None:
+    async def _send_ids(self, spec: core.RecvSpec, block_size: int) -> None:
+        """Send the transfer's block ids to every prefill rank with a leg to this rank (or owed word of it),
+        each leg's blocks opened to that rank first; report the ranks reached (``on_ids_sent``'s peers)."""
+        remote, transfer_id = spec.remote, spec.transfer_id
         async with self._lock(remote.cluster_id):
-            problem = await self._ensure_link(remote)
-            if problem is None and blocks:
-                problem = self._grant(remote.cluster_id, transfer_id, blocks)
+            problem = await self._handshake(remote)
+        prefill = self._peer_geometry.get(remote.cluster_id)
+        if problem is None and (prefill is None or self.geometry is None):
+            problem = (f"the link to {remote.host}:{remote.port} closed meanwhile", True)
+        if problem is not None or prefill is None or self.geometry is None:
+            reason, retryable = problem or ("no geometry", False)
+            self.events.put(("ids_sent", transfer_id, reason, retryable, False, ()))
+            return
+        delivered: list[int] = []
+        for target in core.targets(prefill.sharding(), self.geometry.sharding(), self.geometry.tp_rank):
+            address = remote.of_rank(target.prefill_rank)
+            async with self._lock(address.cluster_id):
+                problem, sent = await self._send_leg(address, spec, block_size, target, address == remote)
+            if sent:
+                delivered.append(address.cluster_id)
             if problem is not None:
-                self.events.put(("ids_sent", transfer_id, problem[0], problem[1], False))
+                retryable = problem[1] and not delivered
+                self.events.put(("ids_sent", transfer_id, problem[0], retryable, bool(delivered), tuple(delivered)))
                 return
-            delivered = False
-            for frame in frames:
-                try:
-                    await asyncio.wait_for(self.dd.send_message(remote.cluster_id, frame), self._send_timeout)
-                except (LLMException, TimeoutError) as error:
-                    retryable = isinstance(error, LLMException) and error.status_code in _RETRYABLE
-                    self.events.put(("ids_sent", transfer_id, describe_error(error), retryable, delivered))
-                    return
-                delivered = True
-            self.events.put(("ids_sent", transfer_id, None, False, True))
+        self.events.put(("ids_sent", transfer_id, None, False, True, tuple(delivered)))
 
-    def _grant(self, peer: int, transfer_id: str, blocks: list[int]) -> tuple[str, bool] | None:
-        """Open ``blocks`` to ``peer`` for this transfer (again, if the link its grant was made on closed)."""
-        access = self._grants.get(transfer_id)
+    async def _send_leg(self, address: core.PeerAddress, spec: core.RecvSpec, block_size: int, target: core.Target,
+                        linked: bool) -> tuple[tuple[str, bool] | None, bool]:
+        """One prefill rank's part: (problem, whether some of its ids may have reached it)."""
+        problem = None if linked else await self._handshake(address)
+        if problem is None and target.leg is not None and spec.blocks:
+            problem = self._grant(address.cluster_id, spec.transfer_id, target, spec.blocks)
+        if problem is not None:
+            return problem, False
+        try:
+            frames = core.block_id_messages(spec.transfer_id, block_size, spec.num_tokens, spec.first_block,
+                                            spec.blocks, leg=target.info)
+        except core.MessageError as error:
+            return (str(error), False), False
+        for index, frame in enumerate(frames):
+            try:
+                await asyncio.wait_for(self.dd.send_message(address.cluster_id, frame), self._send_timeout)
+            except (LLMException, TimeoutError) as error:
+                retryable = isinstance(error, LLMException) and error.status_code in _RETRYABLE
+                return (describe_error(error), retryable and index == 0), index > 0 or not retryable
+        return None, True
+
+    def _grant(self, peer: int, transfer_id: str, target: core.Target,
+               blocks: Sequence[int]) -> tuple[str, bool] | None:
+        """Open the kvpush blocks ``target``'s leg writes to ``peer`` for this transfer (again, if the link
+        its grant was made on closed)."""
+        grants = self._grants.setdefault(transfer_id, {})
+        access = grants.get(peer)
         if access is not None and access.active:
             return None
-        assert self.cache is not None
+        assert self.cache is not None and target.leg is not None
+        ids = core.dst_ids(target.leg, np.asarray(blocks), target.info.dst_local)
         try:
-            self._grants[transfer_id] = self.dd.cache_manager.allow(self.cache, peer, blocks)
+            grants[peer] = self.dd.cache_manager.allow(self.cache, peer, ids)
         except (LLMException, TypeError, ValueError) as error:
             return f"cannot open the blocks to cluster {peer}: {describe_error(error)}", False
         return None
 
     def transfer_ended(self, transfer_id: str) -> None:
-        self.thread.call_soon(self._end_grant, transfer_id)
+        self.thread.call_soon(self._end_grants, transfer_id)
 
-    def _end_grant(self, transfer_id: str) -> None:
-        access = self._grants.pop(transfer_id, None)
-        if access is not None:
+    def _end_grants(self, transfer_id: str) -> None:
+        for access in self._grants.pop(transfer_id, {}).values():
             access.revoke()
 
     async def _ensure_link(self, remote: core.PeerAddress) -> tuple[str, bool] | None:
@@ -345,7 +442,7 @@ class EngineBridge:
         except (LLMException, TimeoutError) as failure:
             error = describe_error(failure)
         if transfer_id is not None:
-            self.events.put(("notified", transfer_id, error))
+            self.events.put(("notified", transfer_id, error, peer))
         elif error is not None:
             log.debug("reply to cluster %d not sent: %s", peer, error)
 
@@ -366,24 +463,41 @@ class WorkerSide:
         self.load_errors: set[int] = set()
 
     def register(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
-        """Start the engine and register ``tensors`` (one per layer, in layer order) in place."""
+        """Start the engine and register ``tensors`` (one per layer, in layer order) in place, each layer
+        ``[num_blocks, heads, ...]`` as ``num_blocks * heads`` kvpush blocks of one head each (see
+        ``vllm_core.topology``)."""
         s = self.settings
         desc = cache_desc(names, tensors)
+        num_blocks, local_heads = desc.shape[0], desc.shape[1] if len(desc.shape) == 4 else 1
+        if s.tp_size > 1 and len(desc.shape) != 4:
+            raise NotImplementedError(f"KvpushConnector: KV layout {tuple(desc.shape)} with tensor parallelism; "
+                                      f"[num_blocks, kv_heads, block_size, 2*head_size] is supported")
+        geometry = s.geometry(len(names), local_heads, int(desc.shape[-1]) // 2 if len(desc.shape) == 4 else 0,
+                              desc.data_type.name)
+        if geometry.sharding().local != local_heads:
+            raise NotImplementedError(f"KvpushConnector: this worker holds {local_heads} KV heads per block; "
+                                      f"{geometry.kv_heads} heads over {s.tp_size} ranks would be "
+                                      f"{geometry.sharding().local}")
+        head_desc = CacheDesc(len(tensors), (num_blocks * local_heads, desc.size // num_blocks // local_heads
+                                             // desc.data_type.itemsize), desc.data_type)
+        views = [tensor.reshape(num_blocks * local_heads, -1) for tensor in tensors]
         if s.insecure_listener:
             log.warning("KvpushConnector: insecure: this engine listens on %s:%d, which other hosts may reach, with no "
                         "auth token: any of them can link to it", *(s.listen or ("?", 0)))
         engine = EngineBridge(s.cluster_id, s.listen, s.config, s.engine_role, self.events, s.auth_token)
+        engine.geometry = geometry
         engine.start()
-        engine.register(desc, tensors, RemoteAccess.GRANTED if s.consume else RemoteAccess.PRIVATE)
+        engine.register(head_desc, views, RemoteAccess.GRANTED if s.consume else RemoteAccess.PRIVATE)
         self.engine = engine
         self.layer_index = {name: i for i, name in enumerate(names)}
         clock = time.monotonic
         if s.produce:
-            self.producer = core.ProducerBook(s.block_size, len(names), s.config, clock, engine)
+            self.producer = core.ProducerBook(s.block_size, len(names), s.config, clock, engine, local_heads)
         if s.consume:
             self.consumer = core.ConsumerBook(s.block_size, s.config, clock, engine)
-        log.info("KvpushConnector worker: %d layers of %s %s registered in place as cluster %d (%s)",
-                 len(names), tuple(desc.shape), desc.data_type.name, s.cluster_id, s.role)
+        log.info("KvpushConnector worker: %d layers of %s %s registered in place as cluster %d (%s, TP rank %d of "
+                 "%d, KV heads %s)", len(names), tuple(desc.shape), desc.data_type.name, s.cluster_id, s.role,
+                 s.tp_rank, s.tp_size, list(geometry.sharding().heads(s.tp_rank)))
 
     def drain(self) -> None:
         while True:
@@ -397,20 +511,15 @@ class WorkerSide:
             elif kind == "push_done" and self.producer is not None:
                 self.producer.on_push_done(event[1], event[2])
             elif kind == "notified" and self.producer is not None:
-                self.producer.on_notified(event[1], event[2])
+                self.producer.on_notified(event[1], event[2], event[3])
             elif kind == "ids_sent" and self.consumer is not None:
-                self.consumer.on_ids_sent(event[1], event[2], event[3], event[4])
+                self.consumer.on_ids_sent(event[1], event[2], event[3], event[4], event[5] or None)
             elif kind == "link_lost":
                 for book in (self.producer, self.consumer):
                     if book is not None:
                         book.on_link_lost(event[1], event[2])
 
-    def _inbound(self, peer: int, data: bytes) -> None:
-        try:
-            message = core.decode(data)
-        except core.MessageError as error:
-            log.warning("message from cluster %d ignored: %s", peer, error)
-            return
+    def _inbound(self, peer: int, message: core.Message) -> None:
         if isinstance(message, core.Done):
             if self.consumer is not None:
                 self.consumer.on_message(peer, message)
@@ -508,9 +617,14 @@ def cache_desc(names: Sequence[str], tensors: Sequence[Any]) -> CacheDesc:
 
 
 class ConnectorSettings:
-    """What both sides derive from the vLLM config: role, addresses, cluster id, deadlines."""
+    """What both sides derive from the vLLM config: role, addresses, cluster id, deadlines, and this
+    worker's place in its instance (``tp_rank`` of ``tp_size``; the scheduler's settings are rank 0's).
 
-    def __init__(self, vllm_config: Any) -> None:
+    Rank ``r`` listens on ``port + 2 * r`` (``port``: ``kv_connector_extra_config``'s, else vLLM's
+    ``kv_port``, ``+ 1`` for a decode), with the cluster id derived from that address, or the configured
+    ``cluster_id + r``."""
+
+    def __init__(self, vllm_config: Any, tp_rank: int = 0) -> None:
         transfer = vllm_config.kv_transfer_config
         self.role: str = transfer.kv_role
         if self.role not in core.ROLES:
@@ -523,16 +637,22 @@ class ConnectorSettings:
         self.load_failure_policy: str | None = getattr(transfer, "kv_load_failure_policy", None)
         self.engine_role = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}.get(self.role, LLMRole.MIX)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("KvpushConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                                      "for now")
-        rank = int(getattr(parallel, "data_parallel_index", 0) or 0)
+        if parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("KvpushConnector: pipeline parallelism (pipeline_parallel_size="
+                                      f"{parallel.pipeline_parallel_size}) is not built yet; tensor parallelism is")
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.tp_rank = tp_rank
+        rank = int(getattr(parallel, "data_parallel_index", 0) or 0) * self.tp_size + tp_rank
+        self.kv_heads: int | None = _total_kv_heads(vllm_config)
+        self.model = _model_fingerprint(vllm_config)
         host = self.config.host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         self.listen: tuple[str, int] | None = None
         if self.produce or self.config.port is not None or self.config.host is not None:
-            self.listen = (host, self.config.port or core.listen_port(transfer.kv_port, self.role, rank))
+            port = self.config.port + 2 * rank if self.config.port else core.listen_port(transfer.kv_port, self.role,
+                                                                                            rank)
+            self.listen = (host, port)
         if self.config.cluster_id is not None:
-            self.cluster_id = self.config.cluster_id
+            self.cluster_id = self.config.cluster_id + rank
         elif self.listen is not None:
             self.cluster_id = core.derive_cluster_id(*self.listen)
         else:  # a decode that only dials: any id no address derives to (those are < 2**48 or >= 2**63)
@@ -552,6 +672,34 @@ class ConnectorSettings:
         default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
         self.name = f"kvpush-{str(transfer.engine_id)[:8]}"
+
+    def geometry(self, layers: int, local_heads: int, head_size: int, dtype: str) -> core.Geometry:
+        """This worker's geometry, once its KV tensors are known."""
+        kv_heads = self.kv_heads or local_heads * self.tp_size
+        return core.Geometry(self.model, dtype, self.block_size, head_size, layers, kv_heads, self.tp_size,
+                             self.tp_rank)
+
+
+def _total_kv_heads(vllm_config: Any) -> int | None:
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        return int(model.get_total_num_kv_heads()) if model is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _model_fingerprint(vllm_config: Any) -> str:
+    """The model's architecture, not where it was loaded from: a hash of its Hugging Face config without
+    paths and versions (two hosts may keep one model under different paths)."""
+    model = getattr(vllm_config, "model_config", None)
+    config = getattr(model, "hf_config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None:
+        return str(getattr(model, "model", "unknown"))
+    fields = {key: value for key, value in to_dict().items()
+              if key not in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return f"{fields.get('model_type', 'model')}-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
 
 
 def scheduled_requests(scheduler_output: Any) -> Iterable[core.Scheduled]:

@@ -33,18 +33,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def settings(role: str, kv_port: int, **extra: Any) -> ConnectorSettings:
+def settings(role: str, kv_port: int, tp: int = 1, tp_rank: int = 0, kv_heads: int = HEADS,
+             **extra: Any) -> ConnectorSettings:
     transfer = SimpleNamespace(kv_role=role, kv_port=kv_port, engine_id=f"test-{role}",
                                kv_connector_extra_config=extra)
-    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_index=0)
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_index=0)
     cache = SimpleNamespace(block_size=BLOCK)
-    return ConnectorSettings(SimpleNamespace(kv_transfer_config=transfer, cache_config=cache, parallel_config=parallel))
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads, model="tiny")
+    return ConnectorSettings(SimpleNamespace(kv_transfer_config=transfer, cache_config=cache, parallel_config=parallel,
+                                             model_config=model), tp_rank)
 
 
 class Side:
-    def __init__(self, role: str, kv_port: int, **extra: Any) -> None:
-        self.buffer = np.zeros((LAYERS, BLOCKS, HEADS, BLOCK, WIDTH), np.float32)
-        self.worker = WorkerSide(settings(role, kv_port, **extra))
+    def __init__(self, role: str, kv_port: int, tp: int = 1, tp_rank: int = 0, kv_heads: int = HEADS,
+                 **extra: Any) -> None:
+        local = max(1, kv_heads // tp)
+        self.buffer = np.zeros((LAYERS, BLOCKS, local, BLOCK, WIDTH), np.float32)
+        self.worker = WorkerSide(settings(role, kv_port, tp, tp_rank, kv_heads, **extra))
         self.worker.register(NAMES, [self.buffer[i] for i in range(LAYERS)])
         self.sending: set[str] = set()
         self.recving: set[str] = set()
@@ -221,12 +226,20 @@ def test_settings_follow_the_role_and_vllm_defaults() -> None:
     assert both.listen == ("::1", 16000) and both.cluster_id == 7 and both.produce and both.consume
     with pytest.raises(core.ParamsError, match="unknown key"):
         settings("kv_producer", 14579, bogus=1)
-    tp2 = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", kv_port=1, engine_id="x",
-                                                             kv_connector_extra_config={}),
-                          cache_config=SimpleNamespace(block_size=16),
-                          parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
-        ConnectorSettings(tp2)
+    def vllm(tp: int, pp: int = 1, **extra: Any) -> SimpleNamespace:
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_producer", kv_port=20000, engine_id="x",
+                                                                  kv_connector_extra_config=extra),
+                               cache_config=SimpleNamespace(block_size=16),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    # tensor parallelism: rank r listens on port + 2 r, with the cluster id of that address (or the set one + r)
+    rank1 = ConnectorSettings(vllm(2), tp_rank=1)
+    assert rank1.listen == ("127.0.0.1", 20002) and rank1.cluster_id == core.derive_cluster_id("127.0.0.1", 20002)
+    assert ConnectorSettings(vllm(2, port=30000, cluster_id=7), tp_rank=1).listen[1:] == (30002,)  # type: ignore[index]
+    assert ConnectorSettings(vllm(2, cluster_id=7), tp_rank=1).cluster_id == 8
+    assert core.PeerAddress.of("127.0.0.1", 20000).of_rank(1) == core.PeerAddress.of("127.0.0.1", 20002)
+    assert core.PeerAddress("127.0.0.1", 20000, 7).of_rank(1) == core.PeerAddress("127.0.0.1", 20002, 8)
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        ConnectorSettings(vllm(1, pp=2))
 
 
 def test_ids_that_came_over_a_link_that_died_are_never_pushed_over_the_next_one(pair: tuple[Side, Side]) -> None:
@@ -279,7 +292,8 @@ def test_a_stranger_linked_to_either_side_reads_nothing_and_writes_nowhere(tmp_p
         assert decode.worker.engine is not None
         decode_id = decode.worker.settings.cluster_id
         with Peer(99, options={"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": "tcp"}) as stranger:
-            stranger.call("allocate", name="kv", num_tensors=LAYERS, shape=[BLOCKS, HEADS * BLOCK * WIDTH],
+            # the decode's geometry as its cache table shows it: one kvpush block per (vLLM block, KV head)
+            stranger.call("allocate", name="kv", num_tensors=LAYERS, shape=[BLOCKS * HEADS, BLOCK * WIDTH],
                           dtype=0, model_id=0, seed=3)
             for cluster, at in ((prefill.worker.settings.cluster_id, port), (decode_id, decode_port)):
                 assert stranger.call("link", cluster_id=cluster, port=at)["status"] == 0
@@ -290,7 +304,9 @@ def test_a_stranger_linked_to_either_side_reads_nothing_and_writes_nowhere(tmp_p
             pushed = stranger.call("try_push", name="kv", cluster_id=prefill.worker.settings.cluster_id,
                                    src_blocks=[1], dst_blocks=[1])
             assert pushed["status"] == not_exist
-            pushed = stranger.call("try_push", name="kv", cluster_id=decode_id, src_blocks=[1, 2], dst_blocks=dst)
+            heads_of_dst = [block * HEADS + head for block in dst for head in range(HEADS)]
+            pushed = stranger.call("try_push", name="kv", cluster_id=decode_id, src_blocks=[1, 2, 3, 4],
+                                   dst_blocks=heads_of_dst)
             assert pushed["status"] == int(LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         assert not decode.buffer[:, dst].any() and (prefill.buffer == 7.0).all()
     finally:
@@ -326,3 +342,61 @@ def test_a_listener_other_hosts_reach_needs_a_token_or_an_explicit_opt_out(monke
     finally:
         worker.close()
     assert any("insecure" in record.getMessage() and record.levelname == "WARNING" for record in caplog.records)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "cma"])
+@pytest.mark.parametrize("kv_heads, p_tp, d_tp", [(2, 2, 1), (2, 1, 2), (2, 2, 2), (2, 4, 1), (4, 2, 4)])
+def test_tensor_parallel_ranks_push_every_head_of_every_block_exactly_where_it_belongs(
+        transport: str, kv_heads: int, p_tp: int, d_tp: int) -> None:
+    """Each rank is its own worker and engine holding its share of the KV heads (replicated when the model
+    has fewer heads than ranks); every decode rank must end with exactly its heads of the prefill's blocks."""
+    from kvpush.integrations.vllm_core import Sharding
+
+    port = free_port()
+    prefill_sharding, decode_sharding = Sharding(kv_heads, p_tp), Sharding(kv_heads, d_tp)
+    prefills = [Side("kv_producer", port, p_tp, r, kv_heads, transport=transport, ids_timeout_s=5,
+                     transfer_timeout_s=5) for r in range(p_tp)]
+    decodes = [Side("kv_consumer", port, d_tp, r, kv_heads, transport=transport, transfer_timeout_s=5)
+               for r in range(d_tp)]
+    sides = prefills + decodes
+    try:
+        src, dst, tokens = [3, 9, 10], [40, 7, 33], 10  # block 2 holds 2 of its 4 slots
+
+        def value(block_index: int, layer: int, head: int) -> np.ndarray[Any, Any]:
+            rng = np.random.default_rng(block_index * 100 + layer * 10 + head)
+            return rng.standard_normal((BLOCK, WIDTH)).astype(np.float32)
+
+        def compute(side: Side, rank: int) -> Callable[[int], None]:
+            def write(layer: int) -> None:
+                for token in range(tokens):
+                    index, slot = divmod(token, BLOCK)
+                    for local, head in enumerate(prefill_sharding.heads(rank)):
+                        side.buffer[layer, src[index], local, slot, :] = value(index, layer, head)[slot]
+            return write
+
+        remote = prefills[0].worker.settings.local
+        assert remote is not None
+        for decode in decodes:
+            decode.step(StepMeta(recv=[RecvSpec("d-tp", "tp", remote, 0, tuple(dst), tokens)]))
+        for rank, prefill in enumerate(prefills):
+            prefill.step(StepMeta(send=[SendStep("p-tp", "tp", tuple(src), 0, tokens, tokens)]),
+                         compute(prefill, rank))
+            prefill.step(StepMeta(send_finished=[FinishedSend("p-tp", "tp", True, True)]))
+        until(lambda: all("d-tp" in d.recving for d in decodes) and all("p-tp" in p.sending for p in prefills),
+              *sides, timeout=20)
+        for rank, decode in enumerate(decodes):
+            assert not decode.failed and not decode.load_errors, (rank, decode.failed)
+            for index, block in enumerate(dst):
+                for local, head in enumerate(decode_sharding.heads(rank)):
+                    for layer in range(LAYERS):
+                        got = decode.buffer[layer, block, local]
+                        used = min(BLOCK, tokens - index * BLOCK)
+                        assert np.array_equal(got[:used], value(index, layer, head)[:used]), (rank, index, head, layer)
+            untouched = np.delete(decode.buffer, dst, axis=1)
+            assert not untouched.any()
+        pushed = sum(p.worker.stats().get("producer.blocks_pushed", 0) for p in prefills)
+        legs = core.plan_legs(prefill_sharding, decode_sharding)
+        assert pushed == len(legs) * len(dst)  # each leg pushed the request's blocks once: no head twice
+    finally:
+        for side in reversed(sides):
+            side.worker.close()

@@ -27,6 +27,8 @@ from kvpush.integrations.vllm_core import (
     ConsumerState,
     Done,
     FinishedSend,
+    Hello,
+    LegInfo,
     MessageError,
     Outcome,
     ParamsError,
@@ -37,6 +39,7 @@ from kvpush.integrations.vllm_core import (
     Scheduled,
     SchedulerBook,
     SendStep,
+    Welcome,
 )
 
 PREFILL = PeerAddress.of("127.0.0.1", 14579)
@@ -65,8 +68,28 @@ def test_every_message_kind_round_trips() -> None:
         Abort("t-2"),
         Done("t-3", Outcome.LANDED, 12),
         Done("t-4", Outcome.MISMATCH, 0, "block size 16 vs 32"),
+        BlockIds("t-5", 32, 70, 1, 2, 0, (5, 9), LegInfo(0, 1, 1, 2, legs=2)),
+        BlockIds("t-6", 32, 70, 1, 0, 0, (), LegInfo(0, 0, 0, 1)),  # a rank told it pushes nothing
+        Hello(GEOMETRY),
+        Welcome(GEOMETRY),
+        Welcome(GEOMETRY, "block size: prefill 16, decode 32"),
     ):
         assert core.decode(core.encode(message)) == message
+
+
+GEOMETRY = core.Geometry("llama-abc123", "float32", 32, 32, 2, 2, 2, 1)
+
+
+def test_legs_and_geometries_that_cannot_be_are_refused() -> None:
+    with pytest.raises(MessageError, match="leg out of range"):
+        core.encode(BlockIds("t", 32, 70, 0, 1, 0, (5,), LegInfo(0, 1, 2, 2)))  # heads 1..2 of 2
+    with pytest.raises(MessageError, match="leg out of range"):
+        core.encode(BlockIds("t", 32, 70, 0, 1, 0, (5,), LegInfo(0, 0, 1, 1, legs=0)))
+    hello = bytearray(core.encode(Hello(GEOMETRY)))
+    with pytest.raises(MessageError, match="HELLO"):
+        core.decode(bytes(hello).replace(b'"tp_rank": 1', b'"tp_rank": 7'))  # rank 7 of 2
+    with pytest.raises(MessageError, match="HELLO"):
+        core.decode(bytes(hello[:-3]))
 
 
 def test_reasons_are_bounded_without_splitting_a_character() -> None:
@@ -78,7 +101,8 @@ def test_reasons_are_bounded_without_splitting_a_character() -> None:
 
 @pytest.mark.parametrize("mutate, words", [
     (lambda d: b"XXXX" + d[4:], "magic"),
-    (lambda d: d[:4] + bytes([core.PROTOCOL_VERSION + 1]) + d[5:], "version 2"),
+    (lambda d: d[:4] + bytes([core.PROTOCOL_VERSION + 1]) + d[5:], f"version {core.PROTOCOL_VERSION + 1}"),
+    (lambda d: d[:4] + bytes([1]) + d[5:], "version 1"),  # before legs: refused, never misread
     (lambda d: d[:5] + bytes([99]) + d[6:], "kind 99"),
     (lambda d: d[:-1], "carries"),
     (lambda d: d + b"\0\0\0\0\0", "carries"),
@@ -128,8 +152,11 @@ def test_long_block_lists_split_into_bounded_ordered_parts() -> None:
     assert [b for p in parts for b in p.blocks] == blocks  # type: ignore[union-attr]
     assert {p.total for p in parts} == {40000}  # type: ignore[union-attr]
     assert len(core.block_id_messages("tid", 16, 0, 0, [])) == 1
-    small = core.block_id_messages("tid", 16, 160, 0, list(range(10)), limit=48)  # 3 ids per message
-    assert len(small) == 4 and all(len(f) <= 48 for f in small)
+    small = core.block_id_messages("tid", 16, 160, 0, list(range(10)), limit=58)  # 3 ids per message
+    assert len(small) == 4 and all(len(f) <= 58 for f in small)
+    leg = LegInfo(1, 0, 1, 2, legs=3)
+    assert {core.decode(f).leg for f in core.block_id_messages("tid", 16, 160, 0, list(range(10)), leg=leg)} == {
+        leg}  # type: ignore[union-attr]
 
 
 # -- configuration, addresses, params --------------------------------------------------------------
@@ -678,9 +705,10 @@ class ConsumerFx:
         self.aborts: list[tuple[int, Any]] = []
         self.open: dict[str, tuple[int, ...]] = {}  # transfer id -> the blocks opened to its prefill
 
-    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str, blocks: Sequence[int]) -> None:
-        self.sent.append((remote, [core.decode(f) for f in frames], transfer_id))
-        self.open[transfer_id] = tuple(blocks)
+    def send_ids(self, spec: RecvSpec, block_size: int) -> None:
+        frames = core.block_id_messages(spec.transfer_id, block_size, spec.num_tokens, spec.first_block, spec.blocks)
+        self.sent.append((spec.remote, [core.decode(f) for f in frames], spec.transfer_id))
+        self.open[spec.transfer_id] = tuple(spec.blocks)
 
     def transfer_ended(self, transfer_id: str) -> None:
         self.open.pop(transfer_id, None)
@@ -892,6 +920,89 @@ def test_specs_that_cannot_be_received_are_reported_failed_at_once() -> None:
     assert [tid for _, _, tid in fx.sent] == ["t2"]
 
 
+# -- tensor parallelism: legs ---------------------------------------------------------------------
+
+def test_a_prefill_rank_pushes_each_decode_rank_its_heads_and_releases_after_both() -> None:
+    """Prefill TP 1 with 2 KV heads -> decode TP 2: decode rank r wants head r (LegInfo src_head=r)."""
+    fx, clock = ProducerFx(), Clock()
+    book = ProducerBook(32, 2, ConnectorConfig(), clock, fx, local_heads=2)
+    for rank, peer in enumerate((81, 82)):
+        leg = LegInfo(rank, 0, 1, 1, legs=2)
+        for frame in core.block_id_messages("tid", 32, 64, 0, [50, 51], leg=leg):
+            book.on_message(peer, core.decode(frame))
+    run_step(book, [SendStep("p1", "tid", (10, 11), 0, 64, 64)])
+    pushes = sorted(fx.pushes.values(), key=lambda push: push.peer)
+    # kvpush blocks: vLLM block b, local head h -> b * local + h, on each side
+    assert [(p.peer, p.src, p.dst) for p in pushes] == [(81, [20, 22], [50, 51]), (82, [21, 23], [50, 51])]
+    for push_id in fx.pushes:
+        book.on_push_done(push_id, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert sorted(peer for peer, _, _ in fx.notified) == [81, 82]
+    book.on_notified("tid", None, 81)
+    assert not book.take_finished_sending()  # the other leg's decode was not told yet
+    book.on_notified("tid", None, 82)
+    assert book.take_finished_sending() == {"p1"} and len(book) == 0
+
+
+def test_a_rank_told_it_pushes_nothing_answers_and_releases_with_its_request() -> None:
+    book, fx, _ = producer()
+    for frame in core.block_id_messages("tid", 32, 100, 0, [50, 51, 52, 53], leg=LegInfo(0, 0, 0, 1)):
+        book.on_message(DECODE_CLUSTER, core.decode(frame))
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert not fx.pushes
+    ((peer, done, _),) = fx.notified
+    assert peer == DECODE_CLUSTER and done == Done("tid", Outcome.LANDED, 4)
+    book.on_notified("tid", None, DECODE_CLUSTER)
+    assert book.take_finished_sending() == {"p1"}
+
+
+def test_legs_that_disagree_or_overflow_are_refused() -> None:
+    book, fx, _ = producer()
+    for frame in core.block_id_messages("tid", 32, 100, 0, [50, 51, 52, 53], leg=LegInfo(0, 0, 1, 1, legs=1)):
+        book.on_message(81, core.decode(frame))
+    for frame in core.block_id_messages("tid", 32, 100, 0, [60, 61, 62, 63], leg=LegInfo(0, 0, 1, 1, legs=1)):
+        book.on_message(82, core.decode(frame))  # a second decode rank where one was announced
+    assert [(peer, done.outcome) for peer, done in fx.replies] == [(82, Outcome.FAILED)]
+    book2, fx2, _ = producer()
+    for frame in core.block_id_messages("t2", 32, 100, 0, [50, 51, 52, 53], leg=LegInfo(1, 0, 1, 1)):
+        book2.on_message(81, core.decode(frame))  # local head 1 of a rank holding 1
+    assert fx2.notified[0][1].outcome == Outcome.MISMATCH and "holds 1" in fx2.notified[0][1].reason
+
+
+def test_a_decode_rank_lands_only_when_every_leg_landed() -> None:
+    book, fx, _ = consumer()
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", peers=[PREFILL.cluster_id, 77])
+    book.on_message(PREFILL.cluster_id, landed())
+    assert not book.take_finished().finished
+    book.on_message(99, landed())  # not one of its legs: ignored
+    assert not book.take_finished().finished
+    book.on_message(77, landed())
+    assert book.take_finished() == core.Received({"r1"}, set(), set()) and fx.open == {}
+
+
+def test_a_failed_leg_stops_the_others_and_the_blocks_wait_for_them() -> None:
+    book, fx, clock = consumer(abort_grace_s=3)
+    book.begin_step([spec()])
+    book.on_ids_sent("tid", peers=[PREFILL.cluster_id, 77, 78])
+    book.on_message(77, Done("tid", Outcome.FAILED, 0, "push failed"))
+    assert sorted(peer for peer, _ in fx.aborts) == sorted([PREFILL.cluster_id, 78])  # the legs still writing
+    assert not book.take_finished().finished and book.state_of("tid") == ConsumerState.FAILING
+    book.on_link_lost(78)  # that one can write nothing more either
+    book.on_message(PREFILL.cluster_id, Done("tid", Outcome.ABORTED, 0, "aborted"))
+    received = book.take_finished()
+    assert received == core.Received({"r1"}, {"r1"}, {7, 8, 9})
+    book2, fx2, clock2 = consumer(abort_grace_s=3)
+    book2.begin_step([spec()])
+    book2.on_ids_sent("tid", peers=[PREFILL.cluster_id, 77])
+    book2.on_link_lost(77)  # a rank died: the other is stopped; without its answer the grace ends the wait
+    assert [peer for peer, _ in fx2.aborts] == [PREFILL.cluster_id]
+    clock2.advance(3.1)
+    book2.poll()
+    assert book2.take_finished().failed == {"r1"}
+
+
 # -- a simulated prefill/decode pair ---------------------------------------------------------------
 
 class World:
@@ -968,9 +1079,10 @@ class World:
         def __init__(self, world: World) -> None:
             self.w = world
 
-        def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str,
-                     blocks: Sequence[int]) -> None:
-            self.w.granted |= set(blocks)  # opened before the ids leave
+        def send_ids(self, spec: RecvSpec, block_size: int) -> None:
+            self.w.granted |= set(spec.blocks)  # opened before the ids leave
+            frames, transfer_id = core.block_id_messages(spec.transfer_id, block_size, spec.num_tokens,
+                                                         spec.first_block, spec.blocks), spec.transfer_id
 
             def deliver() -> None:
                 for frame in frames:

@@ -26,7 +26,8 @@ The modules, each importing only those listed after it: ``scheduler`` (``Schedul
 ``producer`` (``ProducerBook``), ``consumer`` (``ConsumerBook``); ``effects`` (what the worker books
 ask of the engine, and the clock); ``steps`` (what the scheduler tells the workers each step);
 ``config`` (``ConnectorConfig``, addresses, cluster ids, ``kv_transfer_params``); ``messages`` (the
-wire messages and their codec). Every name is re-exported here; import from the package.
+wire messages and their codec); ``topology`` (tensor parallelism: heads per rank, legs,
+compatibility). Every name is re-exported here; import from the package.
 """
 
 from kvpush import MAX_MESSAGE_BYTES
@@ -55,10 +56,12 @@ from .messages import (
     Abort,
     BlockIds,
     Done,
+    Hello,
     Kind,
     Message,
     MessageError,
     Outcome,
+    Welcome,
     block_id_messages,
     decode,
     encode,
@@ -66,13 +69,26 @@ from .messages import (
 from .producer import TOMBSTONES, ProducerBook, ProducerState
 from .scheduler import Scheduled, SchedulerBook
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
+from .topology import (
+    Geometry,
+    Leg,
+    LegInfo,
+    Sharding,
+    Target,
+    TopologyError,
+    dst_ids,
+    incompatibility,
+    plan_legs,
+    targets,
+)
 
 __all__ = [
     "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook", "ConsumerEffects", "ConsumerParams",
-    "ConsumerState", "Done", "FinishedSend", "Kind", "MAX_BLOCKS_PER_TRANSFER", "MAX_MESSAGE_BYTES",
-    "MAX_REASON_BYTES", "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome", "PROTOCOL_VERSION",
-    "ParamsError", "PeerAddress", "ProducerBook", "ProducerEffects", "ProducerParams", "ProducerState", "ROLES",
-    "Received", "RecvSpec", "Scheduled", "SchedulerBook", "SendStep", "StepMeta", "TOMBSTONES", "block_id_messages",
-    "blocks_for", "decode", "decode_request_params", "derive_cluster_id", "encode", "listen_port", "new_transfer_id",
-    "parse_params", "prefill_request_params",
+    "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER",
+    "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES", "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome",
+    "PROTOCOL_VERSION", "ParamsError", "PeerAddress", "ProducerBook", "ProducerEffects", "ProducerParams",
+    "ProducerState", "ROLES", "Received", "RecvSpec", "Scheduled", "SchedulerBook", "SendStep", "Sharding",
+    "StepMeta", "TOMBSTONES", "Target", "TopologyError", "Welcome", "block_id_messages", "blocks_for", "decode",
+    "decode_request_params", "derive_cluster_id", "dst_ids", "encode", "incompatibility", "listen_port",
+    "new_transfer_id", "parse_params", "plan_legs", "prefill_request_params", "targets",
 ]

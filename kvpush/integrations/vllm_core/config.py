@@ -132,7 +132,8 @@ def derive_cluster_id(host: str, port: int) -> int:
 def listen_port(kv_port: int, role: str, rank: int = 0) -> int:
     """Default listen port of a worker: ``kv_port`` for a prefill (``kv_producer``, ``kv_both``), so a
     decode on the same host reaches it with vLLM's defaults; ``+ 1`` for a decode that is asked to
-    listen; ``+ 2 * rank`` for the rank-th worker of an instance."""
+    listen; ``+ 2 * rank`` for the rank-th worker of an instance (its tensor-parallel rank, counted on
+    across data-parallel replicas), so a prefill's and a decode's ranks on one host never collide."""
     if role not in ROLES:
         raise ParamsError(f"kv_role {role!r} is not one of {', '.join(ROLES)}")
     port = kv_port + (1 if role == "kv_consumer" else 0) + 2 * rank
@@ -152,6 +153,18 @@ class PeerAddress:
     @classmethod
     def of(cls, host: str, port: int, cluster_id: int | None = None) -> PeerAddress:
         return cls(host, port, derive_cluster_id(host, port) if cluster_id is None else cluster_id)
+
+    def of_rank(self, rank: int) -> PeerAddress:
+        """Where rank ``rank`` of the instance whose rank 0 is here listens: ``port + 2 * rank`` (see
+        ``listen_port``), its cluster id derived from that address, or this one's ``+ rank`` when this one
+        was set explicitly (``cluster_id`` in the instance's config)."""
+        if rank == 0:
+            return self
+        port = self.port + 2 * rank
+        if not 0 < port < 65536:
+            raise ParamsError(f"rank {rank} of the instance at {self.host}:{self.port} has no valid port")
+        derived = self.cluster_id == derive_cluster_id(self.host, self.port)
+        return PeerAddress(self.host, port, derive_cluster_id(self.host, port) if derived else self.cluster_id + rank)
 
 
 # -- kv_transfer_params ----------------------------------------------------------------------------

@@ -2,6 +2,10 @@
 of how it ended (``Received``: landed, failed with its blocks as load errors, or aborted), and
 ``ConsumerState``. It sends the block ids (retrying a link that is not up yet), waits for the
 prefill's ``Done`` within the deadlines, and aborts when vLLM no longer needs the request.
+
+With tensor parallelism the engine sends the ids to every prefill rank that pushes some of this rank's
+heads (its legs; ``on_ids_sent`` names them): the transfer lands when each of them said so, and when one
+fails the others are told to stop and the blocks are reported only once none of them can still write.
 """
 
 from __future__ import annotations
@@ -10,11 +14,11 @@ import enum
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import ConnectorConfig
 from .effects import Clock, ConsumerEffects
-from .messages import Abort, Done, Message, MessageError, Outcome, block_id_messages, encode
+from .messages import Abort, Done, Message, Outcome, encode
 from .steps import RecvSpec
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,16 @@ class _Incoming:
     retry_at: float | None = None
     backoff: float = _RETRY_FIRST_S
     reason: str = ""
+    peers: frozenset[int] | None = None  # the prefill ranks its legs go to (None: not known yet)
+    landed: set[int] = field(default_factory=set)  # peers whose Done said every byte landed
+    settled: set[int] = field(default_factory=set)  # peers that will write nothing more (answered or gone)
+
+    def expected(self) -> frozenset[int]:
+        return self.peers if self.peers is not None else frozenset({self.spec.remote.cluster_id})
+
+    def outstanding(self) -> frozenset[int]:
+        """Peers that may still write into the blocks."""
+        return self.expected() - self.settled
 
 
 class ConsumerBook:
@@ -139,15 +153,22 @@ class ConsumerBook:
 
     # -- engine events -----------------------------------------------------------------------------
     def on_ids_sent(self, transfer_id: str, error: str | None = None, retryable: bool = False,
-                    delivered_any: bool = True) -> None:
+                    delivered_any: bool = True, peers: Sequence[int] | None = None) -> None:
+        """The engine's answer to ``send_ids``: ``peers`` are the prefill ranks the ids went to (every leg's,
+        on success; those that may have some, on failure; None: the one ``RecvSpec.remote``)."""
         t = self._transfers.get(transfer_id)
         if t is None:
             return
         t.sending = False
+        if peers is not None:
+            t.peers = frozenset(peers) | (t.peers or frozenset())
         if error is None:
             t.delivered = True
+            if t.peers is None:
+                t.peers = frozenset({t.spec.remote.cluster_id})
             if t.state == ConsumerState.SENDING_IDS:
                 t.state = ConsumerState.WAITING_LANDED
+            self._check(t)
             return
         t.delivered = t.delivered or delivered_any
         now = self.clock()
@@ -168,24 +189,33 @@ class ConsumerBook:
         if t is None:
             log.debug("notification for transfer %s, which is not waiting here", message.transfer_id)
             return
-        if peer != t.spec.remote.cluster_id:
-            log.warning("transfer %s: notification from cluster %d, expected %d; ignored", message.transfer_id, peer,
-                        t.spec.remote.cluster_id)
+        if peer not in t.expected() and (t.peers is not None or t.delivered):
+            log.warning("transfer %s: notification from cluster %d, expected %s; ignored", message.transfer_id, peer,
+                        ", ".join(str(p) for p in sorted(t.expected())))
             return
-        if t.state == ConsumerState.ABORTING:
-            self._end(t, ConsumerState.ABORTED)
+        complete = message.outcome == Outcome.LANDED and message.num_blocks == len(t.spec.blocks)
+        if t.state in (ConsumerState.ABORTING, ConsumerState.FAILING):
+            t.settled.add(peer)  # whatever it says, that rank writes nothing more
+            if complete and t.state == ConsumerState.FAILING:
+                t.landed.add(peer)  # after our timeout, say: if every leg lands, the bytes are there
+                if t.peers is not None and t.landed >= t.peers:
+                    self._end(t, ConsumerState.LANDED)
+                    return
+            self._check(t)
             return
-        if t.state not in (ConsumerState.SENDING_IDS, ConsumerState.WAITING_LANDED, ConsumerState.FAILING):
+        if t.state not in (ConsumerState.SENDING_IDS, ConsumerState.WAITING_LANDED):
             return
-        if message.outcome == Outcome.LANDED and message.num_blocks == len(t.spec.blocks):
-            self._end(t, ConsumerState.LANDED)  # even after our timeout: the bytes are there
+        if complete:
+            t.landed.add(peer)
+            t.settled.add(peer)
+            self._check(t)
             return
         if message.outcome == Outcome.LANDED:
             t.reason = f"prefill pushed {message.num_blocks} blocks, {len(t.spec.blocks)} expected"
         else:
             t.reason = t.reason or f"prefill reports {message.outcome.name}: {message.reason}"
-        log.warning("transfer %s (request %s): %s", message.transfer_id, t.spec.req_id, t.reason)
-        self._end(t, ConsumerState.FAILED)
+        t.settled.add(peer)
+        self._give_up(t, t.reason, self.clock())
 
     def on_message(self, peer: int, message: Message) -> None:
         if isinstance(message, Done):
@@ -194,51 +224,53 @@ class ConsumerBook:
             log.warning("decode side got a %s message from cluster %d; ignored", type(message).__name__, peer)
 
     def on_link_lost(self, peer: int, reason: str = "link closed") -> None:
-        for t in [t for t in self._transfers.values() if t.spec.remote.cluster_id == peer]:
-            if t.state == ConsumerState.ABORTING:
-                self._end(t, ConsumerState.ABORTED)
-            elif t.state in (ConsumerState.WAITING_LANDED, ConsumerState.FAILING) or (
-                    t.state == ConsumerState.SENDING_IDS and t.delivered):
+        for t in [t for t in self._transfers.values() if peer in t.expected()]:
+            if t.state in (ConsumerState.ABORTING, ConsumerState.FAILING):
+                t.settled.add(peer)
+                self._check(t)
+            elif t.state == ConsumerState.WAITING_LANDED or (t.state == ConsumerState.SENDING_IDS and t.delivered):
                 t.reason = t.reason or f"link to the prefill (cluster {peer}) lost: {reason}"
-                log.warning("transfer %s (request %s): %s", t.spec.transfer_id, t.spec.req_id, t.reason)
-                self._end(t, ConsumerState.FAILED)
+                t.settled.add(peer)
+                self._give_up(t, t.reason, self.clock())
 
     # -- internals ---------------------------------------------------------------------------------
     def _send_ids(self, t: _Incoming) -> None:
-        spec = t.spec
-        try:
-            frames = block_id_messages(spec.transfer_id, self.block_size, spec.num_tokens, spec.first_block,
-                                       spec.blocks)
-        except MessageError as error:
-            self._give_up(t, str(error), self.clock())
-            return
         t.sending = True
         self.stats["ids_sent"] += 1
-        self.effects.send_ids(spec.remote, frames, spec.transfer_id, spec.blocks)
+        self.effects.send_ids(t.spec, self.block_size)
 
     def _give_up(self, t: _Incoming, reason: str, now: float) -> None:
         t.reason = t.reason or reason
         log.warning("transfer %s (request %s): %s", t.spec.transfer_id, t.spec.req_id, t.reason)
-        if t.delivered or t.sending:
-            t.state = ConsumerState.FAILING
-            t.grace_deadline = now + self.config.abort_grace_s
-            self.effects.send_abort(t.spec.remote.cluster_id, encode(Abort(t.spec.transfer_id, t.reason)))
-        else:
-            self._end(t, ConsumerState.FAILED)
+        self._stop(t, ConsumerState.FAILING, now)
 
     def _abort(self, t: _Incoming, now: float) -> None:
         if t.state in _REPORTABLE or t.state == ConsumerState.ABORTING:
             return
         if t.state == ConsumerState.FAILING:
-            t.state = ConsumerState.ABORTING  # the abort already went out; vLLM no longer needs the blocks
+            t.state = ConsumerState.ABORTING  # the aborts already went out; vLLM no longer needs the blocks
             return
         t.reason = "request finished while waiting for its KV"
-        if t.delivered or t.sending:
-            t.state = ConsumerState.ABORTING
-            t.grace_deadline = now + self.config.abort_grace_s
-            self.effects.send_abort(t.spec.remote.cluster_id, encode(Abort(t.spec.transfer_id, t.reason)))
-        else:
-            self._end(t, ConsumerState.ABORTED)
+        self._stop(t, ConsumerState.ABORTING, now)
+
+    def _stop(self, t: _Incoming, state: ConsumerState, now: float) -> None:
+        """Tell every prefill rank that may still write to stop, and wait for them (``abort_grace_s`` at
+        most) before the blocks are reported; with none that could, end at once."""
+        final = ConsumerState.FAILED if state == ConsumerState.FAILING else ConsumerState.ABORTED
+        if not (t.delivered or t.sending) or not t.outstanding():
+            self._end(t, final)
+            return
+        t.state = state
+        t.grace_deadline = now + self.config.abort_grace_s
+        for peer in sorted(t.outstanding()):
+            self.effects.send_abort(peer, encode(Abort(t.spec.transfer_id, t.reason)))
+
+    def _check(self, t: _Incoming) -> None:
+        """End ``t`` if nothing more is waited for: every leg landed, or every rank stopped."""
+        if t.state == ConsumerState.WAITING_LANDED and t.peers is not None and t.landed >= t.peers:
+            self._end(t, ConsumerState.LANDED)
+        elif t.state in (ConsumerState.ABORTING, ConsumerState.FAILING) and not t.sending and not t.outstanding():
+            self._end(t, ConsumerState.ABORTED if t.state == ConsumerState.ABORTING else ConsumerState.FAILED)
 
     def _end(self, t: _Incoming, state: ConsumerState) -> None:
         t.state = state

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .config import PeerAddress
+from .steps import RecvSpec
 
 
 class ProducerEffects(Protocol):
@@ -41,9 +41,10 @@ class ConsumerEffects(Protocol):
     """What the decode worker's book asks the engine to do; ``send_ids`` reports
     ``on_ids_sent(transfer_id, error, retryable, delivered_any)``."""
 
-    def send_ids(self, remote: PeerAddress, frames: Sequence[bytes], transfer_id: str, blocks: Sequence[int]) -> None:
-        """Link to ``remote`` if needed, open ``blocks`` (this worker's, where the transfer lands) to it for
-        writing, then send ``frames`` in order, after anything sent before."""
+    def send_ids(self, spec: RecvSpec, block_size: int) -> None:
+        """Send the transfer's block ids to the prefill at ``spec.remote`` - to each of its ranks with a leg
+        to this rank (linking, and checking the two geometries, first) - each after opening the blocks that
+        rank writes to it, in order after anything sent to it before."""
 
     def transfer_ended(self, transfer_id: str) -> None:
         """The transfer ended here (landed, failed or aborted): its blocks are no longer open to the

@@ -1,19 +1,25 @@
-"""The connector's wire messages and their codec: ``BlockIds`` (decode -> prefill: where the blocks go),
-``Abort`` (decode -> prefill: stop) and ``Done`` (prefill -> decode, a notification: how the transfer
-ended), each versioned (``PROTOCOL_VERSION``) and bounded (``MAX_MESSAGE_BYTES``; ``block_id_messages``
-splits a long block list). Pure: bytes in, messages out; anything malformed raises ``MessageError``.
+"""The connector's wire messages and their codec: ``BlockIds`` (decode -> prefill: where the blocks go, and
+which heads of them, ``LegInfo``), ``Abort`` (decode -> prefill: stop), ``Done`` (prefill -> decode, a
+notification: how the transfer ended), and once per link ``Hello`` (decode -> prefill: its ``Geometry``)
+and ``Welcome`` (prefill -> decode: its own, and a refusal if the two cannot exchange KV). Each is
+versioned (``PROTOCOL_VERSION``) and bounded (``MAX_MESSAGE_BYTES``; ``block_id_messages`` splits a long
+block list). Pure: bytes in, messages out; anything malformed raises ``MessageError``.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvpush import MAX_MESSAGE_BYTES
 
-PROTOCOL_VERSION = 1
+from .topology import Geometry, LegInfo
+
+PROTOCOL_VERSION = 2  # 2: block ids carry their leg (tensor parallelism); Hello / Welcome
 MAX_TRANSFER_ID_BYTES = 128
 MAX_REASON_BYTES = 512
 MAX_BLOCKS_PER_TRANSFER = 1 << 24
@@ -27,6 +33,8 @@ class Kind(enum.IntEnum):
     BLOCK_IDS = 1  # decode -> prefill: where the request's blocks go
     ABORT = 2  # decode -> prefill: stop; answer with Done once no byte of the transfer can still land
     DONE = 3  # prefill -> decode (a notification): the transfer ended, with its outcome
+    HELLO = 4  # decode -> prefill, once per link: the decode worker's geometry
+    WELCOME = 5  # prefill -> decode (a notification), the answer: the prefill worker's geometry, or a refusal
 
 
 class Outcome(enum.IntEnum):
@@ -41,7 +49,8 @@ class Outcome(enum.IntEnum):
 class BlockIds:
     """One part of a decode's destination block list. ``blocks`` are ``dst[offset:offset+len]`` of a
     list of ``total`` ids; block ``i`` of that list receives the prefill's block ``first_block + i``
-    (the decode already holds the first ``first_block`` blocks from its prefix cache)."""
+    (the decode already holds the first ``first_block`` blocks from its prefix cache). ``leg``: which
+    heads (None: all of them, both sides holding the same heads)."""
 
     transfer_id: str
     block_size: int
@@ -50,6 +59,7 @@ class BlockIds:
     total: int
     offset: int
     blocks: tuple[int, ...]
+    leg: LegInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -66,11 +76,31 @@ class Done:
     reason: str = ""
 
 
-Message = BlockIds | Abort | Done
+@dataclass(frozen=True)
+class Hello:
+    """Decode -> prefill, when a decode worker links to a prefill worker: what its KV looks like."""
+
+    geometry: Geometry
+    transfer_id: str = "hello"
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Prefill -> decode, the answer to ``Hello``: the prefill worker's geometry; ``refusal`` names each
+    value that cannot be bridged ("" accepts)."""
+
+    geometry: Geometry
+    refusal: str = ""
+    transfer_id: str = "welcome"
+
+
+Message = BlockIds | Abort | Done | Hello | Welcome
 
 _HEAD = struct.Struct("<4sBB")  # magic, version, kind
 _MAGIC = b"KVPC"
 _IDS = struct.Struct("<IIIIII")  # block_size, num_tokens, first_block, total, offset, count
+_LEG = struct.Struct("<HHHHH")  # src_head, dst_head, heads, dst_local (0: no leg, all heads), legs
+_JSON = struct.Struct("<H")  # a Hello's / Welcome's JSON length
 _DONE = struct.Struct("<BIH")  # outcome, num_blocks, reason length
 _REASON = struct.Struct("<H")
 _U32_MAX = 0xFFFFFFFF
@@ -96,8 +126,16 @@ def encode(message: Message) -> bytes:
     if isinstance(message, BlockIds):
         if any(b < 0 or b > _U32_MAX for b in message.blocks):
             raise MessageError("block ids must fit in 32 bits")
-        body = _IDS.pack(message.block_size, message.num_tokens, message.first_block, message.total, message.offset,
-                         len(message.blocks)) + struct.pack(f"<{len(message.blocks)}I", *message.blocks)
+        leg = message.leg
+        try:
+            leg_bytes = _LEG.pack(0, 0, 0, 0, 1) if leg is None else _LEG.pack(
+                leg.src_head, leg.dst_head, leg.heads, leg.dst_local, leg.legs)
+        except struct.error as error:
+            raise MessageError(f"leg out of range: {leg}") from error
+        if leg is not None and (leg.dst_local < 1 or leg.dst_head + leg.heads > leg.dst_local or leg.legs < 1):
+            raise MessageError(f"leg out of range: {leg}")
+        body = (_IDS.pack(message.block_size, message.num_tokens, message.first_block, message.total, message.offset,
+                          len(message.blocks)) + leg_bytes + struct.pack(f"<{len(message.blocks)}I", *message.blocks))
         kind = Kind.BLOCK_IDS
     elif isinstance(message, Abort):
         reason = _text(message.reason, MAX_REASON_BYTES)
@@ -105,6 +143,12 @@ def encode(message: Message) -> bytes:
     elif isinstance(message, Done):
         reason = _text(message.reason, MAX_REASON_BYTES)
         body, kind = _DONE.pack(int(message.outcome), message.num_blocks, len(reason)) + reason, Kind.DONE
+    elif isinstance(message, (Hello, Welcome)):
+        fields: dict[str, Any] = {"geometry": message.geometry.to_wire()}
+        if isinstance(message, Welcome):
+            fields["refusal"] = message.refusal[:MAX_REASON_BYTES]
+        text = json.dumps(fields).encode("utf-8")
+        body, kind = _JSON.pack(len(text)) + text, Kind.HELLO if isinstance(message, Hello) else Kind.WELCOME
     else:
         raise TypeError(f"not a connector message: {type(message).__name__}")
     data = _HEAD.pack(_MAGIC, PROTOCOL_VERSION, kind) + _tid_bytes(message.transfer_id) + body
@@ -146,19 +190,37 @@ def decode(data: bytes) -> Message:
         if kind == Kind.BLOCK_IDS:
             block_size, num_tokens, first_block, total, offset, count = _IDS.unpack_from(data, at)
             at += _IDS.size
+            src_head, dst_head, heads, dst_local, legs = _LEG.unpack_from(data, at)
+            at += _LEG.size
+            leg = None if dst_local == 0 else LegInfo(src_head, dst_head, heads, dst_local, legs)
+            if leg is not None and (dst_head + heads > dst_local or legs < 1):
+                raise MessageError(f"BLOCK_IDS leg out of range: {leg}")
             if at + 4 * count != len(data):
                 raise MessageError(f"BLOCK_IDS says {count} ids, carries {(len(data) - at) / 4:g}")
             blocks = struct.unpack_from(f"<{count}I", data, at)
             if block_size == 0 or total > MAX_BLOCKS_PER_TRANSFER or offset + count > total:
                 raise MessageError(f"BLOCK_IDS geometry out of range (block_size={block_size}, total={total}, "
                                    f"offset={offset}, count={count})")
-            return BlockIds(transfer_id, block_size, num_tokens, first_block, total, offset, blocks)
+            return BlockIds(transfer_id, block_size, num_tokens, first_block, total, offset, blocks, leg)
         if kind == Kind.ABORT:
             (length,) = _REASON.unpack_from(data, at)
             at += _REASON.size
             if at + length != len(data) or length > MAX_REASON_BYTES:
                 raise MessageError("ABORT reason length does not match the message")
             return Abort(transfer_id, data[at:].decode("utf-8", "replace"))
+        if kind in (Kind.HELLO, Kind.WELCOME):
+            (length,) = _JSON.unpack_from(data, at)
+            at += _JSON.size
+            if at + length != len(data):
+                raise MessageError(f"{kind.name} length does not match the message")
+            try:
+                fields = json.loads(data[at:].decode("utf-8"))
+                geometry = Geometry.from_wire(fields.get("geometry") if isinstance(fields, dict) else None)
+            except (ValueError, UnicodeDecodeError) as error:
+                raise MessageError(f"{kind.name}: {error}") from None
+            if kind == Kind.HELLO:
+                return Hello(geometry, transfer_id)
+            return Welcome(geometry, str(fields.get("refusal", "")), transfer_id)
         outcome_value, num_blocks, length = _DONE.unpack_from(data, at)
         at += _DONE.size
         if at + length != len(data) or length > MAX_REASON_BYTES:
@@ -173,17 +235,19 @@ def decode(data: bytes) -> Message:
 
 
 def block_id_messages(transfer_id: str, block_size: int, num_tokens: int, first_block: int,
-                      blocks: Sequence[int], limit: int = MAX_MESSAGE_BYTES) -> list[bytes]:
+                      blocks: Sequence[int], limit: int = MAX_MESSAGE_BYTES, leg: LegInfo | None = None) -> list[bytes]:
     """The destination block list as messages of at most ``limit`` bytes each, in order (one
-    message up to ~16 000 blocks at 64 KiB). An empty list is one message with no ids."""
+    message up to ~16 000 blocks at 64 KiB), each carrying ``leg``. An empty list is one message with no
+    ids."""
     if len(blocks) > MAX_BLOCKS_PER_TRANSFER:
         raise MessageError(f"{len(blocks)} blocks exceed {MAX_BLOCKS_PER_TRANSFER} per transfer")
-    overhead = _HEAD.size + 1 + len(transfer_id.encode("utf-8")) + _IDS.size
+    overhead = _HEAD.size + 1 + len(transfer_id.encode("utf-8")) + _IDS.size + _LEG.size
     per_message = (limit - overhead) // 4
     if per_message < 1:
         raise MessageError(f"limit of {limit} bytes leaves no room for a block id")
     parts = []
     for offset in range(0, max(len(blocks), 1), per_message):
         chunk = tuple(int(b) for b in blocks[offset:offset + per_message])
-        parts.append(encode(BlockIds(transfer_id, block_size, num_tokens, first_block, len(blocks), offset, chunk)))
+        parts.append(encode(BlockIds(transfer_id, block_size, num_tokens, first_block, len(blocks), offset, chunk,
+                                     leg)))
     return parts

@@ -2,6 +2,10 @@
 request's step or its decode's block ids to the release of its blocks, and ``ProducerState``. It pushes
 the blocks each step touches layer by layer, serves late block ids with a push after the forward pass,
 answers aborts, notifies the decode of the outcome and only then lets vLLM free the blocks.
+
+With tensor parallelism a transfer has one *leg* per decode rank that sends this rank block ids (each
+``BlockIds`` says which heads, ``LegInfo``, and how many legs to expect); the legs push, fail and are
+answered independently, and the request's blocks are released once every leg ended.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .config import ConnectorConfig
 from .effects import Clock, ProducerEffects
 from .messages import Abort, BlockIds, Done, Message, Outcome, encode
 from .steps import FinishedSend, SendStep, blocks_for
+from .topology import Leg, LegInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,75 +37,107 @@ class ProducerState(enum.Enum):
     RELEASABLE = "waiting for the request to finish"
 
 
-@dataclass
-class _Outgoing:
+@dataclass(eq=False)
+class _Request:
+    """A prefill request (by transfer id): what vLLM's scheduler said of it, and its legs."""
+
     transfer_id: str
     created: float
     req_id: str | None = None
-    # from the decode
-    peer: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    num_prompt_tokens: int | None = None
+    computed_upto: int = 0
+    step_after: int = 0
+    finished: bool = False
+    delayed: bool = False
+    in_step: bool = False  # this step's forward computes some of its prompt
+    legs: dict[int, _Outgoing] = field(default_factory=dict)  # by decode peer
+    expected: int | None = None  # legs announced (None: no block ids yet)
+    failure: str | None = None  # the request itself failed: every leg, present or late, fails with it
+    ids_deadline: float | None = None
+    gave_up: str | None = None  # why legs that never came were given up (remembered when it ends)
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """One leg: what this rank pushes of a request to one decode rank (``peer``)."""
+
+    request: _Request
+    peer: int
     first_block: int = 0
     dst_blocks: list[int] | None = None
     num_tokens: int = 0
     parts: list[int] = field(default_factory=list)
     parts_total: int = 0
-    # from the prefill's scheduler
-    blocks: list[int] = field(default_factory=list)
-    num_prompt_tokens: int | None = None
-    computed_upto: int = 0
-    step_after: int = 0
+    leg: LegInfo | None = None
     pushed_upto: int = 0  # block index (in the prefill's list) below which every block was pushed
-    finished: bool = False
-    delayed: bool = False
-    # progress
     pushes: set[int] = field(default_factory=set)
     failure: str | None = None
     outcome: Outcome = Outcome.LANDED
     notify_state: str = ""  # "", "sent", "done"
-    ids_deadline: float | None = None
+    released: bool = False
+
+    @property
+    def transfer_id(self) -> str:
+        return self.request.transfer_id
+
+
+_ORDER = (ProducerState.WAITING_IDS, ProducerState.PUSHING, ProducerState.DRAINING, ProducerState.NOTIFYING,
+          ProducerState.RELEASABLE)
 
 
 class ProducerBook:
     """The prefill worker's transfers, keyed by transfer id; see the package docstring.
 
     A transfer's blocks are released (its request reported in ``take_finished_sending``) only when
-    the request finished in vLLM, no push of it is in flight and the decode was told the outcome (or
-    cannot be). Block ids that never come are given up ``ids_timeout_s`` after the request finished;
-    ids for a request not seen yet wait ``transfer_timeout_s``.
+    the request finished in vLLM, no push of it is in flight and every leg's decode was told the
+    outcome (or cannot be). Block ids that never come are given up ``ids_timeout_s`` after the request
+    finished; ids for a request not seen yet wait ``transfer_timeout_s``. ``local_heads``: the KV heads
+    this worker holds per block (its registered cache has that many kvpush blocks per vLLM block).
     """
 
     def __init__(self, block_size: int, num_layers: int, config: ConnectorConfig, clock: Clock,
-                 effects: ProducerEffects) -> None:
+                 effects: ProducerEffects, local_heads: int = 1) -> None:
         self.block_size = block_size
         self.num_layers = num_layers
         self.config = config
         self.clock = clock
         self.effects = effects
-        self._transfers: dict[str, _Outgoing] = {}
+        self.local_heads = local_heads
+        self._requests: dict[str, _Request] = {}
         self._push_owner: dict[int, _Outgoing] = {}
-        self._step: list[tuple[_Outgoing, int | None]] = []  # this step's transfers and their pipelined push
+        self._step: list[_Request] = []  # this step's requests
+        self._step_pushes: list[int] = []  # this step's pipelined pushes
         self._step_layers: dict[int, set[int]] = {}
         self._next_push = 1
         self._finished_sending: set[str] = set()
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> how it ended
-        #: pushes_pipelined / pushes_after_forward / blocks_pushed / landed / failed / released
+        #: pushes_pipelined / pushes_after_forward / blocks_pushed / landed / failed (legs) / released (requests)
         self.stats: Counter[str] = Counter()
 
     # -- introspection -----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._transfers)
+        return len(self._requests)
 
     def state_of(self, transfer_id: str) -> ProducerState | None:
-        t = self._transfers.get(transfer_id)
-        if t is None:
+        """The least advanced state of the transfer's legs (WAITING_IDS before any came)."""
+        r = self._requests.get(transfer_id)
+        if r is None:
             return None
+        states = [self._leg_state(t) for t in r.legs.values() if not t.released]
+        if not states:
+            return ProducerState.WAITING_IDS if r.failure is None and not r.legs else ProducerState.RELEASABLE
+        return min(states, key=_ORDER.index)
+
+    def _leg_state(self, t: _Outgoing) -> ProducerState:
+        failure = t.failure or t.request.failure
         if t.pushes:
-            return ProducerState.PUSHING if t.failure is None else ProducerState.DRAINING
+            return ProducerState.PUSHING if failure is None else ProducerState.DRAINING
         if t.notify_state == "sent":
             return ProducerState.NOTIFYING
-        if t.failure is None and t.dst_blocks is None:
+        if failure is None and t.dst_blocks is None:
             return ProducerState.WAITING_IDS
-        if t.failure is None and t.notify_state != "done":
+        if failure is None and t.notify_state != "done":
             return ProducerState.PUSHING  # between the steps of a chunked prefill
         return ProducerState.RELEASABLE
 
@@ -108,60 +147,67 @@ class ProducerBook:
 
     # -- vLLM step hooks ---------------------------------------------------------------------------
     def begin_step(self, sends: Sequence[SendStep], finished: Sequence[FinishedSend] = ()) -> None:
-        """Before the forward pass: start a pipelined push for every request whose decode blocks are
-        known and whose blocks this step touches; then take note of finished requests."""
+        """Before the forward pass: start a pipelined push for every leg whose decode blocks are known
+        and whose blocks this step touches; then take note of finished requests."""
         for item in finished:
             self._finish(item)
         for send in sends:
-            t = self._transfers.get(send.transfer_id)
-            if t is None:
-                t = self._transfers[send.transfer_id] = _Outgoing(send.transfer_id, self.clock())
+            r = self._requests.get(send.transfer_id)
+            if r is None:
+                r = self._requests[send.transfer_id] = _Request(send.transfer_id, self.clock())
                 gone = self._ended.get(send.transfer_id)
                 if gone is not None:  # its decode already gave up (and was answered): only keep the blocks
-                    t.failure, t.outcome = f"ended before its request ran: {gone}", Outcome.UNKNOWN
-                    t.notify_state = "done"
-            if t.req_id is None:
-                t.ids_deadline = None  # the request is here; its ids are awaited from when it finishes
-            t.req_id = send.req_id
-            t.blocks = list(send.blocks)
+                    r.failure = f"ended before its request ran: {gone}"
+                    r.expected = 0
+            if r.req_id is None:
+                r.ids_deadline = None  # the request is here; its ids are awaited from when it finishes
+            r.req_id = send.req_id
+            r.blocks = list(send.blocks)
             if send.resumed:
-                log.info("transfer %s: request %s was preempted; its blocks are pushed again", t.transfer_id,
+                log.info("transfer %s: request %s was preempted; its blocks are pushed again", r.transfer_id,
                          send.req_id)
-                t.pushed_upto = t.first_block
-            if t.num_prompt_tokens is None:
-                t.num_prompt_tokens = send.num_prompt_tokens
-                self._check_tokens(t)
-            t.computed_upto = send.computed_before
-            t.step_after = send.computed_after
-            push_id = None
-            if t.failure is None and t.dst_blocks is not None:
-                end = min(blocks_for(send.computed_after, self.block_size), self._end_block(t))
-                push_id = self._start(t, t.pushed_upto, end, pipelined=True)
-                t.pushed_upto = max(t.pushed_upto, self._end_block(t) if send.computed_after >= t.num_tokens
-                                    else send.computed_after // self.block_size)
-            self._step.append((t, push_id))
+                for t in r.legs.values():
+                    t.pushed_upto = t.first_block
+            if r.num_prompt_tokens is None:
+                r.num_prompt_tokens = send.num_prompt_tokens
+                for t in list(r.legs.values()):
+                    self._check_tokens(t)
+            r.computed_upto = send.computed_before
+            r.step_after = send.computed_after
+            r.in_step = True
+            self._step.append(r)
+            for t in list(r.legs.values()):
+                if t.failure is None and r.failure is None and t.dst_blocks is not None and not t.released:
+                    end = min(blocks_for(send.computed_after, self.block_size), self._end_block(t))
+                    push_id = self._start(t, t.pushed_upto, end, pipelined=True)
+                    t.pushed_upto = max(t.pushed_upto, self._end_block(t) if send.computed_after >= t.num_tokens
+                                        else send.computed_after // self.block_size)
+                    if push_id is not None:
+                        self._step_pushes.append(push_id)
 
     def layer_saved(self, layer: int) -> None:
         """Layer ``layer``'s KV of this step is in memory: push it for every pipelined push."""
-        for _, push_id in self._step:
-            if push_id is not None and push_id in self._step_layers:
+        for push_id in self._step_pushes:
+            if push_id in self._step_layers:
                 self._step_layers[push_id].add(layer)
                 self.effects.push_layer(push_id, layer)
 
     def end_step(self) -> None:
         """After the forward pass: every pipelined push gets its missing layers (a model whose layers
         did not all reach ``save_kv_layer``) and is finished; late block ids are served."""
-        step, self._step = self._step, []
-        for t, push_id in step:
-            t.computed_upto = max(t.computed_upto, t.step_after)
-            if push_id is not None and push_id in self._step_layers:
+        step, pushes, self._step, self._step_pushes = self._step, self._step_pushes, [], []
+        for r in step:
+            r.computed_upto = max(r.computed_upto, r.step_after)
+            r.in_step = False
+        for push_id in pushes:
+            if push_id in self._step_layers:
                 for layer in range(self.num_layers):
                     if layer not in self._step_layers[push_id]:
                         self.effects.push_layer(push_id, layer)
                 del self._step_layers[push_id]
                 self.effects.finish_push(push_id)
-        for t, _ in step:
-            if t.transfer_id in self._transfers:
+        for r in step:
+            for t in list(r.legs.values()):
                 self._settle(t)
 
     # -- engine events -----------------------------------------------------------------------------
@@ -169,13 +215,13 @@ class ProducerBook:
         if isinstance(message, BlockIds):
             self._on_ids(peer, message)
         elif isinstance(message, Abort):
-            t = self._transfers.get(message.transfer_id)
-            if t is None or t.peer not in (None, peer):
+            r = self._requests.get(message.transfer_id)
+            t = r.legs.get(peer) if r is not None else None
+            if t is None:
                 log.debug("abort for transfer %s from cluster %d: nothing to abort", message.transfer_id, peer)
-                if t is None:
+                if r is None:
                     self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.UNKNOWN, 0, "no such transfer")))
                 return
-            t.peer = peer
             self._fail(t, f"aborted by the decode ({message.reason or 'no reason given'})", Outcome.ABORTED)
         else:
             log.warning("prefill side got a %s message from cluster %d; ignored", type(message).__name__, peer)
@@ -190,33 +236,44 @@ class ProducerBook:
         else:
             self._settle(t)
 
-    def on_notified(self, transfer_id: str, error: str | None) -> None:
-        t = self._transfers.get(transfer_id)
-        if t is None:
+    def on_notified(self, transfer_id: str, error: str | None, peer: int | None = None) -> None:
+        """The decode ``peer`` was told the outcome of its leg (``error``: could not be)."""
+        r = self._requests.get(transfer_id)
+        if r is None:
             return
-        if error is not None:
-            log.warning("transfer %s: could not tell the decode (cluster %s) the outcome: %s; it will time out",
-                        transfer_id, t.peer, error)
-        t.notify_state = "done"
-        self._settle(t)
+        for t in [t for t in r.legs.values() if peer is None or t.peer == peer]:
+            if t.notify_state != "sent":
+                continue
+            if error is not None:
+                log.warning("transfer %s: could not tell the decode (cluster %s) the outcome: %s; it will time out",
+                            transfer_id, t.peer, error)
+            t.notify_state = "done"
+            self._settle(t)
 
     def on_link_lost(self, peer: int, reason: str = "link closed") -> None:
-        for t in [t for t in self._transfers.values() if t.peer == peer]:
+        for t in [t for r in list(self._requests.values()) for t in r.legs.values() if t.peer == peer]:
             t.notify_state = t.notify_state or "done"  # nobody to tell
             self._fail(t, f"link to the decode (cluster {peer}) lost: {reason}", Outcome.FAILED)
 
     def poll(self) -> None:
         """Give up transfers whose request or block ids did not come in time."""
         now = self.clock()
-        for t in [t for t in self._transfers.values() if t.ids_deadline is not None and now >= t.ids_deadline]:
-            t.ids_deadline = None
-            if t.failure is not None:
-                continue
-            if t.req_id is None:
+        for r in [r for r in self._requests.values() if r.ids_deadline is not None and now >= r.ids_deadline]:
+            r.ids_deadline = None
+            if r.req_id is None:
                 waited = self.config.transfer_timeout_s
-                self._fail(t, f"its request did not reach this prefill within {waited:g} s", Outcome.UNKNOWN)
-            elif t.dst_blocks is None:
+                self._fail_request(r, f"its request did not reach this prefill within {waited:g} s", Outcome.UNKNOWN)
+                continue
+            waiting = [t for t in r.legs.values() if t.dst_blocks is None and t.failure is None]
+            missing = (r.expected if r.expected is not None else 1) - len(r.legs)
+            if waiting or missing > 0:
+                r.gave_up = f"no block ids from a decode within {self.config.ids_timeout_s:g} s"
+                log.warning("transfer %s (request %s): %s (%d decode rank(s) missing)", r.transfer_id, r.req_id,
+                            r.gave_up, len(waiting) + max(missing, 0))
+            r.expected = len(r.legs)  # no more legs are waited for
+            for t in waiting:
                 self._fail(t, f"no block ids from a decode within {self.config.ids_timeout_s:g} s", Outcome.FAILED)
+            self._release_if_done(r)
 
     def take_finished_sending(self) -> set[str]:
         done, self._finished_sending = self._finished_sending, set()
@@ -228,61 +285,80 @@ class ProducerBook:
         return t.first_block + len(t.dst_blocks or ())
 
     def _start(self, t: _Outgoing, start: int, end: int, pipelined: bool) -> int | None:
+        r = t.request
         start = max(start, t.first_block)
-        end = min(end, self._end_block(t), len(t.blocks))
-        if start >= end or t.peer is None or t.dst_blocks is None:
+        end = min(end, self._end_block(t), len(r.blocks))
+        if start >= end or t.dst_blocks is None or (t.leg is not None and t.leg.heads == 0):
             return None
         push_id = self._next_push
         self._next_push += 1
-        src = t.blocks[start:end]
-        dst = t.dst_blocks[start - t.first_block:end - t.first_block]
+        info = t.leg or LegInfo(0, 0, self.local_heads, self.local_heads)
+        leg = Leg(0, 0, info.src_head, info.dst_head, info.heads)
+        src, dst = leg.block_ids(np.asarray(r.blocks[start:end]),
+                                 np.asarray(t.dst_blocks[start - t.first_block:end - t.first_block]),
+                                 self.local_heads, info.dst_local)
         t.pushes.add(push_id)
         self._push_owner[push_id] = t
         if pipelined:
             self._step_layers[push_id] = set()
         self.stats["pushes_pipelined" if pipelined else "pushes_after_forward"] += 1
-        self.stats["blocks_pushed"] += len(src)
-        self.effects.start_push(push_id, t.peer, src, dst, pipelined)
+        self.stats["blocks_pushed"] += end - start
+        self.effects.start_push(push_id, t.peer, src.tolist(), dst.tolist(), pipelined)
         return push_id
 
     def _finish(self, item: FinishedSend) -> None:
-        t = self._transfers.get(item.transfer_id)
-        if t is None:
+        r = self._requests.get(item.transfer_id)
+        if r is None:
             if item.delayed:  # never leak blocks, even for a request this book somehow lost
                 self._finished_sending.add(item.req_id)
             return
-        t.req_id = item.req_id
-        t.finished = True
-        t.delayed = item.delayed
+        r.req_id = item.req_id
+        r.finished = True
+        r.delayed = item.delayed
+        r.ids_deadline = None  # it came and went: from now on only its block ids are waited for
         if not item.ok:
-            self._fail(t, "the prefill request was aborted", Outcome.FAILED)
+            self._fail_request(r, "the prefill request was aborted", Outcome.FAILED)
         elif not item.delayed:
-            self._fail(t, "the prefill request ended before it was scheduled", Outcome.FAILED)
-        elif t.dst_blocks is None and t.failure is None:
-            t.ids_deadline = self.clock() + self.config.ids_timeout_s
-        self._settle(t)
+            self._fail_request(r, "the prefill request ended before it was scheduled", Outcome.FAILED)
+        elif r.failure is None and self._waiting_ids(r):
+            r.ids_deadline = self.clock() + self.config.ids_timeout_s
+        for t in list(r.legs.values()):
+            self._settle(t)
+        self._release_if_done(r)
 
     def _on_ids(self, peer: int, message: BlockIds) -> None:
-        t = self._transfers.get(message.transfer_id)
-        if t is None:
+        r = self._requests.get(message.transfer_id)
+        if r is None:
             gone = self._ended.get(message.transfer_id)
             if gone is not None:
                 self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.UNKNOWN, 0,
                                                      f"already ended: {gone}")))
                 return
-            if len(self._transfers) >= self.config.max_transfers:
+            if len(self._requests) >= self.config.max_transfers:
                 self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
-                                                     f"prefill tracks {len(self._transfers)} transfers already")))
+                                                     f"prefill tracks {len(self._requests)} transfers already")))
                 return
-            t = self._transfers[message.transfer_id] = _Outgoing(message.transfer_id, self.clock())
-            t.ids_deadline = t.created + self.config.transfer_timeout_s
-        if t.peer is not None and t.peer != peer:
-            self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
-                                                 f"transfer already belongs to cluster {t.peer}")))
+            r = self._requests[message.transfer_id] = _Request(message.transfer_id, self.clock())
+            r.ids_deadline = r.created + self.config.transfer_timeout_s
+        legs = message.leg.legs if message.leg is not None else 1
+        t = r.legs.get(peer)
+        if t is None and r.failure is not None:  # the request failed before this leg came: say so at once
+            self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0, r.failure)))
             return
-        t.peer = peer
-        if t.failure is not None:
+        if t is None:
+            if r.expected is not None and len(r.legs) >= r.expected:
+                owners = ", ".join(str(other) for other in r.legs)
+                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
+                                                     f"transfer already belongs to cluster(s) {owners}")))
+                return
+            t = r.legs[peer] = _Outgoing(r, peer)
+        if r.expected is None:
+            r.expected = legs
+        if t.failure is not None or r.failure is not None or t.released:
             self._settle(t)  # answers with the failure (once its pushes drained)
+            return
+        if legs != r.expected:
+            self._fail(t, f"decode ranks announce {legs} and {r.expected} legs", Outcome.MISMATCH)
             return
         if t.dst_blocks is not None:
             self._fail(t, "block ids sent twice", Outcome.MISMATCH)
@@ -290,11 +366,16 @@ class ProducerBook:
         if message.block_size != self.block_size:
             self._fail(t, f"decode block size {message.block_size}, prefill {self.block_size}", Outcome.MISMATCH)
             return
+        if message.leg is not None and message.leg.src_head + message.leg.heads > self.local_heads:
+            self._fail(t, f"decode asks for local heads {message.leg.src_head}..+{message.leg.heads}, this rank "
+                          f"holds {self.local_heads}", Outcome.MISMATCH)
+            return
         if message.offset != len(t.parts) or (t.parts and message.total != t.parts_total):
             self._fail(t, f"block id part at {message.offset} of {message.total} out of order", Outcome.MISMATCH)
             return
         t.parts.extend(message.blocks)
         t.parts_total = message.total
+        t.leg = message.leg
         if len(t.parts) < message.total:
             return
         if message.total != blocks_for(message.num_tokens, self.block_size) - message.first_block:
@@ -305,73 +386,97 @@ class ProducerBook:
         t.first_block = message.first_block
         t.num_tokens = message.num_tokens
         t.pushed_upto = max(t.pushed_upto, t.first_block)
-        if t.req_id is not None:
-            t.ids_deadline = None
+        if r.req_id is not None and not self._waiting_ids(r):
+            r.ids_deadline = None  # its request is here and every leg's ids are in
         if not self._check_tokens(t):
             return
         self._settle(t)
 
+    @staticmethod
+    def _waiting_ids(r: _Request) -> bool:
+        """Some leg's block ids have not (all) come."""
+        return (r.expected is None or len(r.legs) < r.expected
+                or any(t.dst_blocks is None and t.failure is None for t in r.legs.values()))
+
     def _check_tokens(self, t: _Outgoing) -> bool:
-        if t.dst_blocks is not None and t.num_prompt_tokens is not None and t.num_tokens != t.num_prompt_tokens:
-            self._fail(t, f"decode expects {t.num_tokens} prompt tokens, prefill has {t.num_prompt_tokens}",
-                       Outcome.MISMATCH)
+        wanted = t.request.num_prompt_tokens
+        if t.dst_blocks is not None and wanted is not None and t.num_tokens != wanted:
+            self._fail(t, f"decode expects {t.num_tokens} prompt tokens, prefill has {wanted}", Outcome.MISMATCH)
             return False
         return True
 
     def _fail(self, t: _Outgoing, reason: str, outcome: Outcome) -> None:
-        if t.failure is None:
+        if t.failure is None and not t.released:
             t.failure, t.outcome = reason, outcome
-            log.warning("transfer %s (request %s): %s", t.transfer_id, t.req_id, reason)
+            log.warning("transfer %s (request %s): %s", t.transfer_id, t.request.req_id, reason)
             for push_id in sorted(t.pushes):
                 self.effects.cancel_push(push_id)
         self._settle(t)
 
-    def _in_step(self, t: _Outgoing) -> bool:
-        return any(item is t for item, _ in self._step)
+    def _fail_request(self, r: _Request, reason: str, outcome: Outcome) -> None:
+        """The request itself failed: every leg fails, and so will any that comes late."""
+        if r.failure is None:
+            r.failure = reason
+        r.ids_deadline = None
+        for t in list(r.legs.values()):
+            self._fail(t, reason, outcome)
+        self._release_if_done(r)
 
     def _settle(self, t: _Outgoing) -> None:
-        """Move ``t`` on as far as it can go now: catch-up pushes, the Done notification, release.
-        Does nothing for a transfer already released (a caller may settle what a nested call released)."""
-        if t.pushes or self._transfers.get(t.transfer_id) is not t:
+        """Move leg ``t`` on as far as it can go now: catch-up pushes, the Done notification, release.
+        Does nothing for a leg already released (a caller may settle what a nested call released)."""
+        r = t.request
+        if t.pushes or t.released or self._requests.get(r.transfer_id) is not r:
             return
-        if t.failure is None:
+        failure = t.failure or r.failure
+        if failure is None:
             if t.dst_blocks is None:
                 return
-            if t.finished and t.computed_upto < t.num_tokens:
-                self._fail(t, f"request finished with {t.computed_upto} of {t.num_tokens} prompt tokens computed",
+            if r.finished and r.computed_upto < t.num_tokens:
+                self._fail(t, f"request finished with {r.computed_upto} of {t.num_tokens} prompt tokens computed",
                            Outcome.FAILED)
                 return
-            if not self._in_step(t):
+            if not r.in_step:
                 # Blocks every layer of which is in memory and that no later step writes: all of them
                 # once the request finished, else the whole blocks below the computed tokens.
-                limit = self._end_block(t) if t.finished else t.computed_upto // self.block_size
+                limit = self._end_block(t) if r.finished else r.computed_upto // self.block_size
                 if t.pushed_upto < limit:
                     start, t.pushed_upto = t.pushed_upto, limit
                     if self._start(t, start, limit, pipelined=False) is not None:
                         return
-            if not t.finished or t.pushed_upto < self._end_block(t):
+            if not r.finished or t.pushed_upto < self._end_block(t):
                 return
-        if t.peer is not None and not t.notify_state:
+        if not t.notify_state:
             t.notify_state = "sent"
-            if t.failure is None:
+            if failure is None:
                 done = Done(t.transfer_id, Outcome.LANDED, len(t.dst_blocks or ()))
             else:
-                done = Done(t.transfer_id, t.outcome, 0, t.failure)
+                done = Done(t.transfer_id, t.outcome if t.failure else Outcome.FAILED, 0, failure)
             self.effects.notify(t.peer, encode(done), t.transfer_id)
             return
         if t.notify_state == "sent":
             return
-        if t.req_id is not None and not t.finished:
+        if r.req_id is not None and not r.finished:
             return  # the request still computes into (and owns) its blocks
-        self._release(t)
+        t.released = True
+        self.stats["landed" if failure is None else "failed"] += 1
+        self._release_if_done(r)
 
-    def _release(self, t: _Outgoing) -> None:
-        del self._transfers[t.transfer_id]
+    def _release_if_done(self, r: _Request) -> None:
+        """Release the request once it finished (or never came) and every leg it will have ended."""
+        if self._requests.get(r.transfer_id) is not r or any(not t.released for t in r.legs.values()):
+            return
+        if r.req_id is not None and not r.finished:
+            return
+        if r.failure is None and (r.ids_deadline is not None
+                                  or len(r.legs) < (1 if r.expected is None else r.expected)):
+            return  # block ids may still come
+        del self._requests[r.transfer_id]
         self.stats["released"] += 1
-        self.stats["landed" if t.failure is None else "failed"] += 1
-        if t.finished and t.delayed and t.req_id is not None:
-            self._finished_sending.add(t.req_id)
-        self._ended[t.transfer_id] = "landed" if t.failure is None else t.failure
+        if r.finished and r.delayed and r.req_id is not None:
+            self._finished_sending.add(r.req_id)
+        failures = [t.failure for t in r.legs.values() if t.failure] + [why for why in (r.failure, r.gave_up) if why]
+        self._ended[r.transfer_id] = "landed" if not failures else failures[0]
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
-        log.debug("transfer %s (request %s) released: %s", t.transfer_id, t.req_id, self._ended[t.transfer_id])
+        log.debug("transfer %s (request %s) released: %s", r.transfer_id, r.req_id, self._ended[r.transfer_id])
