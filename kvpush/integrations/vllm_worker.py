@@ -278,8 +278,11 @@ class EngineBridge:
             reason, retryable = problem or ("no geometry", False)
             self.events.put(("ids_sent", transfer_id, reason, retryable, False, ()))
             return
+        plan = core.targets(prefill.sharding(), self.geometry.sharding(), self.geometry.tp_rank)
+        # the book learns the legs before any id leaves: losing any of those ranks ends the transfer at once
+        self.events.put(("legs", transfer_id, tuple(remote.of_rank(t.prefill_rank).cluster_id for t in plan)))
         delivered: list[int] = []
-        for target in core.targets(prefill.sharding(), self.geometry.sharding(), self.geometry.tp_rank):
+        for target in plan:
             address = remote.of_rank(target.prefill_rank)
             async with self._lock(address.cluster_id):
                 problem, sent = await self._send_leg(address, spec, block_size, target, address == remote)
@@ -512,6 +515,8 @@ class WorkerSide:
                 self.producer.on_push_done(event[1], event[2])
             elif kind == "notified" and self.producer is not None:
                 self.producer.on_notified(event[1], event[2], event[3])
+            elif kind == "legs" and self.consumer is not None:
+                self.consumer.on_legs(event[1], event[2])
             elif kind == "ids_sent" and self.consumer is not None:
                 self.consumer.on_ids_sent(event[1], event[2], event[3], event[4], event[5] or None)
             elif kind == "link_lost":

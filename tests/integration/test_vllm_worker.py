@@ -400,3 +400,22 @@ def test_tensor_parallel_ranks_push_every_head_of_every_block_exactly_where_it_b
     finally:
         for side in reversed(sides):
             side.worker.close()
+
+
+def test_an_incompatible_pair_is_refused_at_link_time_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    prefill = Side("kv_producer", port, 1, 0, 2, transport="tcp")  # 2 KV heads
+    decode = Side("kv_consumer", port, 2, 0, 4, transport="tcp", transfer_timeout_s=5)  # 4 over 2 ranks: 2 per block
+    try:
+        started = time.monotonic()
+        decode.step(StepMeta(recv=[recv_spec(prefill, "t9", [5, 6], 8)]))
+        until(lambda: "d-t9" in decode.recving, prefill, decode)
+        assert time.monotonic() - started < 3  # refused at once, not at a deadline
+        assert decode.failed == {"d-t9"} and decode.load_errors == {5, 6} and not decode.buffer.any()
+        refusals = [r.getMessage() for r in caplog.records if "KV heads: prefill 2, decode 4" in r.getMessage()]
+        assert any("refused to send KV" in text for text in refusals), refusals  # the prefill's log
+        assert any("cannot send KV to this decode" in text for text in refusals), refusals  # the decode's
+        assert prefill.worker.engine is not None and not prefill.worker.engine.dd.links  # unlinked
+    finally:
+        decode.worker.close()
+        prefill.worker.close()

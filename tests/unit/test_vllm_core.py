@@ -982,6 +982,18 @@ def test_a_decode_rank_lands_only_when_every_leg_landed() -> None:
     assert book.take_finished() == core.Received({"r1"}, set(), set()) and fx.open == {}
 
 
+def test_a_rank_lost_while_the_ids_still_go_out_ends_the_transfer_at_once() -> None:
+    book, fx, clock = consumer(abort_grace_s=3)
+    book.begin_step([spec()])
+    book.on_legs("tid", [PREFILL.cluster_id, 77])  # planned; the ids to the first are still on their way
+    book.on_link_lost(77, "connection reset")
+    assert book.state_of("tid") == ConsumerState.FAILING  # not at a deadline: that rank is gone
+    assert [peer for peer, _ in fx.aborts] == [PREFILL.cluster_id]
+    clock.advance(3.1)
+    book.poll()
+    assert book.take_finished().failed == {"r1"}
+
+
 def test_a_failed_leg_stops_the_others_and_the_blocks_wait_for_them() -> None:
     book, fx, clock = consumer(abort_grace_s=3)
     book.begin_step([spec()])

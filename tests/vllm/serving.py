@@ -1,7 +1,7 @@
 """Helpers for tests that start ``vllm serve`` processes and ``kvpush proxy`` (standard library only).
 
-Every process is started in its own session (process group), so ``stop`` ends it with whatever it
-started (vLLM's engine core, its worker): SIGTERM to the group, a bounded wait, then SIGKILL.
+Every process is started in its own process group, so ``stop`` ends it with whatever it started (vLLM's
+engine core, its workers): SIGTERM to the group, a bounded wait, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -111,8 +111,12 @@ class Server:
 def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path, url: str) -> Server:
     handle = open(log, "ab")  # a server started again on the same log keeps what the one before wrote
     try:
+        # Its own process group (``stop`` signals the whole tree), but not its own session: every session is a
+        # scheduler autogroup, and on these 2 cores a vLLM worker in an autogroup of its own left a process
+        # sharing its core 0.8% of the CPU (4 workers on 2 cores starved each other's links); in the test's
+        # session they share a core fairly.
         process = subprocess.Popen(list(command), env=dict(env), stdout=handle, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, process_group=0)
     except BaseException:
         handle.close()
         raise
@@ -120,17 +124,20 @@ def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path,
 
 
 def start_vllm(name: str, model: Path, core: str, kv_transfer_config: Mapping[str, Any] | None, workdir: Path,
-               *extra: str, port: int | None = None, env: Mapping[str, str] | None = None) -> Server:
+               *extra: str, port: int | None = None, env: Mapping[str, str] | None = None, tp: int = 1) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` with its OpenMP threads pinned to ``core``
     (``VLLM_CPU_OMP_THREADS_BIND``), loopback only, tests/vllm's engine settings (float32, eager, block
     size 32). Processes: the API server, its ``VLLM::EngineCore`` (scheduler) and a ``VLLM::Worker`` (the
     model and the connector's kvpush engine): vLLM's CPU platform runs the ``uni`` executor's worker in a
-    process of its own too."""
+    process of its own too. ``tp`` > 1: that many workers (``mp`` executor), rank r's OpenMP threads on
+    ``core``'s r-th ``|``-separated core list (e.g. ``"0|1"``)."""
     port = free_port() if port is None else port
     environment = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core,
                        **(env or {}))
     environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--distributed-executor-backend", "uni",
+    executor = ["--distributed-executor-backend", "uni"] if tp == 1 else [
+        "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tp)]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *executor,
                "--host", "127.0.0.1", "--port", str(port), "--model", str(model), "--served-model-name", MODEL_NAME,
                "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
                "--max-num-seqs", "8", "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",

@@ -139,7 +139,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         reference = subprocess.Popen(
             [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests", str(requests), "--out",
              str(reference_out), "--core", "1"], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), start_new_session=True)
+            env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), process_group=0)
     kv_port, prefill_port = free_port(pair=True), free_port()
     servers: dict[str, Server] = {}
 

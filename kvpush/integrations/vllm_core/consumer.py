@@ -184,6 +184,12 @@ class ConsumerBook:
         else:
             self._give_up(t, f"could not send block ids to {t.spec.remote.host}:{t.spec.remote.port}: {error}", now)
 
+    def on_legs(self, transfer_id: str, peers: Sequence[int]) -> None:
+        """The engine planned the transfer's legs: the prefill ranks its ids go to (sent next)."""
+        t = self._transfers.get(transfer_id)
+        if t is not None and t.peers is None:
+            t.peers = frozenset(peers)
+
     def on_done(self, peer: int, message: Done) -> None:
         t = self._transfers.get(message.transfer_id)
         if t is None:
@@ -228,7 +234,8 @@ class ConsumerBook:
             if t.state in (ConsumerState.ABORTING, ConsumerState.FAILING):
                 t.settled.add(peer)
                 self._check(t)
-            elif t.state == ConsumerState.WAITING_LANDED or (t.state == ConsumerState.SENDING_IDS and t.delivered):
+            elif t.state == ConsumerState.WAITING_LANDED or (
+                    t.state == ConsumerState.SENDING_IDS and (t.delivered or t.peers is not None)):
                 t.reason = t.reason or f"link to the prefill (cluster {peer}) lost: {reason}"
                 t.settled.add(peer)
                 self._give_up(t, t.reason, self.clock())
