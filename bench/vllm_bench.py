@@ -20,6 +20,11 @@ off; one request at a time; the client does the routing a proxy would, so no pro
   and once the prefill accepted it (the head of its answer came) the decode's; the client streams the
   decode's. "pushed in forward" counts the requests whose
   block ids reached the prefill before its forward started (the others are pushed after it).
+- ``kvpush-tp2``: as ``kvpush-cma``, with tensor parallelism: the prefill runs TP 2 (its two ranks on
+  cores 0 and 1, each pushing its KV heads), the decode TP 1 on core 0; its TTFT is read beside
+  ``kvpush-cma``'s (TP 1 -> TP 1). On 2 cores the prefill's ranks share them with the decode (and rank 1
+  with the single instance): tensor parallelism buys no compute here, so this shows what splitting a
+  push over ranks costs, not what TP gains on real hardware.
 - ``example``: vLLM's ExampleConnector (prefill ``kv_producer``, decode ``kv_consumer``): the prefill
   writes every layer's KV to files (on tmpfs, /dev/shm, emptied after each request), the decode
   reads them. vLLM's pull flow, as upstream's toy proxy drives it: the prefill's request, then the
@@ -113,8 +118,8 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
 NIXL_SITE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush-bench" / "nixl-1.5.1"
-SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "example", "nixl")
-RUN_ORDER = ("single", "nixl", "example", "kvpush-tcp", "kvpush-cma")
+SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "kvpush-tp2", "example", "nixl")
+RUN_ORDER = ("single", "nixl", "example", "kvpush-tcp", "kvpush-cma", "kvpush-tp2")
 PD_SYSTEMS = SYSTEMS[1:]
 SERVED = "bench"
 BLOCK_SIZE = 32
@@ -438,6 +443,11 @@ class Server:
     process: subprocess.Popen[bytes]
     log: Path
     trace: Path | None = None
+    tp: int = 1  # tensor-parallel ranks: rank r computes on core r (core is then the engine core's)
+
+    @property
+    def cores(self) -> set[int]:
+        return {self.core} if self.tp == 1 else set(range(self.tp))
 
     @property
     def url(self) -> str:
@@ -462,12 +472,13 @@ class Settings:
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
-                 env_extra: dict[str, str] | None = None, trace: bool = False) -> Server:
+                 env_extra: dict[str, str] | None = None, trace: bool = False, tp: int = 1) -> Server:
     port = free_port()
     log = settings.work / f"{name}.log"
     trace_path = settings.work / f"{name}.trace.jsonl" if trace else None
+    cores = ",".join(str(c) for c in range(tp)) if tp > 1 else str(core)
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
-               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
+               VLLM_CPU_OMP_THREADS_BIND=cores.replace(",", "|"), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     env.update(settings.extra_env)
     env.update(env_extra or {})
@@ -475,18 +486,21 @@ def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, 
     if trace_path is not None:
         trace_path.unlink(missing_ok=True)
         env["KVPUSH_BENCH_TRACE"] = str(trace_path)
-    command = ["taskset", "-c", str(core), settings.python, "-m", "vllm.entrypoints.openai.api_server",
+    command = ["taskset", "-c", cores, settings.python, "-m", "vllm.entrypoints.openai.api_server",
                "--host", "127.0.0.1", "--port", str(port), "--model", str(settings.model), "--served-model-name",
                SERVED, "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
                "--max-model-len", str(settings.max_model_len), "--max-num-batched-tokens", "2048",
                "--max-num-seqs", "4", "--no-enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
-               "--distributed-executor-backend", "uni", "--disable-log-stats"]
+               "--distributed-executor-backend", "uni" if tp == 1 else "mp", "--tensor-parallel-size", str(tp),
+               "--disable-log-stats"]
     if kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(kv_config)]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # a process group of its own (ended as one), not a session: a session is a scheduler autogroup, and a
+        # vLLM worker in one of its own left another process on its core 0.8% of the CPU on this host
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
     _STARTED.append(process)
-    return Server(name, core, port, process, log, trace_path)
+    return Server(name, core, port, process, log, trace_path, tp)
 
 
 def wait_healthy(servers: Sequence[Server], timeout_s: float) -> None:
@@ -694,7 +708,7 @@ def nixl_site(python: str, install: bool) -> tuple[Path | None, str | None]:
 def kv_configs(system: str, kv_port: int, storage: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(prefill, decode) KVTransferConfig of a P/D case."""
     if system.startswith("kvpush"):
-        transport = system.split("-", 1)[1]
+        transport = {"kvpush-tp2": "auto"}.get(system, system.split("-", 1)[1])
         def kvpush(role: str) -> dict[str, Any]:
             return {"kv_connector": "TimedKvpushConnector", "kv_connector_module_path": "bench.vllm_timed_connector",
                     "kv_role": role, "kv_port": kv_port,
@@ -812,7 +826,8 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             if system == "nixl":
                 own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                         "UCX_NET_DEVICES": "lo"}  # loopback only; same-host peers use UCX's shared memory
-            servers.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced))
+            tp = 2 if system == "kvpush-tp2" and name == "prefill" else 1  # ranks on cores 0 and 1
+            servers.append(start_server(settings, f"{system}-{name}", core, kv, own, trace=traced, tp=tp))
         began = time.monotonic()
         try:
             wait_healthy(servers, startup_s)
@@ -827,11 +842,12 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                                         f"{servers[-1].log_tail(600)}"))
             return
         cpus = {s.name: allowed_cpus(s.process.pid) for s in servers}
-        moved = {s.name: sorted(cpus[s.name]) for s in servers if cpus[s.name] != {s.core}}
+        moved = {s.name: sorted(cpus[s.name]) for s in servers if cpus[s.name] != s.cores}
         if moved:  # every engine computes on its own core in every case
             extra["repinned"] = moved
             for server in servers:
-                pin_tree(server.process.pid, server.core)
+                if server.tp == 1:
+                    pin_tree(server.process.pid, server.core)
         extra["cpus"] = {s.name: sorted(allowed_cpus(s.process.pid)) for s in servers}
         extra["idle_core_share"] = idle_load(servers)
         for length in bench.lengths:
