@@ -9,6 +9,7 @@
                      read from the endpoint), pull them back and compare byte for byte.
     kvpush proxy     one OpenAI endpoint in front of vLLM prefill and decode instances that run
                      KvpushConnector (needs aiohttp: ``pip install 'kvpush[proxy]'``).
+    kvpush fleet     the vLLM instances registered in a fleet's etcd (``pip install 'kvpush[fleet]'``).
     kvpush bench     the benchmark suite (``bench/run.py`` of the source tree; extra arguments
                      are passed through).
 
@@ -26,23 +27,24 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import bench, demo, proxy, push, serve
+from . import bench, demo, fleet, proxy, push, serve
 from .args import UsageError
 
 _RUN: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": demo.run, "serve": serve.run, "push": push.run, "bench": bench.run, "proxy": proxy.run,
+    "demo": demo.run, "serve": serve.run, "push": push.run, "bench": bench.run, "proxy": proxy.run, "fleet": fleet.run,
     "_decode": demo.run_decode,
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpush", description="kvpush: KV-cache block transfer engine")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,push,bench,proxy}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,serve,push,bench,proxy,fleet}")
     demo.add_parser(commands)
     serve.add_parser(commands)
     push.add_parser(commands)
     bench.add_parser(commands)
     proxy.add_parser(commands)
+    fleet.add_parser(commands)
     demo.add_decode_parser(commands)  # last: "invalid choice" lists the subcommands in this order
     return parser
 

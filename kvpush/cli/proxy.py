@@ -73,10 +73,14 @@ def add_parser(commands: Subcommands) -> None:
                "is safest): the decode derives the prefill's cluster id from it.\n\n"
                "example (one host, vLLM's default kv_port):\n"
                "  kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000")
-    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
                        help="a prefill instance's base URL, e.g. http://127.0.0.1:8100 (repeatable)")
-    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+    proxy.add_argument("--decode", action="append", default=[], metavar="URL",
                        help="a decode instance's base URL, e.g. http://127.0.0.1:8200 (repeatable)")
+    proxy.add_argument("--discovery", default=None, metavar="etcd://HOST:PORT[,...]",
+                       help="route over the instances registered in this etcd (KvpushConnector's \"discovery\"), "
+                            "watched: new ones get requests when seen, gone or draining ones none; needs "
+                            "pip install 'kvpush[fleet]'")
     proxy.add_argument("--prefill-kv-port", type=positive, default=DEFAULT_KV_PORT, metavar="PORT",
                        help=f"the kvpush port of prefills without #kv= (default {DEFAULT_KV_PORT}, vLLM's kv_port)")
     proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
@@ -108,14 +112,17 @@ def run(args: argparse.Namespace) -> int:
         from kvpush.integrations import proxy
     except ImportError as error:
         return fail("proxy", f"needs aiohttp (pip install 'kvpush[proxy]'): {error}")
+    if not args.discovery and not (args.prefill and args.decode):
+        raise UsageError("give --prefill and --decode URLs, or --discovery etcd://HOST:PORT")
     try:
         prefills = [proxy.parse_prefill(spec, args.prefill_kv_port) for spec in args.prefill]
         upstream_key = args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
         config = proxy.ProxyConfig(prefills, [proxy.base_url(spec) for spec in args.decode], args.timeout,
                                    accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for,
                                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                                   upstream_api_key=upstream_key, max_body_bytes=int(args.max_body_mb * (1 << 20)))
-    except proxy.SpecError as error:
+                                   upstream_api_key=upstream_key, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                                   discovery=args.discovery)
+    except ValueError as error:  # SpecError, or FleetError for --discovery
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(_serve(args, config))
@@ -137,8 +144,10 @@ async def _serve(args: argparse.Namespace, config: ProxyConfig) -> int:
     try:
         where = format_address(args.host, proxy.bound_port(runner))
         routes = ", ".join(f"prefill {p.url} (kvpush {format_address(p.kv_host, p.kv_port)})" for p in config.prefills)
-        print(f"kvpush proxy: serving http://{where} -> {routes}; decode {', '.join(config.decodes)}. Ctrl-C to stop",
-              flush=True)
+        if config.discovery:
+            routes = ", ".join(filter(None, (routes, f"the fleet registered in {config.discovery}")))
+        decodes = f"; decode {', '.join(config.decodes)}" if config.decodes else ""
+        print(f"kvpush proxy: serving http://{where} -> {routes}{decodes}. Ctrl-C to stop", flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()

@@ -159,6 +159,25 @@ class Membership:
                        and (i.role in roles or i.role == "both")), key=lambda i: i.key)
 
 
+def parse_load(metrics: str) -> Load:
+    """An instance's load from vLLM's Prometheus text (``/metrics``): requests running and waiting, and the
+    share of its KV cache in use (summed over its engines)."""
+    values: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if metric in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            try:
+                values[metric] = values.get(metric, 0.0) + float(value)
+            except ValueError:
+                continue
+    running, waiting = values.get("vllm:num_requests_running"), values.get("vllm:num_requests_waiting")
+    return Load(None if running is None else int(running), None if waiting is None else int(waiting),
+                values.get("vllm:kv_cache_usage_perc"))
+
+
 def load_of(instances: Mapping[str, Instance]) -> dict[str, int]:
     """Registered requests (running + waiting) per instance URL."""
     return {i.url: i.load.requests for i in instances.values()}

@@ -34,6 +34,13 @@ A prefill's kvpush address is the host of its URL and ``--prefill-kv-port`` (def
 that prefill sets ``cluster_id`` in its extra config. The host must be spelt as the prefill's connector
 listens (its ``VLLM_HOST_IP``; an IP address is safest): the decode derives the prefill's cluster id from it.
 
+Fleet (``discovery``, ``etcd://HOST:PORT[,...]``; ``kvpush.integrations.fleet``): the upstreams are the
+instances registered there, read at start and then watched: a new one gets requests as soon as it is
+seen, a deleted or ``draining`` one none from then on; the load they register is added to the proxy's
+own counts; a prefill and a decode are paired only when their KV-geometry fingerprints match (an
+instance matching no peer is logged once). If etcd goes away the proxy routes on the last membership it
+saw and reconnects. Static ``prefills``/``decodes`` may be given beside it.
+
 ``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's ``/health``
 does, else 503 naming those that did not; ``GET /metrics`` is the proxy's counters in Prometheus' text
 format (requests by route, errors by status, retries, and each upstream's requests in flight and state).
@@ -59,6 +66,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .fleet import Membership, parse_discovery
 from .routing import (
     DEFAULT_KV_PORT,
     Pool,
@@ -107,10 +115,13 @@ class ProxyConfig:
     api_key: str | None = None  # clients must send it (Authorization: Bearer)
     upstream_api_key: str | None = None  # what the upstreams get instead of the client's Authorization
     max_body_bytes: int = MAX_BODY_BYTES
+    discovery: str | None = None  # etcd://HOST:PORT[,...]: the fleet's registry
 
     def __post_init__(self) -> None:
-        if not self.prefills or not self.decodes:
-            raise SpecError("a proxy needs at least one prefill and one decode")
+        if self.discovery is not None:
+            parse_discovery(self.discovery)  # FleetError (a ValueError) naming what is wrong
+        elif not self.prefills or not self.decodes:
+            raise SpecError("a proxy needs at least one prefill and one decode, or a fleet to discover them in")
         if not (self.timeout_s > 0 and self.accept_timeout_s > 0 and self.prefill_grace_s >= 0
                 and self.retry_for_s >= 0):
             raise SpecError(f"timeout {self.timeout_s} and accept timeout {self.accept_timeout_s} must be > 0, "
@@ -182,6 +193,9 @@ class Proxy:
         #: requests by route (pd, decode_only), errors by status, resends, clients that left
         self.counters: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
+        self.membership = Membership() if config.discovery is not None else None
+        self._compat: dict[str, str] = {}  # upstream URL -> its KV-geometry fingerprint (fleet members)
+        self._unpaired: set[str] = set()  # fleet members already logged as matching no peer
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -223,9 +237,58 @@ class Proxy:
         # Idle pooled connections are dropped before vLLM's HTTP server (uvicorn, 5 s keep-alive) closes
         # them: a POST on a connection the server is closing fails ("Server disconnected").
         connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector) as self._session:
-            yield
-        self._session = None
+        watching = None
+        if self.membership is not None and self.config.discovery is not None:
+            from .fleet_etcd import Watcher  # the fleet extra: a clear ImportError without it
+
+            watcher = Watcher(parse_discovery(self.config.discovery), self.membership, self._sync)
+            watching = asyncio.get_running_loop().create_task(watcher.run(), name="kvpush-proxy-fleet")
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                             connector=connector) as self._session:
+                yield
+        finally:
+            self._session = None
+            if watching is not None:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+
+    def _sync(self) -> None:
+        """The fleet's membership changed: the pools become its ready members (beside the static ones)."""
+        assert self.membership is not None
+        prefills, decodes = list(self.config.prefills), list(self.config.decodes)
+        compat: dict[str, str] = {}
+        for instance in self.membership.ready("prefill"):
+            host, port = instance.kv_address()
+            cluster = instance.cluster_ids[0] if instance.cluster_ids else None
+            prefills.append(Prefill(instance.url, host, port, cluster))
+            compat[instance.url] = instance.compat
+        for instance in self.membership.ready("decode"):
+            decodes.append(instance.url)
+            compat[instance.url] = instance.compat
+        self._compat = compat
+        for role, pool, targets in (("prefill", self.prefills, prefills), ("decode", self.decodes, decodes)):
+            added, removed = pool.update(targets)  # type: ignore[arg-type]
+            for target in added:
+                log.info("fleet: %s %s joined", role, _url(target))
+            for target in removed:
+                log.info("fleet: %s %s left (or is draining)", role, _url(target))
+        loads = {i.url: i.load.requests for i in self.membership.instances.values()}
+        self.prefills.load = {p: loads.get(p.url, 0) for p in self.prefills.targets}
+        self.decodes.load = {d: loads.get(d, 0) for d in self.decodes.targets}
+        for url, fingerprint in compat.items():
+            peers = [u for u, f in compat.items() if f == fingerprint and u != url]
+            if not peers and url not in self._unpaired and len(compat) > 1:
+                self._unpaired.add(url)
+                log.warning("fleet: %s has a KV geometry (%s) no other instance shares: it is never paired", url,
+                            fingerprint)
+
+    def _incompatible(self, decode: str) -> list[Prefill]:
+        """Prefills whose KV geometry differs from ``decode``'s (fleet members; static ones always pair)."""
+        mine = self._compat.get(decode)
+        if mine is None:
+            return []
+        return [p for p in self.prefills.targets if self._compat.get(p.url, mine) != mine]
 
     # -- completions -------------------------------------------------------------------------------
     async def completion(self, request: web.Request) -> web.StreamResponse:
@@ -250,6 +313,8 @@ class Proxy:
                 if decode is None:
                     wake = self.decodes.next_up_at()
                     now = loop.time()
+                    if wake is None and self.membership is not None:
+                        wake = now + 0.2  # a fleet with no decode yet: one may register meanwhile
                     if wake is None or now >= give_up_waiting:
                         waited = now - (deadline - self.config.timeout_s)
                         return self._fail(504 if now >= deadline else 503, "no decode instance accepted the request "
@@ -280,7 +345,8 @@ class Proxy:
                        deadline: float) -> web.StreamResponse:
         """One try: a prefill (if any accepts), then the decode's answer relayed. Raises _Unanswered."""
         transfer_id = new_transfer_id()
-        prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline)
+        prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
+                                           self._incompatible(decode))
         answered = False
         try:
             if prefill is None:
@@ -303,11 +369,11 @@ class Proxy:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
     async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], transfer_id: str,
-                            deadline: float) -> _PrefillRun | None:
-        """The first prefill (in the pool's order) that accepts its copy of the request, or None: then the
-        decode computes the request alone."""
+                            deadline: float, skip: Sequence[Prefill] = ()) -> _PrefillRun | None:
+        """The first prefill (in the pool's order, ``skip`` aside) that accepts its copy of the request, or
+        None: then the decode computes the request alone."""
         loop = asyncio.get_running_loop()
-        tried: list[Prefill] = []
+        tried: list[Prefill] = list(skip)
         reasons: list[str] = []
         while (prefill := self.prefills.pick(exclude=tried)) is not None:
             tried.append(prefill)
@@ -407,7 +473,9 @@ class Proxy:
                                  headers=self._upstream_headers(request))
 
     async def health(self, request: web.Request) -> web.Response:
-        urls = [prefill.url for prefill in self.config.prefills] + list(self.config.decodes)
+        urls = [prefill.url for prefill in self.prefills.targets] + list(self.decodes.targets)
+        if not urls:
+            return _error(503, "unhealthy: no prefill and no decode instance (is the fleet registry reachable?)")
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
         answers = await asyncio.gather(*(self._healthy(url, deadline) for url in urls))
         failing = {url: answer for url, answer in zip(urls, answers) if answer is not None}

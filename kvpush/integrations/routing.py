@@ -104,21 +104,45 @@ class Member(Generic[T]):
 
 
 class Pool(Generic[T]):
-    """Upstreams of one role. ``pick`` gives the one with the fewest requests in flight among those not
-    backing off, ties in turn; ``failed`` makes a member sit out ``BACKOFF_FIRST_S``, doubling up to
-    ``BACKOFF_MAX_S`` while it keeps failing (the next request after that is its probe); ``accepted``
-    ends the back-off. ``clock`` is monotonic seconds."""
+    """Upstreams of one role. ``pick`` gives the one with the least load among those not backing off,
+    ties in turn: its requests in flight from here plus what it registered (``load``, a fleet's); ``failed``
+    makes a member sit out ``BACKOFF_FIRST_S``, doubling up to ``BACKOFF_MAX_S`` while it keeps failing
+    (the next request after that is its probe); ``accepted`` ends the back-off. ``update`` changes the
+    members (a fleet's membership): requests in flight on one that left end as they would have.
+    ``clock`` is monotonic seconds."""
 
     def __init__(self, targets: Sequence[T], clock: Callable[[], float] = time.monotonic) -> None:
         self.members = [Member(target) for target in targets]
         self.clock = clock
+        self.load: dict[T, int] = {}
         self._next = 0
+        self._gone: dict[T, Member[T]] = {}  # members that left with requests in flight
+
+    @property
+    def targets(self) -> list[T]:
+        return [member.target for member in self.members]
 
     def _member(self, target: T) -> Member[T]:
         for member in self.members:
             if member.target == target:
                 return member
+        gone = self._gone.get(target)
+        if gone is not None:
+            return gone
         raise KeyError(target)
+
+    def update(self, targets: Sequence[T]) -> tuple[list[T], list[T]]:
+        """The members become ``targets`` (those staying keep their counts and back-off); returns (added,
+        removed)."""
+        current = {member.target: member for member in self.members}
+        added = [target for target in targets if target not in current]
+        removed = [target for target in current if target not in targets]
+        for target in removed:
+            if current[target].in_flight:
+                self._gone[target] = current[target]
+        self.members = [current.get(target) or self._gone.pop(target, None) or Member(target) for target in targets]
+        self._next = self._next % len(self.members) if self.members else 0
+        return added, removed
 
     def pick(self, exclude: Sequence[T] = ()) -> T | None:
         """The member to send the next request to, or None when every member is excluded or backing off."""
@@ -128,7 +152,7 @@ class Pool(Generic[T]):
         up = [m for m in order if m.down_until <= now and m.target not in exclude]
         if not up:
             return None
-        chosen = min(up, key=lambda m: m.in_flight)  # min keeps the first of equals: the turn order
+        chosen = min(up, key=lambda m: m.in_flight + self.load.get(m.target, 0))  # ties: the first, in turn
         self._next = (self.members.index(chosen) + 1) % count
         return chosen.target
 
@@ -142,7 +166,10 @@ class Pool(Generic[T]):
         self._member(target).in_flight += 1
 
     def release(self, target: T) -> None:
-        self._member(target).in_flight -= 1
+        member = self._member(target)
+        member.in_flight -= 1
+        if not member.in_flight:
+            self._gone.pop(target, None)
 
     @contextmanager
     def lease(self, target: T) -> Iterator[T]:
@@ -155,7 +182,10 @@ class Pool(Generic[T]):
 
     def failed(self, target: T, reason: str) -> float:
         """``target`` did not accept a request: it sits out a back-off. Returns the back-off in seconds."""
-        member = self._member(target)
+        try:
+            member = self._member(target)
+        except KeyError:  # it left meanwhile
+            return 0.0
         backoff = min(BACKOFF_FIRST_S * 2.0 ** min(member.failures, 16), BACKOFF_MAX_S)
         member.failures += 1
         member.down_until = self.clock() + backoff
@@ -167,7 +197,10 @@ class Pool(Generic[T]):
         return self._member(target).failures > 0
 
     def accepted(self, target: T) -> None:
-        member = self._member(target)
+        try:
+            member = self._member(target)
+        except KeyError:  # it left meanwhile
+            return
         member.failures, member.down_until, member.reason = 0, 0.0, ""
 
     def state(self) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 )
 
 from . import vllm_core as core
+from .vllm_fleet import fleet_member
 from .vllm_worker import ConnectorSettings, WorkerSide, scheduled_requests
 
 log = logging.getLogger(__name__)
@@ -211,9 +212,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                         "prefill dies after accepting it fails (HTTP 500) instead of being computed here. Set "
                         "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config (what a deployment "
                         "should run with)")
+        self._fleet = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
                                                  lambda: s.default_remote, s.name)
+            self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:
             self._worker = WorkerSide(s)
 
@@ -321,5 +324,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
+        if self._fleet is not None:
+            self._fleet.close()
+            self._fleet = None
         if self._worker is not None:
             self._worker.close()

@@ -650,6 +650,11 @@ class ConnectorSettings:
         rank = int(getattr(parallel, "data_parallel_index", 0) or 0) * self.tp_size + tp_rank
         self.kv_heads: int | None = _total_kv_heads(vllm_config)
         self.model = _model_fingerprint(vllm_config)
+        kv_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        model_dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
+        #: the KV geometry's fingerprint in a fleet registry: instances with another one are never paired
+        self.compat = hashlib.blake2b(f"{self.model}|{self.block_size}|{kv_dtype}|{model_dtype}".encode(),
+                                      digest_size=8).hexdigest()
         host = self.config.host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         self.listen: tuple[str, int] | None = None
         if self.produce or self.config.port is not None or self.config.host is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from fakevllm import USAGE, FakeVllm
 
 from kvpush.integrations import proxy
 
@@ -28,67 +29,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-Behaviour = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
-USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
-         "prompt_tokens_details": {"cached_tokens": 32}}
-
-
-class FakeVllm:
-    """An upstream that records what it received and answers as ``behaviour`` says (default: JSON)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.bodies: list[dict[str, Any]] = []
-        self.headers: list[dict[str, str]] = []
-        self.cancelled = asyncio.Event()
-        self.started = asyncio.Event()
-        self.behaviour: Behaviour = self.answer
-        self.health_status = 200
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self, port: int = 0) -> FakeVllm:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completion)
-        app.router.add_post("/v1/chat/completions", self.completion)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        self.runner = web.AppRunner(app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return self
-
-    async def completion(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        self.headers.append(dict(request.headers))
-        self.started.set()
-        try:
-            return await self.behaviour(request, body)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-
-    async def answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        answer = {"id": f"cmpl-{self.name}", "object": "text_completion",
-                  "choices": [{"index": 0, "text": f"from {self.name}"}], "usage": USAGE}
-        if not body.get("stream"):
-            return web.json_response(answer)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: " + json.dumps(answer).encode() + b"\n\ndata: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status)
-
 
 async def hang(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
     await asyncio.sleep(3600)

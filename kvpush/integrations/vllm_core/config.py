@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,11 +34,14 @@ class ConnectorConfig:
     derived from host and port for a listener, random for a decode that only dials);
     ``transport``, ``auth_token``: kvpush's ``kvpush.transport`` / ``kvpush.auth_token``;
     ``engine_options``: more kvpush options, passed through; ``insecure``: let a listener off loopback
-    run without a token (see ``ConnectorSettings``). Deadlines: ``transfer_timeout_s``
-    bounds a decode's wait from allocation to the last byte; ``ids_timeout_s`` how long a finished
-    prefill request keeps its blocks for block ids that have not come; ``abort_grace_s`` how long a
-    decode waits, after an abort or timeout, for the prefill to confirm nothing more will land;
-    ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms`` bounds linking.
+    run without a token (see ``ConnectorSettings``); ``discovery`` (``etcd://HOST:PORT[,...]``) and
+    ``advertise_url`` (this instance's OpenAI server, which the connector cannot see): register the
+    instance in that etcd for ``kvpush proxy --discovery`` (``kvpush.integrations.fleet``). Deadlines:
+    ``transfer_timeout_s`` bounds a decode's wait from allocation to the last byte; ``ids_timeout_s``
+    how long a finished prefill request keeps its blocks for block ids that have not come;
+    ``abort_grace_s`` how long a decode waits, after an abort or timeout, for the prefill to confirm
+    nothing more will land; ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms``
+    bounds linking.
     """
 
     host: str | None = None
@@ -52,11 +56,13 @@ class ConnectorConfig:
     sync_kv_timeout_ms: int = 5000
     max_transfers: int = 4096
     insecure: bool = False
+    discovery: str | None = None
+    advertise_url: str | None = None
     engine_options: Mapping[str, str] = field(default_factory=dict)
 
     _FLOATS = ("transfer_timeout_s", "ids_timeout_s", "abort_grace_s")
     _INTS = ("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers")
-    _STRS = ("host", "transport", "auth_token")
+    _STRS = ("host", "transport", "auth_token", "discovery", "advertise_url")
     _BOOLS = ("insecure",)
 
     @classmethod
@@ -90,6 +96,12 @@ class ConnectorConfig:
                 raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; known: {', '.join(known)}")
         if "port" in values and not 0 < values["port"] < 65536:
             raise ParamsError(f"kv_connector_extra_config['port']={values['port']} is not a TCP port")
+        if ("discovery" in values) != ("advertise_url" in values):
+            raise ParamsError("kv_connector_extra_config: 'discovery' and 'advertise_url' go together (the URL a "
+                              "proxy reaches this instance's OpenAI server at, e.g. http://10.0.0.5:8100)")
+        url = values.get("advertise_url")
+        if url is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+            raise ParamsError(f"kv_connector_extra_config['advertise_url']={url!r} is not an http(s) URL")
         return cls(**values)
 
     def engine_options_for(self, listen: tuple[str, int] | None, auth_token: str | None = None) -> dict[str, str]:
