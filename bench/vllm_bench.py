@@ -472,7 +472,9 @@ class Settings:
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
-                 env_extra: dict[str, str] | None = None, trace: bool = False, tp: int = 1) -> Server:
+                 env_extra: dict[str, str] | None = None, trace: bool = False, tp: int = 1,
+                 args: Sequence[str] = ()) -> Server:
+    """``vllm serve`` pinned to ``core`` (or cores 0..tp-1); ``args`` come last (a later flag wins)."""
     port = free_port()
     log = settings.work / f"{name}.log"
     trace_path = settings.work / f"{name}.trace.jsonl" if trace else None
@@ -495,6 +497,7 @@ def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, 
                "--disable-log-stats"]
     if kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(kv_config)]
+    command += list(args)
     with open(log, "wb") as out:
         # a process group of its own (ended as one), not a session: a session is a scheduler autogroup, and a
         # vLLM worker in one of its own left another process on its core 0.8% of the CPU on this host
