@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transports import registry as transport_registry
@@ -24,6 +24,7 @@ from .link import Link
 from .memory import CacheRegistry
 from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
 from .options import EngineOptions, is_loopback, parse_options
+from .scope import TaskScope
 from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import LLMClusterInfo, LLMRole, check_int, check_ip
@@ -89,7 +90,8 @@ class LLMDataDist:
         self._linking: set[int] = set()
         self._listener: Listener | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
+        # the listener's accept loop, handshakes, dials, held grants, closed links unwinding: finalize ends them
+        self._tasks = TaskScope(f"kvpush-engine-{self.cluster_id}")
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
         self._losses: dict[int, int] = {}  # cluster id -> links to it lost (see links_lost)
         self._held_caches = 0  # caches pinned for closed links (see held_caches)
@@ -144,10 +146,7 @@ class LLMDataDist:
             link.close("engine finalized")
         self._links.clear()
         self._crossed.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
         self.registry.clear()
         self._close_transports()
         self.messages.close("engine finalized")
@@ -156,13 +155,6 @@ class LLMDataDist:
     def _close_transports(self) -> None:
         self.registry.mapper = None
         self._one_sided.close()
-
-    def _own(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """A task this engine owns: finalize cancels it and waits for it."""
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def __aenter__(self) -> LLMDataDist:
         await self.init()
@@ -274,8 +266,7 @@ class LLMDataDist:
         except TransportError as error:
             raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
                                f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-        self._accept_task = asyncio.create_task(self._accept_loop(self._listener),
-                                                name=f"kvpush-accept-{self.cluster_id}")
+        self._accept_task = self._tasks.spawn(self._accept_loop(self._listener), f"kvpush-accept-{self.cluster_id}")
         if not self._options.auth_token and not is_loopback(host):
             log.warning("engine cluster=%d listens on %s:%d, which other hosts may reach, without kvpush.auth_token: "
                         "any peer that reaches it can link and use the caches it may reach", self.cluster_id, host,
@@ -307,7 +298,7 @@ class LLMDataDist:
                             len(self._accepting) + 1, dropped.peer)
                 oldest.cancel()
                 dropped.close()
-            task = self._own(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
+            task = self._tasks.spawn(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
             self._accepting[task] = connection
             task.add_done_callback(self._accept_done)
 
@@ -391,7 +382,7 @@ class LLMDataDist:
             if self._finalized:
                 held.release_now_or_keep()
             else:
-                self._own(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
+                self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
 
     async def _release_held(self, held: HeldGrants) -> None:
         count = len(held.entries)
@@ -504,7 +495,7 @@ class LLMDataDist:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         break
-                    dial = self._own(self._dial(host, port, cluster_id), f"kvpush-dial-{cluster_id}")
+                    dial = self._tasks.spawn(self._dial(host, port, cluster_id), f"kvpush-dial-{cluster_id}")
                     try:
                         done, _ = await asyncio.wait({dial}, timeout=remaining)
                     except asyncio.CancelledError:
