@@ -1,9 +1,10 @@
 """kvpush: push paged KV-cache blocks between LLM serving processes (LLM-DataDist's model, async)."""
 
 from .cache_manager import BlockAccess, CacheManager
+from .config import LLMConfig
 from .datadist import LLMDataDist
 from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
-from .options import AUTH_TOKEN_ENV, LLMConfig, is_loopback
+from .options import AUTH_TOKEN_ENV, is_loopback
 from .status import LLMException, LLMStatusCode
 from .types import (
     BlocksCacheKey,

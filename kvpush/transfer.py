@@ -15,9 +15,9 @@ import collections
 from collections.abc import Coroutine
 from typing import Any
 
+from .config import LAYER_MERGE_BYTES
 from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, runs_at, scatter_vector
 from .link import Link
-from .options import LAYER_MERGE_BYTES
 from .plan import Plan, group_steps
 from .protocol import Kind
 from .requests import PendingOp
