@@ -142,10 +142,12 @@ class LLMDataDist:
         self._finalized = True
         self._initialized = False
         self._stop_listening()
-        for link in [*self._links.values(), *self._crossed.values()]:
+        links = [*self._links.values(), *self._crossed.values()]
+        for link in links:
             link.close("engine finalized")
         self._links.clear()
         self._crossed.clear()
+        await asyncio.gather(*(link.wait_closed() for link in links))
         await self._tasks.aclose()
         self.registry.clear()
         self._close_transports()
@@ -378,11 +380,15 @@ class LLMDataDist:
         self._keep_grants(link, held)
 
     def _keep_grants(self, link: Link, held: HeldGrants | None) -> None:
-        if held is not None:
-            if self._finalized:
+        """The closed link's own tasks and the caches it still holds: owned by this engine until they end."""
+        if self._finalized:  # finalize waits for the link's tasks itself
+            if held is not None:
                 held.release_now_or_keep()
-            else:
-                self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
+            return
+        if len(link.tasks):
+            self._tasks.spawn(link.wait_closed(), f"kvpush-closed-{link.peer_cluster_id}")
+        if held is not None:
+            self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
 
     async def _release_held(self, held: HeldGrants) -> None:
         count = len(held.entries)

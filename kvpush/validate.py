@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .layout import FEW, Blocks
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType
 
@@ -39,10 +40,18 @@ def check_key_ids(api: str, name: str, key: CacheKey) -> None:
                             f"[0, 2**64-1)")
 
 
-def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
-    """A list/tuple (or 1-D integer array) of block ids -> uint64 array. TypeError for non-int
-    items, ValueError for ids outside [0, 2^64). Converted by numpy in one call; only lists with
-    ids beyond int64 take the item-by-item path."""
+def check_blocks(api: str, name: str, blocks: object) -> Blocks:
+    """A list/tuple (or 1-D integer array) of block ids -> ``Blocks``. TypeError for non-int items,
+    ValueError for ids outside [0, 2^64). A short list of plain ints is checked item by item (no numpy
+    call); anything else by numpy in one call, and only ids beyond int64 item by item."""
+    if type(blocks) in (list, tuple) and len(blocks) <= FEW:  # type: ignore[arg-type]
+        items: tuple[Any, ...] = tuple(blocks)  # type: ignore[arg-type]
+        if all(type(item) is int and 0 <= item <= U64_MAX for item in items):
+            return Blocks(items, None)
+    return Blocks.of(_checked_array(api, name, blocks))
+
+
+def _checked_array(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
     if not isinstance(blocks, (list, tuple, np.ndarray)):
         raise TypeError(f"{api}: {name} must be a list or tuple of int, got {type(blocks).__name__}")
     if len(blocks) == 0:
@@ -57,15 +66,18 @@ def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
         array = np.asarray(blocks, dtype=object)  # ints beyond int64 next to negatives: check one by one
     if array.ndim != 1:
         raise TypeError(f"{api}: {name} must be a flat list of int")
-    if array.dtype.kind == "i":
-        if int(array.min()) < 0:
-            index = int(np.argmin(array))
-            raise ValueError(f"{api}: {name}[{index}]={int(array[index])} is negative")
-        return array.astype(np.uint64)
-    if array.dtype.kind == "u":
+    if array.dtype.kind == "i" and int(array.min()) < 0:
+        index = int(np.argmin(array))
+        raise ValueError(f"{api}: {name}[{index}]={int(array[index])} is negative")
+    if array.dtype.kind in "iu":
         return array.astype(np.uint64)
     if array.dtype.kind != "O":
         raise TypeError(f"{api}: {name} must contain int, got {array.dtype}")
+    return _each_id(api, name, array)
+
+
+def _each_id(api: str, name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Ids numpy could not type (beyond int64, mixed): checked one by one."""
     for index, value in enumerate(array):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{api}: {name}[{index}] must be an int, got {type(value).__name__}")
@@ -107,11 +119,11 @@ def check_blocks_cache(api: str, name: str, cache: Cache) -> None:
         raise param_invalid(f"{api}: {name} (cache {cache.cache_id}) is not a blocks cache")
 
 
-def check_block_counts(api: str, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
-    if dst.shape[0] == 0:
+def check_block_counts(api: str, src: Blocks, dst: Blocks) -> None:
+    if not len(dst):
         raise param_invalid(f"{api}: dst_blocks is empty")
-    if src.shape[0] != dst.shape[0]:
-        raise param_invalid(f"{api}: src_blocks has {src.shape[0]} ids but dst_blocks has {dst.shape[0]}")
+    if len(src) != len(dst):
+        raise param_invalid(f"{api}: src_blocks has {len(src)} ids but dst_blocks has {len(dst)}")
 
 
 def check_tensor_num(api: str, n: int, num_tensors: int, ranges_given: bool) -> None:
@@ -137,24 +149,16 @@ def check_range_lengths(api: str, src: range | None, dst: range | None) -> None:
         raise param_invalid(f"{api}: src_layer_range={src} and dst_layer_range={dst} differ in length")
 
 
-def check_block_bounds(api: str, name: str, blocks: np.ndarray[Any, Any], num_blocks: int, whose: str) -> None:
-    if blocks.shape[0] == 0:
-        return
-    bad = np.flatnonzero(blocks >= num_blocks)
-    if bad.shape[0]:
-        index = int(bad[0])
-        raise param_invalid(
-            f"{api}: {name}[{index}]={int(blocks[index])} is out of range: {whose} cache has {num_blocks} blocks"
-        )
+def check_block_bounds(api: str, name: str, blocks: Blocks, num_blocks: int, whose: str) -> None:
+    bad = blocks.first_at_least(num_blocks)
+    if bad is not None:
+        raise param_invalid(f"{api}: {name}[{bad[0]}]={bad[1]} is out of range: {whose} cache has {num_blocks} blocks")
 
 
-def check_no_duplicates(api: str, name: str, blocks: np.ndarray[Any, Any]) -> None:
-    if blocks.shape[0] < 2:
-        return
-    ordered = np.sort(blocks)
-    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if repeated.shape[0]:
-        raise param_invalid(f"{api}: {name} repeats block {int(ordered[repeated[0]])}")
+def check_no_duplicates(api: str, name: str, blocks: Blocks) -> None:
+    repeated = blocks.repeated()
+    if repeated is not None:
+        raise param_invalid(f"{api}: {name} repeats block {repeated}")
 
 
 def check_compatible(api: str, local_unit: int, local_dtype: DataType, remote_unit: int,
