@@ -15,13 +15,15 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from transports import registry as transport_registry
-from transports.base import Connection, Listener, TransportError
+from transports.base import Connection, TransportError
 
+from . import validate as v
 from .cache_manager import CacheManager
 from .datapath import DataPaths
 from .handshake import Identity
 from .link import Link
 from .links import Adopted, LinkTable
+from .listening import Listening
 from .memory import CacheRegistry
 from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
 from .options import EngineOptions, is_loopback, parse_options
@@ -32,34 +34,7 @@ from .types import LLMClusterInfo, LLMRole, check_int, check_ip
 
 log = logging.getLogger(__name__)
 
-MAX_CLUSTERS_PER_CALL = 16
 HANDSHAKE_TIMEOUT_S = 5.0
-# Connections in handshake at once. Past it the oldest one is dropped to make room: a flood of idle or
-# slow connections can never keep a real peer out (its handshake takes a few round trips, a flood would
-# have to open this many connections within them), and each one holds at most a handshake frame.
-MAX_PENDING_HANDSHAKES = 64
-
-
-def _check_timeout(api: str, timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{api}: timeout must be an int (ms), got {type(timeout).__name__}")
-    if timeout <= 0:
-        raise param_invalid(f"{api}: timeout={timeout} must be > 0 ms")
-    return float(timeout) / 1000
-
-
-def _check_clusters(api: str, clusters: object) -> list[LLMClusterInfo]:
-    if not isinstance(clusters, (list, tuple)):
-        raise TypeError(f"{api}: clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
-    for index, info in enumerate(clusters):
-        if not isinstance(info, LLMClusterInfo):
-            raise TypeError(f"{api}: clusters[{index}] must be an LLMClusterInfo, got {type(info).__name__}")
-        if info.remote_cluster_id is None:
-            raise param_invalid(f"{api}: clusters[{index}].remote_cluster_id is not set")
-    if len(clusters) > MAX_CLUSTERS_PER_CALL:
-        raise LLMException(LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
-                           f"{api}: {len(clusters)} clusters in one call (at most {MAX_CLUSTERS_PER_CALL})")
-    return list(clusters)
 
 
 def _overall(codes: Sequence[LLMStatusCode]) -> LLMStatusCode:
@@ -85,14 +60,11 @@ class LLMDataDist:
         self._finalized = False
         self._links: LinkTable[Link] = LinkTable()
         self._linking: set[int] = set()
-        self._listener: Listener | None = None
-        self._accept_task: asyncio.Task[None] | None = None
         # the listener's accept loop, handshakes, dials, held grants, closed links unwinding: finalize ends them
         self._tasks = TaskScope(f"kvpush-engine-{self.cluster_id}")
+        self._listening = Listening(self._control, self._tasks, self._accept_one, self._listening_at)
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
         self._held_caches = 0  # caches pinned for closed links (see held_caches)
-        self._accepting: dict[asyncio.Task[Any], Connection] = {}  # in handshake, oldest first
-        self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
         self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
@@ -121,7 +93,7 @@ class LLMDataDist:
                                     None)
         try:
             if parsed.listen is not None:
-                self._start_listening(*parsed.listen)
+                self._listening.start(*parsed.listen)
         except BaseException:
             self._close_transports()
             raise
@@ -137,7 +109,7 @@ class LLMDataDist:
             return
         self._finalized = True
         self._initialized = False
-        self._stop_listening()
+        self._listening.stop()
         links = self._links.all()
         for link in links:  # each one's closing is heard as ever (listeners, inboxes)
             link.close("engine finalized")
@@ -171,9 +143,18 @@ class LLMDataDist:
         return Identity(self.cluster_id, int(self.role), self.instance, self._options.auth_token)
 
     @property
+    def max_pending_handshakes(self) -> int:
+        """Connections in handshake at once; past it the oldest is dropped (``kvpush.listening``)."""
+        return self._listening.max_pending_handshakes
+
+    @max_pending_handshakes.setter
+    def max_pending_handshakes(self, count: int) -> None:
+        self._listening.max_pending_handshakes = count
+
+    @property
     def listen_address(self) -> tuple[str, int] | None:
         """The ``(host, port)`` actually bound (port 0 asked for any free port), or None when not listening."""
-        return self._listener.address if self._listener is not None else None
+        return self._listening.address
 
     @property
     def cache_manager(self) -> CacheManager:
@@ -226,88 +207,24 @@ class LLMDataDist:
         self.require_init(api)
         if not isinstance(host, str):
             raise TypeError(f"{api}: host must be a str, got {type(host).__name__}")
-        address = (check_ip("host", host), check_int("port", port, 0, 65535))
-        current = self.listen_address
-        if current is not None and current[0] == address[0] and address[1] in (0, current[1]):
-            return current
-        if current is not None and current[1] == address[1]:  # the port is taken by the old listener
-            self._stop_listening()
-            try:
-                self._start_listening(*address)
-            except LLMException:
-                try:
-                    self._start_listening(*current)
-                except LLMException as error:
-                    log.warning("%s: could not listen on %s:%d again: %s", api, *current, error)
-                raise
-        else:
-            old_listener, old_task = self._listener, self._accept_task
-            self._listener, self._accept_task = None, None
-            try:
-                self._start_listening(*address)
-            except BaseException:
-                self._listener, self._accept_task = old_listener, old_task
-                raise
-            if old_task is not None:
-                old_task.cancel()
-            if old_listener is not None:
-                old_listener.close()
-        bound = self.listen_address
-        assert bound is not None
+        bound = self._listening.move(check_ip("host", host), check_int("port", port, 0, 65535))
         log.info("engine cluster=%d now listens on %s", self.cluster_id, bound)
         return bound
 
-    def _start_listening(self, host: str, port: int) -> None:
-        try:
-            self._listener = self._control.listen(host, port)
-        except TransportError as error:
-            raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
-                               f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-        self._accept_task = self._tasks.spawn(self._accept_loop(self._listener), f"kvpush-accept-{self.cluster_id}")
+    def _listening_at(self, host: str, port: int) -> None:
         if not self._options.auth_token and not is_loopback(host):
             log.warning("engine cluster=%d listens on %s:%d, which other hosts may reach, without kvpush.auth_token: "
                         "any peer that reaches it can link and use the caches it may reach", self.cluster_id, host,
                         port)
 
-    def _stop_listening(self) -> None:
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            self._accept_task = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
     def _paths(self) -> DataPaths:
         return DataPaths(self._one_sided.transports, self._one_sided.unavailable)
 
-    async def _accept_loop(self, listener: Listener) -> None:
-        while True:
-            try:
-                connection = await listener.accept()
-            except TransportError as error:
-                log.warning("accept failed on %s: %s", listener.address, error)
-                await asyncio.sleep(0.05)
-                continue
-            while len(self._accepting) >= self.max_pending_handshakes:
-                oldest = next(iter(self._accepting))
-                dropped = self._accepting.pop(oldest)
-                log.warning("too many connections in handshake (%d): dropping the oldest, from %s",
-                            len(self._accepting) + 1, dropped.peer)
-                oldest.cancel()
-                dropped.close()
-            task = self._tasks.spawn(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
-            self._accepting[task] = connection
-            task.add_done_callback(self._accept_done)
-
-    def _accept_done(self, task: asyncio.Task[Any]) -> None:
-        connection = self._accepting.pop(task, None)
-        if task.cancelled() and connection is not None:
-            connection.close()  # dropped before its handshake ran: nothing else owns the socket
-
     async def _accept_one(self, connection: Connection) -> None:
+        """A connection the listener accepted: its handshake (bounded), then the link is adopted."""
         try:
-            link = await asyncio.wait_for(Link.establish(self, connection, self._paths(), dialer=False),
-                                          HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                link = await Link.establish(self, connection, self._paths(), dialer=False)
         except TimeoutError:
             log.warning("refused a link from %s: handshake timed out", connection.peer)
             return
@@ -422,8 +339,8 @@ class LLMDataDist:
         bounded by ``timeout`` ms; cancelling the call closes half-made connections."""
         api = "link_clusters"
         self.require_init(api)
-        infos = _check_clusters(api, clusters)
-        seconds = _check_timeout(api, timeout)
+        infos = v.check_clusters(api, clusters)
+        seconds = v.check_timeout(api, timeout)
         seen: set[int] = set()
         codes: list[LLMStatusCode] = []
         jobs: dict[int, Coroutine[Any, Any, LLMStatusCode]] = {}
@@ -512,8 +429,8 @@ class LLMDataDist:
         local end. Unlinking a cluster that has no link succeeds."""
         api = "unlink_clusters"
         self.require_init(api)
-        infos = _check_clusters(api, clusters)
-        seconds = _check_timeout(api, timeout)
+        infos = v.check_clusters(api, clusters)
+        seconds = v.check_timeout(api, timeout)
         if not isinstance(force, bool):
             raise TypeError(f"{api}: force must be a bool")
 
@@ -544,7 +461,7 @@ class LLMDataDist:
             raise LLMException(LLMStatusCode.LLM_EXIST_LINK,
                                f"switch_role: unlink clusters {sorted(self._links.primaries)} first")
         listen = parse_options(options).listen if options else None
-        self._stop_listening()
+        self._listening.stop()
         if listen is not None:
-            self._start_listening(*listen)
+            self._listening.start(*listen)
         self.role = role

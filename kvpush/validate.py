@@ -14,7 +14,7 @@ import numpy as np
 
 from .layout import FEW, Blocks
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType
+from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType, LLMClusterInfo
 
 
 def check_type(api: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -205,3 +205,28 @@ def ext_param_range(api: str, name: str, pair: tuple[int, int], num_tensors: int
     if first < 0 or second < 0 or first > second or second > last_layer:
         raise param_invalid(f"{api}: {name}={pair} must satisfy 0 <= first <= second <= {last_layer}")
     return range(first, second + 1)
+
+
+MAX_CLUSTERS_PER_CALL = 16  # LLM-DataDist's limit for one link_clusters / unlink_clusters call
+
+
+def check_timeout(api: str, timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{api}: timeout must be an int (ms), got {type(timeout).__name__}")
+    if timeout <= 0:
+        raise param_invalid(f"{api}: timeout={timeout} must be > 0 ms")
+    return float(timeout) / 1000
+
+
+def check_clusters(api: str, clusters: object) -> list[LLMClusterInfo]:
+    if not isinstance(clusters, (list, tuple)):
+        raise TypeError(f"{api}: clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
+    for index, info in enumerate(clusters):
+        if not isinstance(info, LLMClusterInfo):
+            raise TypeError(f"{api}: clusters[{index}] must be an LLMClusterInfo, got {type(info).__name__}")
+        if info.remote_cluster_id is None:
+            raise param_invalid(f"{api}: clusters[{index}].remote_cluster_id is not set")
+    if len(clusters) > MAX_CLUSTERS_PER_CALL:
+        raise LLMException(LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                           f"{api}: {len(clusters)} clusters in one call (at most {MAX_CLUSTERS_PER_CALL})")
+    return list(clusters)
