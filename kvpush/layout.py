@@ -38,11 +38,12 @@ class Blocks:
     """Checked block ids (``kvpush.validate.check_blocks`` makes them): a tuple of ints for a few, a uint64
     array for more."""
 
-    __slots__ = ("_ids", "_array")
+    __slots__ = ("_ids", "_array", "count")
 
     def __init__(self, ids: tuple[int, ...] | None, ids_array: np.ndarray[Any, Any] | None) -> None:
         self._ids = ids
         self._array = ids_array
+        self.count = len(ids) if ids is not None else int(ids_array.shape[0]) if ids_array is not None else 0
 
     @classmethod
     def of(cls, ids: Blocks | Sequence[int] | np.ndarray[Any, Any]) -> Blocks:
@@ -54,7 +55,7 @@ class Blocks:
         return cls(None, np.asarray(ids).astype(U64))
 
     def __len__(self) -> int:
-        return len(self._ids) if self._ids is not None else int(self.array().shape[0])
+        return self.count
 
     def __repr__(self) -> str:
         return f"Blocks({self.tolist()})"
@@ -156,8 +157,11 @@ class Runs:
 
     def wire(self, column: int) -> bytes:
         """``(offset, length)`` of every run, packed for a transfer frame (``pack_runs``)."""
-        if self._rows is not None:
-            return _PACK[2 * self.count].pack(*[value for row in self._rows for value in (row[column], row[-1])])
+        rows = self._rows
+        if rows is not None:
+            if self.count == 1:
+                return _PACK[2].pack(rows[0][column], rows[0][-1])
+            return _PACK[2 * self.count].pack(*[value for row in rows for value in (row[column], row[-1])])
         return pack_runs(self.column(column), self.length)
 
     def vector(self, bases: Sequence[int] | np.ndarray[Any, Any], column: int) -> IoVec:
@@ -187,9 +191,14 @@ def block_runs(src_blocks: Blocks | Sequence[int] | np.ndarray[Any, Any],
     """Pairs ``(src_blocks[i], dst_blocks[i])`` -> runs ``(src offset, dst offset, length)``, ordered by
     source (the pairs are independent: the order of writes to distinct destination blocks does not
     matter) and merged where both ids step by one."""
-    src, dst = Blocks.of(src_blocks), Blocks.of(dst_blocks)
-    if len(src) <= FEW:
-        pairs = sorted(zip(src.ints(), dst.ints())) if len(src) > 1 else list(zip(src.ints(), dst.ints()))
+    src = src_blocks if type(src_blocks) is Blocks else Blocks.of(src_blocks)
+    dst = dst_blocks if type(dst_blocks) is Blocks else Blocks.of(dst_blocks)
+    ids = src._ids  # (this module's own value: the storage it chose)
+    if ids is not None:
+        if len(ids) == 1:  # one block (decode-time pushes): one run, nothing to sort or merge
+            assert dst._ids is not None
+            return Runs(((ids[0] * block_bytes, dst._ids[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
+        pairs = sorted(zip(ids, dst.ints()))
         merged: list[list[int]] = []
         for s, d in pairs:
             if merged and s == merged[-1][0] + merged[-1][2] and d == merged[-1][1] + merged[-1][2]:
@@ -241,7 +250,7 @@ def unpack_wire_runs(data: bytes | bytearray | memoryview, offset: int, count: i
     """``count`` packed ``(offset, length)`` pairs at ``offset`` of ``data`` (a transfer frame's meta)."""
     if count <= FEW:
         flat = _PACK[2 * count].unpack_from(data, offset)
-        return Runs.of_rows(list(zip(flat[0::2], flat[1::2])), 1)
+        return Runs(tuple(zip(flat[0::2], flat[1::2])), None, 1, count, sum(flat[1::2]))
     pairs = np.frombuffer(data, RUN_DTYPE, count=2 * count, offset=offset).reshape(-1, 2)
     return Runs(None, (pairs[:, 0].astype(U64), pairs[:, 1].astype(U64)), 1, count,
                 int(pairs[:, 1].sum(dtype=np.float64)))  # float: an overflow shows as a huge number

@@ -41,6 +41,7 @@ class Request:
 
     api: str
     kind: Kind             # WRITE (push) or READ (pull)
+    push: bool             # kind == WRITE
     shape: Shape
     cluster_id: int
     local_cache: Cache
@@ -71,10 +72,6 @@ class Request:
     @property
     def batch_index(self) -> int | None:
         return self.remote_slot
-
-    @property
-    def push(self) -> bool:
-        return self.kind == Kind.WRITE
 
 
 class Plan:
@@ -165,16 +162,17 @@ def group_steps(steps: list[v.LayerStep], bytes_per_tensor: int,
 
 
 # -- checking a call ----------------------------------------------------------------------------------
-def _names(kind: Kind) -> tuple[str, str]:
-    return ("src_cache", "dst_cache_key") if kind == Kind.WRITE else ("dst_cache", "src_cache_key")
+_NAMES = {Kind.WRITE: ("src_cache", "dst_cache_key"), Kind.READ: ("dst_cache", "src_cache_key")}
 
 
 def _check_local_layers(request: Request) -> None:
-    """SPEC §6 checks 4-5 on the local side: N, then the ranges."""
+    """SPEC §6 checks 4-5 on the local side: N, then the ranges (when the call gave any)."""
     src_range, dst_range = request.src_range, request.dst_range
     request.ranges_given = src_range is not None or dst_range is not None
     local_tensors = request.local_cache.cache_desc.num_tensors
     v.check_tensor_num(request.api, request.n, local_tensors, request.ranges_given)
+    if not request.ranges_given:
+        return
     v.check_layer_range_values(request.api, "src_layer_range", src_range)
     v.check_layer_range_values(request.api, "dst_layer_range", dst_range)
     v.check_range_bounds(request.api, "src_layer_range" if request.push else "dst_layer_range",
@@ -193,19 +191,18 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     ``src_batch_index``); ``src_blocks`` is then empty and the slot is read as consecutive blocks.
     ``remote_cache_id``: the peer's cache is named by id (the status-returning forms), not by the key."""
     push = kind == Kind.WRITE
-    local_name, remote_name = _names(kind)
+    local_name, remote_name = _NAMES[kind]
     if remote_cache_id is None:
         v.check_type(api, remote_name, remote_key,
                      BlocksCacheKey if push else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache) and isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     slot_index = None if local_slot is None or not push else check_int("src_batch_index", local_slot)
-    request = Request(api, kind, Shape.BLOCKS, remote_key.cluster_id, local_cache, local_name,
-                      src=v.check_blocks(api, "src_blocks", src_blocks),
-                      dst=v.check_blocks(api, "dst_blocks", dst_blocks),
-                      src_range=v.check_layer_range(api, "src_layer_range", src_range),
-                      dst_range=v.check_layer_range(api, "dst_layer_range", dst_range),
-                      n=v.check_tensor_num_type(api, n))
+    request = Request(api, kind, push, Shape.BLOCKS, remote_key.cluster_id, local_cache, local_name, None, None,
+                      None, v.check_blocks(api, "src_blocks", src_blocks),  # (positional: made on every transfer)
+                      v.check_blocks(api, "dst_blocks", dst_blocks),
+                      v.check_layer_range(api, "src_layer_range", src_range),
+                      v.check_layer_range(api, "dst_layer_range", dst_range), v.check_tensor_num_type(api, n))
     if remote_cache_id is not None:
         request.cache_id = remote_cache_id
     elif isinstance(remote_key, BlocksCacheKey):
@@ -236,9 +233,9 @@ def _check_slot_blocks(request: Request, remote_key: object, remote_name: str) -
                             f"is a blocks cache")
     if not request.push:
         v.check_blocks_cache(api, request.local_name, cache)
-    if len(request.src):
+    if request.src.count:
         raise param_invalid(f"{api}: src_blocks must be empty when the source is a batch slot")
-    if not len(request.dst):
+    if not request.dst.count:
         raise param_invalid(f"{api}: dst_blocks is empty")
     if isinstance(remote_key, CacheKey):
         v.check_key_ids(api, remote_name, remote_key)
@@ -250,7 +247,7 @@ def check_cache_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     """SPEC §6 checks of a slot to slot transfer (push_cache / pull_cache) as far as they go without the
     peer. (The public call's own arguments: from here on one ``Request`` travels.)"""
     push = kind == Kind.WRITE
-    local_name, remote_name = _names(kind)
+    local_name, remote_name = _NAMES[kind]
     remote_name = "dst_cache_key" if push else "src_cache_key"
     v.check_type(api, remote_name, remote_key, CacheKeyByIdAndIndex if push else (CacheKeyByIdAndIndex, CacheKey))
     assert isinstance(remote_key, (CacheKeyByIdAndIndex, CacheKey))
@@ -260,7 +257,7 @@ def check_cache_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     size_value = check_int("size", size, -1)
     local_layers = v.check_layer_range(api, "local layer range", local_range)
     remote_layers = v.check_layer_range(api, "remote layer range", remote_range)
-    request = Request(api, kind, Shape.SLOTS, remote_key.cluster_id, local_cache, local_name,
+    request = Request(api, kind, push, Shape.SLOTS, remote_key.cluster_id, local_cache, local_name,
                       src_range=local_layers if push else remote_layers,
                       dst_range=remote_layers if push else local_layers,
                       n=v.check_tensor_num_type(api, n), local_slot=local_slot, size=size_value)
@@ -326,12 +323,13 @@ def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: 
 def _layer_steps(request: Request, local: CacheEntry, remote: RemoteCache) -> list[v.LayerStep]:
     """The peer's side of the layer checks, then the steps."""
     api, n = request.api, request.n
-    if request.ranges_given and remote.num_tensors % n:
-        raise param_invalid(f"{api}: tensor_num_per_layer={n} does not divide the remote cache's "
-                            f"{remote.num_tensors} tensors")
-    remote_range = request.dst_range if request.push else request.src_range
-    v.check_range_bounds(api, "dst_layer_range" if request.push else "src_layer_range", remote_range,
-                         remote.num_tensors, n)
+    if request.ranges_given:
+        if remote.num_tensors % n:
+            raise param_invalid(f"{api}: tensor_num_per_layer={n} does not divide the remote cache's "
+                                f"{remote.num_tensors} tensors")
+        remote_range = request.dst_range if request.push else request.src_range
+        v.check_range_bounds(api, "dst_layer_range" if request.push else "src_layer_range", remote_range,
+                             remote.num_tensors, n)
     local_tensors = local.num_tensors
     src_tensors, dst_tensors = ((local_tensors, remote.num_tensors) if request.push
                                 else (remote.num_tensors, local_tensors))

@@ -7,6 +7,7 @@ types -> the local cache kind -> block list lengths -> tensor_num_per_layer -> l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,10 @@ def check_blocks(api: str, name: str, blocks: object) -> Blocks:
     call); anything else by numpy in one call, and only ids beyond int64 item by item."""
     if type(blocks) in (list, tuple) and len(blocks) <= FEW:  # type: ignore[arg-type]
         items: tuple[Any, ...] = tuple(blocks)  # type: ignore[arg-type]
-        if all(type(item) is int and 0 <= item <= U64_MAX for item in items):
+        for item in items:  # a loop, not all(generator): this runs on every small transfer
+            if type(item) is not int or not 0 <= item <= U64_MAX:
+                break
+        else:
             return Blocks(items, None)
     return Blocks.of(_checked_array(api, name, blocks))
 
@@ -107,6 +111,8 @@ def check_layer_range_values(api: str, name: str, value: range | None) -> None:
 
 
 def check_tensor_num_type(api: str, value: object) -> int:
+    if type(value) is int and value >= 0:  # the common case, before numpy's slower isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{api}: tensor_num_per_layer must be an int, got {type(value).__name__}")
     if int(value) < 0:
@@ -120,10 +126,10 @@ def check_blocks_cache(api: str, name: str, cache: Cache) -> None:
 
 
 def check_block_counts(api: str, src: Blocks, dst: Blocks) -> None:
-    if not len(dst):
+    if not dst.count:
         raise param_invalid(f"{api}: dst_blocks is empty")
-    if len(src) != len(dst):
-        raise param_invalid(f"{api}: src_blocks has {len(src)} ids but dst_blocks has {len(dst)}")
+    if src.count != dst.count:
+        raise param_invalid(f"{api}: src_blocks has {src.count} ids but dst_blocks has {dst.count}")
 
 
 def check_tensor_num(api: str, n: int, num_tensors: int, ranges_given: bool) -> None:
@@ -188,12 +194,18 @@ def layer_steps(api: str, src_tensors: int, dst_tensors: int, n: int,
         if src_tensors != dst_tensors:
             raise param_invalid(f"{api}: local cache has {src_tensors} tensors, remote {dst_tensors}; "
                                 f"give layer ranges to move a subset")
-        return [LayerStep(i, first, first, min(n, src_tensors - first))
-                for i, first in enumerate(range(0, src_tensors, n))]
+        return list(_all_layers(src_tensors, n))
     src = src_range if src_range is not None else range(0, src_tensors // n)
     dst = dst_range if dst_range is not None else range(0, dst_tensors // n)
     check_range_lengths(api, src, dst)
     return [LayerStep(d, s * n, d * n, n) for s, d in zip(src, dst)]
+
+
+@functools.lru_cache(maxsize=64)
+def _all_layers(tensors: int, n: int) -> tuple[LayerStep, ...]:
+    """Every tensor, N at a time: the same few shapes on every transfer, laid out once each (the steps are
+    read, never changed)."""
+    return tuple(LayerStep(i, first, first, min(n, tensors - first)) for i, first in enumerate(range(0, tensors, n)))
 
 
 def ext_param_range(api: str, name: str, pair: tuple[int, int], num_tensors: int, n: int) -> range | None:
