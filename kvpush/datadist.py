@@ -2,8 +2,8 @@
 
 Several instances may live in one process and one event loop; each has its own registry, links
 and listener. All methods must be called from the event loop the instance was initialised on.
-One idea, the engine's lifecycle and its links table (about 550 lines, most of it the documented
-public calls and their argument checks); transfers live in ``cache_manager`` and below.
+Which link carries this side's transfers is ``kvpush.links``'s decision, the listener is
+``kvpush.listening``'s; transfers live in ``cache_manager`` and below.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Why this and not a shared-memory mapping: CMA copies straight from the prefill process's block
 memory into the decode process's registered blocks, whatever that memory is (numpy arrays, torch
 tensors, raw addresses from another allocator), in one kernel copy per layer (batched iovecs, at most
-IOV_MAX entries per call). Measured on this kind of host it moves W-KV at 0.85-0.9x a single-thread
-memcpy. A shared mapping would reach memcpy speed but only for caches kvpush allocated itself, and
-it maps a peer's memory into this process for the link's lifetime; CMA needs neither.
+IOV_MAX entries per call), near a single-thread memcpy (docs/perf/notes.md). A shared mapping would
+reach memcpy speed but only for caches kvpush allocated itself, and it maps a peer's memory into this
+process for the link's lifetime; CMA needs neither.
 
 Safety, in layers:
 - same host is decided from the boot id plus the pid and network namespaces (``host_identity``):

@@ -13,9 +13,9 @@ the link is up and presents it when it asks for a lease, so only a peer holding 
 and rkeys into this process - which can write every cache the table names anyway - gets one. Under a
 lease a layer is a put and a flush, then a one-way WRITE_NOTICE: no intent/grant round trip.
 
-Error handling mode and transports (measured here, ``shared/UCX_NOTES.md``): endpoint error mode
-PEER over tcp let UCX abort a passive target whose writer died (6 of 9 runs), and PEER with shared
-memory needs a UCX-allocated target pool to be safe, which registered user memory is not. So
+Error handling mode and transports (``shared/UCX_NOTES.md``, docs/perf/notes.md): endpoint error mode
+PEER over tcp can let UCX abort a passive target whose writer died, and PEER with shared memory needs
+a UCX-allocated target pool to be safe, which registered user memory is not. So
 kvpush uses error mode NONE and, with the wheel's UCX, ``UCX_TLS=tcp`` unless the user set
 ``UCX_TLS``: on one host the same-host transport (``cma``) carries local traffic anyway, and a dead
 peer is detected by the control link within milliseconds (its socket closes), after which the
@@ -43,8 +43,8 @@ from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, Transp
 
 log = logging.getLogger(__name__)
 
-# auto_between_hosts is False: over plain TCP kvpush's own TCP path is faster on the hosts measured,
-# so ``auto`` opens UCX only when it can use RDMA (``open_transport``).
+# auto_between_hosts is False: over plain TCP kvpush's own TCP path is the faster one (docs/perf), so
+# ``auto`` opens UCX only when it can use RDMA (``open_transport``).
 CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False, auto_between_hosts=False,
                             needs_registration=True, standing_grants=True)
 
