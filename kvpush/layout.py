@@ -193,11 +193,10 @@ def block_runs(src_blocks: Blocks | Sequence[int] | np.ndarray[Any, Any],
     matter) and merged where both ids step by one."""
     src = src_blocks if type(src_blocks) is Blocks else Blocks.of(src_blocks)
     dst = dst_blocks if type(dst_blocks) is Blocks else Blocks.of(dst_blocks)
-    ids = src._ids  # (this module's own value: the storage it chose)
-    if ids is not None:
+    if src.count <= FEW:
+        ids = src.ints()
         if len(ids) == 1:  # one block (decode-time pushes): one run, nothing to sort or merge
-            assert dst._ids is not None
-            return Runs(((ids[0] * block_bytes, dst._ids[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
+            return Runs(((ids[0] * block_bytes, dst.ints()[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
         pairs = sorted(zip(ids, dst.ints()))
         merged: list[list[int]] = []
         for s, d in pairs:
