@@ -1,9 +1,11 @@
 """kvpush: push paged KV-cache blocks between LLM serving processes (LLM-DataDist's model, async)."""
 
-from .cache_manager import BlockAccess, CacheManager
+from .access import BlockAccess
+from .cache_manager import CacheManager
+from .config import LLMConfig
 from .datadist import LLMDataDist
 from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
-from .options import AUTH_TOKEN_ENV, LLMConfig, is_loopback
+from .options import AUTH_TOKEN_ENV, is_loopback
 from .status import LLMException, LLMStatusCode
 from .types import (
     BlocksCacheKey,

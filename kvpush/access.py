@@ -9,7 +9,7 @@ sums it reads are rebuilt (O(blocks), numpy) only when the grants change, twice 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,7 @@ class BlockGrants:
         prefix = self._prefix.get((peer, write))
         return 0 if prefix is None else int(prefix[-1])
 
-    def covers(self, peer: int, write: bool, block_bytes: int, runs: Sequence[tuple[int, int]] | None,
+    def covers(self, peer: int, write: bool, block_bytes: int, runs: Sequence[tuple[int, ...]] | None,
                offsets: np.ndarray[Any, Any] | None = None, lengths: np.ndarray[Any, Any] | None = None) -> bool:
         """Every byte run (offset, length within a tensor) lies in blocks granted to ``peer``: a few runs as
         Python pairs (``runs``), many as arrays (``offsets``, ``lengths``)."""
@@ -90,3 +90,47 @@ class BlockGrants:
         if not len(starts) or int(lengths.min()) <= 0 or int(stops.max()) > limit or int(starts.min()) < 0:
             return False
         return bool(np.array_equal(prefix[stops] - prefix[starts], stops - starts))
+
+
+class BlockAccess:
+    """A grant of some blocks of a ``RemoteAccess.GRANTED`` cache to one peer (``CacheManager.allow``).
+    It ends at ``revoke()`` (idempotent; also on leaving ``with``), when the link to that peer closes, or
+    when the cache is unregistered, whichever comes first. A request the peer made while it held the grant
+    was checked on arrival and runs to its end."""
+
+    def __init__(self, grants: BlockGrants | None, cache_id: int, peer: int, blocks: np.ndarray[Any, Any],
+                 modes: tuple[bool, bool], removed: Callable[[], bool]) -> None:
+        """``modes``: (write, read); ``removed``: whether the cache was unregistered."""
+        assert grants is not None
+        self.peer_cluster_id = peer
+        self.cache_id = cache_id
+        self.num_blocks = len(blocks)
+        self._grants = grants
+        self._removed = removed
+        self._blocks = blocks
+        self._modes = [mode for mode, wanted in zip((True, False), modes) if wanted]
+        self._epoch = grants.epoch(peer)
+        for mode in self._modes:
+            grants.add(peer, blocks, mode)
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        return self._active and self._grants.epoch(self.peer_cluster_id) == self._epoch and not self._removed()
+
+    def revoke(self) -> None:
+        """End the grant: requests of the peer that arrive from now on are refused."""
+        if self.active:
+            for mode in self._modes:
+                self._grants.remove(self.peer_cluster_id, self._blocks, mode)
+        self._active = False
+
+    def __enter__(self) -> BlockAccess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.revoke()
+
+    def __repr__(self) -> str:
+        return (f"<BlockAccess cache={self.cache_id} peer={self.peer_cluster_id} blocks={self.num_blocks} "
+                f"{'/'.join('write' if m else 'read' for m in self._modes)}{'' if self.active else ' ended'}>")

@@ -18,6 +18,7 @@ import numpy as np
 from . import plan as planning
 from . import transfer
 from . import validate as v
+from .access import BlockAccess
 from .link import Link
 from .memory import CacheEntry, CacheRegistry, allocate_regions, region_of
 from .notify import NOTIFICATION, check_notify
@@ -33,7 +34,6 @@ from .types import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    KeyName,
     KvCacheExtParam,
     RemoteAccess,
     check_int,
@@ -58,50 +58,6 @@ class EngineServices(Protocol):
 
     def registry_changed(self) -> None:
         """The registry changed: tell every peer."""
-
-
-class BlockAccess:
-    """A grant of some blocks of a ``RemoteAccess.GRANTED`` cache to one peer (``CacheManager.allow``).
-    It ends at ``revoke()`` (idempotent; also on leaving ``with``), when the link to that peer closes, or
-    when the cache is unregistered, whichever comes first. A request the peer made while it held the grant
-    was checked on arrival and runs to its end."""
-
-    def __init__(self, entry: CacheEntry, peer: int, blocks: np.ndarray[Any, Any], write: bool, read: bool) -> None:
-        assert entry.grants is not None
-        self.peer_cluster_id = peer
-        self.cache_id = entry.cache.cache_id
-        self.num_blocks = len(blocks)
-        self._entry = entry
-        self._blocks = blocks
-        self._modes = [mode for mode, wanted in ((True, write), (False, read)) if wanted]
-        self._epoch = entry.grants.epoch(peer)
-        for mode in self._modes:
-            entry.grants.add(peer, blocks, mode)
-        self._active = True
-
-    @property
-    def active(self) -> bool:
-        grants = self._entry.grants
-        return self._active and grants is not None and grants.epoch(self.peer_cluster_id) == self._epoch \
-            and not self._entry.removed
-
-    def revoke(self) -> None:
-        """End the grant: requests of the peer that arrive from now on are refused."""
-        if self.active:
-            assert self._entry.grants is not None
-            for mode in self._modes:
-                self._entry.grants.remove(self.peer_cluster_id, self._blocks, mode)
-        self._active = False
-
-    def __enter__(self) -> BlockAccess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.revoke()
-
-    def __repr__(self) -> str:
-        return (f"<BlockAccess cache={self.cache_id} peer={self.peer_cluster_id} blocks={self.num_blocks} "
-                f"{'/'.join('write' if m else 'read' for m in self._modes)}{'' if self.active else ' ended'}>")
 
 
 class CacheManager:
@@ -196,7 +152,8 @@ class CacheManager:
         if not len(ids):
             raise param_invalid(f"{api}: blocks is empty")
         v.check_block_bounds(api, "blocks", ids, entry.num_blocks, "the")
-        return BlockAccess(entry, peer, ids.astype(np.int64), write, read)
+        return BlockAccess(entry.grants, entry.cache.cache_id, peer, ids.array().astype(np.int64), (write, read),
+                           lambda: entry.removed)
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
         """kvpush-owned contiguous memory (``shape[0]`` is the batch dimension), page-aligned and prefaulted.
@@ -253,10 +210,11 @@ class CacheManager:
         return entry
 
     # -- transfers --------------------------------------------------------------------------------
-    async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache, src_blocks: Sequence[int] = (),
-                          dst_blocks: Sequence[int] = (), src_layer_range: range | None = None,
-                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2,
-                          notify: bytes | None = None, *, src_batch_index: int | None = None) -> None:
+    async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,  # noqa: PLR0913 (LLM-DataDist's)
+                          src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
+                          src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                          tensor_num_per_layer: int = 2, notify: bytes | None = None, *,
+                          src_batch_index: int | None = None) -> None:
         """Write local blocks into the peer's blocks cache named by ``dst_cache_key``.
 
         ``src_batch_index``: the source is that batch slot of the contiguous ``src_cache`` instead
@@ -283,16 +241,13 @@ class CacheManager:
         api = "push_blocks"
         if notify is not None:
             check_notify(api, notify)
-        fast = None if src_batch_index is not None else self._plain_now(
-            api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range,
-            tensor_num_per_layer)
-        link, plan, _ = fast or await self._blocks(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
-                                                   src_layer_range, dst_layer_range, tensor_num_per_layer,
-                                                   local_slot=src_batch_index)
-        options = self._engine.options
-        await transfer.run(link, plan, options.sync_kv_timeout_ms, options.layer_merge_bytes)
+        self._engine.require_init(api)
+        request = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                            src_layer_range, dst_layer_range, tensor_num_per_layer,
+                                            local_slot=src_batch_index)
         if notify is not None:
-            await link.send_message(NOTIFICATION, bytes(notify))
+            request.notify = bytes(notify)
+        await self._move(request)
 
     async def pull_blocks(self, src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex, dst_cache: Cache,
                           src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
@@ -310,115 +265,77 @@ class CacheManager:
         the rest of a layer's incoming bytes is discarded, never written after the exception.
         """
         api = "pull_blocks"
-        fast = self._plain_now(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks, src_layer_range,
-                               dst_layer_range, tensor_num_per_layer)
-        link, plan, slot = fast or await self._blocks(api, Kind.READ, src_cache_key, dst_cache, src_blocks,
-                                                      dst_blocks, src_layer_range, dst_layer_range,
-                                                      tensor_num_per_layer)
-        await self._run(link, plan)
-        if slot is not None:
-            self._pulled_slot(link, plan, slot)
-
-    async def _blocks(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
-                      dst_blocks: object, src_range: object, dst_range: object, n: object,
-                      remote_cache_id: int | None = None,
-                      local_slot: object = None) -> tuple[Link, planning.Plan, int | None]:
-        """Validate (SPEC order, one pass) and plan a blocks transfer; one bounded refresh of the
-        peer's table if it lacks the cache. The third item is the peer's batch slot a pull reads from
-        (None: the source is blocks, or local)."""
         self._engine.require_init(api)
-        if remote_cache_id is None and local_slot is None and src_range is None and dst_range is None:
-            fast = self._plain_blocks(api, kind, remote_key, local_cache, src_blocks, dst_blocks, n)
-            if fast is not None:
-                return fast
-        args = planning.check_block_args(api, kind, remote_key, local_cache, src_blocks, dst_blocks, src_range,
-                                         dst_range, n, remote_cache_id, local_slot)
-        link = self._engine.link_for(api, args.cluster_id)
-        local = self._local(api, args.local_name, args.local_cache)
-        remote, slot = await self._remote_cache(api, link, model_id=args.model_id, cache_id=args.cache_id,
-                                                key=args.slot_key)
-        remote_slot = slot if slot is not None else args.remote_slot
-        return link, planning.plan_blocks(args, local, remote, remote_slot), remote_slot
+        await self._move(planning.check_block_args(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                                   src_layer_range, dst_layer_range, tensor_num_per_layer))
 
-    def _plain_now(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
-                   dst_blocks: object, src_range: object, dst_range: object,
-                   n: object) -> tuple[Link, planning.Plan, None] | None:
-        """``_plain_blocks`` called straight from a transfer's coroutine (no ``_blocks`` coroutine: a
-        small transfer's latency) when no layer range is given; None: go through ``_blocks``."""
-        if src_range is not None or dst_range is not None:
-            return None
-        self._engine.require_init(api)
-        return self._plain_blocks(api, kind, remote_key, local_cache, src_blocks, dst_blocks, n)
+    async def _move(self, request: planning.Request) -> None:
+        """The one route of every transfer call once its arguments are checked: the link, both caches,
+        the plan, the run; then what the call asks for after its last byte landed."""
+        link, plan = self._planned(request) or await self._planned_after_refresh(request)
+        await transfer.run(link, plan, self._engine.options)
+        if plan.remote_slot is not None:
+            self._pulled_slot(link, plan)
+        if request.notify is not None:
+            await link.send_message(NOTIFICATION, request.notify)
 
-    def _plain_blocks(self, api: str, kind: Kind, remote_key: object, local_cache: object, src_blocks: object,
-                      dst_blocks: object, n: object) -> tuple[Link, planning.Plan, None] | None:
-        """The common case in one pass (``plan.plain_args``, ``plan.plain_plan``): linked, both caches
-        there, every check passing. None for anything else: the general path then checks in SPEC order
-        and raises what is wrong, so this path never decides an error."""
-        args = planning.plain_args(kind, remote_key, local_cache, src_blocks, dst_blocks, n)
-        if args is None:
-            return None
-        key, cache, src, dst, tensors = args
+    def _planned(self, request: planning.Request) -> tuple[Link, planning.Plan] | None:
+        """The link and the plan, against the peer's cache table as this engine knows it; None when the
+        table lacks the peer's cache (``_planned_after_refresh`` then asks for it once). Raises what is
+        wrong, in SPEC order (no link, no local cache, then the checks against the peer's cache)."""
+        link = self._engine.link_for(request.api, request.cluster_id)
+        local = self._local(request.api, request.local_name, request.local_cache)
+        found = self._lookup(link, request)
+        return None if found is None else (link, planning.plan(request, local, *found))
+
+    async def _planned_after_refresh(self, request: planning.Request) -> tuple[Link, planning.Plan]:
+        """``_planned`` after one round trip for the peer's table, bounded by ``sync_kv_timeout``."""
+        api = request.api
+        link = self._engine.link_for(api, request.cluster_id)
+        local = self._local(api, request.local_name, request.local_cache)
         try:
-            link = self._engine.link_for(api, key.cluster_id)
-        except LLMException:
-            return None
-        entry = self.registry.get(cache.cache_id)
-        remote = link.peer.by_model(key.model_id)
-        if entry is None or entry.cache is not cache or entry.deallocated:
-            return None
-        if remote is None or not remote.is_blocks_cache:
-            return None
-        plan = planning.plain_plan(api, kind, tensors, src, dst, entry, remote)
-        return None if plan is None else (link, plan, None)
-
-    @staticmethod
-    def _lookup(link: Link, model_id: int | None, cache_id: int | None,
-                key: KeyName | None) -> tuple[RemoteCache, int | None] | None:
-        """The peer's cache by model id, cache id or cache key (then with the slot the key names)."""
-        if key is not None:
-            found = link.peer.by_key(key)
-            return None if found is None else (found[0], found[1].slot)
-        cache = link.peer.by_model(model_id) if model_id is not None else link.peer.by_id(cache_id or 0)
-        return None if cache is None else (cache, None)
-
-    @staticmethod
-    def _not_there(api: str, link: Link, model_id: int | None, cache_id: int | None,
-                   key: KeyName | None) -> LLMException:
-        if key is not None:
-            kind = "req_id" if key[0] == REQUEST_KEY else "prefix_id"
-            what = f"a slot named by {kind}={key[1]}, model_id={key[2]}"
-        else:
-            what = f"a cache with model_id={model_id}" if model_id is not None else f"a cache with cache_id={cache_id}"
-        return LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                            f"{api}: cluster {link.peer_cluster_id} has no {what}")
-
-    async def _remote_cache(self, api: str, link: Link, *, model_id: int | None = None, cache_id: int | None = None,
-                            key: KeyName | None = None) -> tuple[RemoteCache, int | None]:
-        """The peer's cache from its table (and the slot a cache key names); one round trip for a fresh
-        table when it is not there, bounded by ``sync_kv_timeout``."""
-        found = self._lookup(link, model_id, cache_id, key)
-        if found is not None:
-            return found
-        try:
-            await asyncio.wait_for(link.refresh_table(), self._engine.options.sync_kv_timeout_ms / 1000)
+            async with asyncio.timeout(self._engine.options.sync_kv_timeout_ms / 1000):
+                await link.refresh_table()
         except TimeoutError:
             raise LLMException(LLMStatusCode.LLM_TIMEOUT,
                                f"{api}: the peer's cache table did not arrive in time") from None
-        found = self._lookup(link, model_id, cache_id, key)
+        found = self._lookup(link, request)
         if found is None:
-            raise self._not_there(api, link, model_id, cache_id, key)
-        return found
-
-    async def _run(self, link: Link, plan: planning.Plan) -> None:
-        options = self._engine.options
-        await transfer.run(link, plan, options.sync_kv_timeout_ms, options.layer_merge_bytes)
+            raise self._not_there(link, request)
+        return link, planning.plan(request, local, *found)
 
     @staticmethod
-    def _pulled_slot(link: Link, plan: planning.Plan, slot: int) -> None:
+    def _lookup(link: Link, request: planning.Request) -> tuple[RemoteCache, int | None] | None:
+        """The peer's cache by cache key (then with the slot the key names), model id or cache id."""
+        if request.key is not None:
+            found = link.peer.by_key(request.key)
+            return None if found is None else (found[0], found[1].slot)
+        if request.model_id is not None:
+            cache = link.peer.by_model(request.model_id)
+        else:
+            cache = link.peer.by_id(request.cache_id or 0)
+        return None if cache is None else (cache, None)
+
+    @staticmethod
+    def _not_there(link: Link, request: planning.Request) -> LLMException:
+        key = request.key
+        if key is not None:
+            kind = "req_id" if key[0] == REQUEST_KEY else "prefix_id"
+            what = f"a slot named by {kind}={key[1]}, model_id={key[2]}"
+        elif request.model_id is not None:
+            what = f"a cache with model_id={request.model_id}"
+        else:
+            what = f"a cache with cache_id={request.cache_id}"
+        return LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                            f"{request.api}: cluster {link.peer_cluster_id} has no {what}")
+
+    @staticmethod
+    def _pulled_slot(link: Link, plan: planning.Plan) -> None:
         """Every byte of a pull from the peer's batch slot is here: if a cache key the peer's table
         marks as released by a pull names that slot, tell the peer which tensors were pulled (it drops
         the key once all of them were; LLM-DataDist drops it after the pull too)."""
+        slot = plan.remote_slot
+        assert slot is not None
         key = link.peer.key_at(plan.remote.cache_id, slot)
         if key is None or not key.released_on_pull:
             return
@@ -439,14 +356,13 @@ class CacheManager:
         api = "layer_pusher"
         check_notify(api, notify)
         self._engine.require_init(api)
-        args = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, None,
-                                         None, tensor_num_per_layer, local_slot=src_batch_index)
-        link = self._engine.link_for(api, args.cluster_id)
-        local = self._local(api, args.local_name, args.local_cache)
-        found = self._lookup(link, args.model_id, args.cache_id, None)
-        if found is None:
-            raise self._not_there(api, link, args.model_id, args.cache_id, None)
-        plan = planning.plan_blocks(args, local, found[0])
+        request = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks, None,
+                                            None, tensor_num_per_layer, local_slot=src_batch_index)
+        planned = self._planned(request)
+        if planned is None:
+            link = self._engine.link_for(api, request.cluster_id)
+            raise self._not_there(link, request)
+        link, plan = planned
         return LayerPusher(link, plan, self._engine.options.sync_kv_timeout_ms, notify)
 
     # -- contiguous caches --------------------------------------------------------------------------
@@ -456,9 +372,10 @@ class CacheManager:
         """Write one batch slot per tensor per layer into the peer's cache ``dst_cache_key.cache_id``
         at slot ``dst_cache_key.batch_index``. ``size`` bytes per tensor (-1: the whole slot).
         Timeout and cancellation as in ``push_blocks``."""
-        link, plan, _ = await self._cache("push_cache", Kind.WRITE, dst_cache_key, src_cache, src_batch_index,
-                                          dst_layer_range, src_layer_range, size, tensor_num_per_layer)
-        await self._run(link, plan)
+        api = "push_cache"
+        self._engine.require_init(api)
+        await self._move(planning.check_cache_args(api, Kind.WRITE, dst_cache_key, src_cache, src_batch_index,
+                                                   dst_layer_range, src_layer_range, size, tensor_num_per_layer))
 
     async def pull_cache(self, src_cache_key: CacheKeyByIdAndIndex | CacheKey, dst_cache: Cache, batch_index: int = 0,
                          size: int = -1, src_layer_range: range | None = None,
@@ -474,23 +391,10 @@ class CacheManager:
         The release is sent behind the pull without waiting for an answer; if the link breaks first,
         the key stays. Timeout and cancellation as in ``pull_blocks`` (a failed or cancelled pull
         releases nothing)."""
-        link, plan, slot = await self._cache("pull_cache", Kind.READ, src_cache_key, dst_cache, batch_index,
-                                             src_layer_range, dst_layer_range, size, tensor_num_per_layer)
-        await self._run(link, plan)
-        self._pulled_slot(link, plan, slot)
-
-    async def _cache(self, api: str, kind: Kind, remote_key: object, local_cache: object, local_index: object,
-                     remote_range: object, local_range: object, size: object,
-                     n: object) -> tuple[Link, planning.Plan, int]:
+        api = "pull_cache"
         self._engine.require_init(api)
-        args = planning.check_cache_args(api, kind, remote_key, local_cache, local_index, remote_range, local_range,
-                                         size, n)
-        link = self._engine.link_for(api, args.cluster_id)
-        local = self._local(api, args.local_name, args.local_cache)
-        remote, slot = await self._remote_cache(api, link, cache_id=args.cache_id, key=args.key)
-        remote_slot = slot if slot is not None else args.batch_index
-        assert remote_slot is not None
-        return link, planning.plan_cache(args, local, remote, remote_slot), remote_slot
+        await self._move(planning.check_cache_args(api, Kind.READ, src_cache_key, dst_cache, batch_index,
+                                                   src_layer_range, dst_layer_range, size, tensor_num_per_layer))
 
     # -- local copy ----------------------------------------------------------------------------------
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
@@ -508,16 +412,16 @@ class CacheManager:
         for src_block, dst_list in copy_block_info.items():
             dsts = v.check_blocks(api, f"copy_block_info[{src_block}]", dst_list)
             pairs_src += [int(src_block)] * len(dsts)
-            pairs_dst += [int(d) for d in dsts]
+            pairs_dst += dsts.tolist()
         src = v.check_blocks(api, "source blocks", pairs_src)
         dst = v.check_blocks(api, "destination blocks", pairs_dst)
-        if dst.shape[0] == 0:
+        if not len(dst):
             raise param_invalid(f"{api}: copy_block_info names no destination block")
         desc = entry.desc
         v.check_block_bounds(api, "source blocks", src, desc.num_blocks, "the")
         v.check_block_bounds(api, "destination blocks", dst, desc.num_blocks, "the")
         v.check_no_duplicates(api, "destination blocks", dst)
-        src_index, dst_index = src.astype(np.intp), dst.astype(np.intp)
+        src_index, dst_index = src.array().astype(np.intp), dst.array().astype(np.intp)
         entry.pin()
         try:
             for tensor in entry.cache.tensors:
@@ -532,46 +436,21 @@ class CacheManager:
                              ext_param: KvCacheExtParam | None = None) -> LLMStatusCode:
         """``PushKvBlocks``: like ``push_blocks`` addressed by cache id, returning a status code
         instead of raising. Cancellation still raises ``CancelledError``."""
-        return await self._kv_blocks("push_kv_blocks", Kind.WRITE, src_cache, dst_cache_index, src_blocks,
-                                     dst_blocks, ext_param)
+        return await self._kv_blocks("push_kv_blocks", Kind.WRITE, src_cache, dst_cache_index,
+                                     (src_blocks, dst_blocks), ext_param)
 
     async def pull_kv_blocks(self, src_cache_index: CacheKeyByIdAndIndex, dst_cache: Cache,
                              src_blocks: Sequence[int], dst_blocks: Sequence[int],
                              ext_param: KvCacheExtParam | None = None) -> LLMStatusCode:
         """``PullKvBlocks``: like ``pull_blocks`` addressed by cache id, returning a status code."""
-        return await self._kv_blocks("pull_kv_blocks", Kind.READ, dst_cache, src_cache_index, src_blocks,
-                                     dst_blocks, ext_param)
+        return await self._kv_blocks("pull_kv_blocks", Kind.READ, dst_cache, src_cache_index,
+                                     (src_blocks, dst_blocks), ext_param)
 
     async def _kv_blocks(self, api: str, kind: Kind, local_cache: object, remote_index: object,
-                         src_blocks: object, dst_blocks: object, ext_param: object) -> LLMStatusCode:
+                         blocks: tuple[object, object], ext_param: object) -> LLMStatusCode:
         try:
-            ext = KvCacheExtParam() if ext_param is None else ext_param
-            v.check_type(api, "ext_param", ext, KvCacheExtParam)
-            assert isinstance(ext, KvCacheExtParam)
-            v.check_type(api, "cache index", remote_index, CacheKeyByIdAndIndex)
-            assert isinstance(remote_index, CacheKeyByIdAndIndex)
-            v.check_type(api, "cache", local_cache, Cache)
-            assert isinstance(local_cache, Cache)
-            if remote_index.batch_index != 0:
-                raise param_invalid(f"{api}: cache index batch_index must be 0")
-            if len(v.check_blocks(api, "src_blocks", src_blocks)) == 0:
-                raise param_invalid(f"{api}: src_blocks is empty")
-            n = ext.tensor_num_per_layer
-            local_tensors = local_cache.cache_desc.num_tensors
-            v.check_tensor_num(api, n, local_tensors, ext.src_layer_range != (-1, -1)
-                               or ext.dst_layer_range != (-1, -1))
-            local_pair = ext.src_layer_range if kind == Kind.WRITE else ext.dst_layer_range
-            remote_pair = ext.dst_layer_range if kind == Kind.WRITE else ext.src_layer_range
-            local_range = v.ext_param_range(api, "local layer range", local_pair, local_tensors, n)
-            if (remote_pair == (-1, -1)) != (local_pair == (-1, -1)):
-                raise param_invalid(f"{api}: give both layer ranges or neither")
-            remote_range = None if remote_pair == (-1, -1) else range(remote_pair[0], remote_pair[1] + 1)
-            if remote_pair != (-1, -1) and remote_pair[0] > remote_pair[1]:
-                raise param_invalid(f"{api}: remote layer range {remote_pair} has first > second")
-            src_range, dst_range = (local_range, remote_range) if kind == Kind.WRITE else (remote_range, local_range)
-            link, plan, _ = await self._blocks(api, kind, remote_index, local_cache, src_blocks, dst_blocks,
-                                               src_range, dst_range, n, remote_cache_id=remote_index.cache_id)
-            await self._run(link, plan)
+            self._engine.require_init(api)
+            await self._move(planning.check_kv_block_args(api, kind, local_cache, remote_index, blocks, ext_param))
         except LLMException as error:
             log.info("%s failed: %s", api, error)
             return error.status_code

@@ -2,8 +2,8 @@
 
 Several instances may live in one process and one event loop; each has its own registry, links
 and listener. All methods must be called from the event loop the instance was initialised on.
-One idea, the engine's lifecycle and its links table (about 550 lines, most of it the documented
-public calls and their argument checks); transfers live in ``cache_manager`` and below.
+Which link carries this side's transfers is ``kvpush.links``'s decision, the listener is
+``kvpush.listening``'s; transfers live in ``cache_manager`` and below.
 """
 
 from __future__ import annotations
@@ -15,49 +15,26 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from transports import registry as transport_registry
-from transports.base import Connection, Listener, TransportError
+from transports.base import Connection, TransportError
 
+from . import validate as v
 from .cache_manager import CacheManager
 from .datapath import DataPaths
 from .handshake import Identity
 from .link import Link
+from .links import Adopted, LinkTable
+from .listening import Listening
 from .memory import CacheRegistry
 from .notify import MAX_MESSAGE_BYTES, MESSAGE, NOTIFICATION, Delivery, Inbox
 from .options import EngineOptions, is_loopback, parse_options
+from .scope import TaskScope
 from .serving import HeldGrants
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import LLMClusterInfo, LLMRole, check_int, check_ip
 
 log = logging.getLogger(__name__)
 
-MAX_CLUSTERS_PER_CALL = 16
 HANDSHAKE_TIMEOUT_S = 5.0
-# Connections in handshake at once. Past it the oldest one is dropped to make room: a flood of idle or
-# slow connections can never keep a real peer out (its handshake takes a few round trips, a flood would
-# have to open this many connections within them), and each one holds at most a handshake frame.
-MAX_PENDING_HANDSHAKES = 64
-
-
-def _check_timeout(api: str, timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{api}: timeout must be an int (ms), got {type(timeout).__name__}")
-    if timeout <= 0:
-        raise param_invalid(f"{api}: timeout={timeout} must be > 0 ms")
-    return float(timeout) / 1000
-
-
-def _check_clusters(api: str, clusters: object) -> list[LLMClusterInfo]:
-    if not isinstance(clusters, (list, tuple)):
-        raise TypeError(f"{api}: clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
-    for index, info in enumerate(clusters):
-        if not isinstance(info, LLMClusterInfo):
-            raise TypeError(f"{api}: clusters[{index}] must be an LLMClusterInfo, got {type(info).__name__}")
-        if info.remote_cluster_id is None:
-            raise param_invalid(f"{api}: clusters[{index}].remote_cluster_id is not set")
-    if len(clusters) > MAX_CLUSTERS_PER_CALL:
-        raise LLMException(LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
-                           f"{api}: {len(clusters)} clusters in one call (at most {MAX_CLUSTERS_PER_CALL})")
-    return list(clusters)
 
 
 def _overall(codes: Sequence[LLMStatusCode]) -> LLMStatusCode:
@@ -81,27 +58,20 @@ class LLMDataDist:
         self._pending_options = options
         self._initialized = False
         self._finalized = False
-        self._links: dict[int, Link] = {}
-        # A second link to the same peer instance, made because both ends linked at once: kept open
-        # (it was reported usable and may carry the peer's transfers) until unlink; used for this
-        # side's transfers only if the first one closes.
-        self._crossed: dict[int, Link] = {}
+        self._links: LinkTable[Link] = LinkTable()
         self._linking: set[int] = set()
-        self._listener: Listener | None = None
-        self._accept_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()  # handshakes, dials, held grants: cancelled by finalize
+        # the listener's accept loop, handshakes, dials, held grants, closed links unwinding: finalize ends them
+        self._tasks = TaskScope(f"kvpush-engine-{self.cluster_id}")
+        self._listening = Listening(self._control, self._tasks, self._accept_one, self._listening_at)
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
-        self._losses: dict[int, int] = {}  # cluster id -> links to it lost (see links_lost)
         self._held_caches = 0  # caches pinned for closed links (see held_caches)
-        self._accepting: dict[asyncio.Task[Any], Connection] = {}  # in handshake, oldest first
-        self.max_pending_handshakes = MAX_PENDING_HANDSHAKES
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
         self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
 
     def __repr__(self) -> str:
         return (f"<LLMDataDist cluster={self.cluster_id} role={self.role.name} "
-                f"listen={self.listen_address} links={sorted(self._links)}>")
+                f"listen={self.listen_address} links={sorted(self._links.primaries)}>")
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def init(self, options: Any = None) -> None:
@@ -123,7 +93,7 @@ class LLMDataDist:
                                     None)
         try:
             if parsed.listen is not None:
-                self._start_listening(*parsed.listen)
+                self._listening.start(*parsed.listen)
         except BaseException:
             self._close_transports()
             raise
@@ -139,15 +109,13 @@ class LLMDataDist:
             return
         self._finalized = True
         self._initialized = False
-        self._stop_listening()
-        for link in [*self._links.values(), *self._crossed.values()]:
+        self._listening.stop()
+        links = self._links.all()
+        for link in links:  # each one's closing is heard as ever (listeners, inboxes)
             link.close("engine finalized")
         self._links.clear()
-        self._crossed.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(link.wait_closed() for link in links))
+        await self._tasks.aclose()
         self.registry.clear()
         self._close_transports()
         self.messages.close("engine finalized")
@@ -156,13 +124,6 @@ class LLMDataDist:
     def _close_transports(self) -> None:
         self.registry.mapper = None
         self._one_sided.close()
-
-    def _own(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """A task this engine owns: finalize cancels it and waits for it."""
-        task = asyncio.get_running_loop().create_task(coroutine, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def __aenter__(self) -> LLMDataDist:
         await self.init()
@@ -182,9 +143,18 @@ class LLMDataDist:
         return Identity(self.cluster_id, int(self.role), self.instance, self._options.auth_token)
 
     @property
+    def max_pending_handshakes(self) -> int:
+        """Connections in handshake at once; past it the oldest is dropped (``kvpush.listening``)."""
+        return self._listening.max_pending_handshakes
+
+    @max_pending_handshakes.setter
+    def max_pending_handshakes(self, count: int) -> None:
+        self._listening.max_pending_handshakes = count
+
+    @property
     def listen_address(self) -> tuple[str, int] | None:
         """The ``(host, port)`` actually bound (port 0 asked for any free port), or None when not listening."""
-        return self._listener.address if self._listener is not None else None
+        return self._listening.address
 
     @property
     def cache_manager(self) -> CacheManager:
@@ -195,16 +165,16 @@ class LLMDataDist:
     @property
     def links(self) -> dict[int, Link]:
         """Ready links by peer cluster id (a copy)."""
-        return dict(self._links)
+        return dict(self._links.primaries)
 
     def links_lost(self, cluster_id: int) -> int:
         """How many times this engine's link to ``cluster_id`` closed with no other link to it left
         (each time the link listeners heard of it); see ``Delivery.epoch``."""
-        return self._losses.get(cluster_id, 0)
+        return self._links.losses(cluster_id)
 
     def link_stats(self) -> dict[int, dict[str, Any]]:
         """Per-link counters as plain dicts, keyed by peer cluster id."""
-        return {cluster: link.stats() for cluster, link in self._links.items()}
+        return {cluster: link.stats() for cluster, link in self._links.primaries.items()}
 
     def add_link_listener(self, listener: Callable[[Link, str | None], None]) -> None:
         """Call ``listener(link, None)`` when a link becomes this engine's link to its cluster, and
@@ -237,89 +207,24 @@ class LLMDataDist:
         self.require_init(api)
         if not isinstance(host, str):
             raise TypeError(f"{api}: host must be a str, got {type(host).__name__}")
-        address = (check_ip("host", host), check_int("port", port, 0, 65535))
-        current = self.listen_address
-        if current is not None and current[0] == address[0] and address[1] in (0, current[1]):
-            return current
-        if current is not None and current[1] == address[1]:  # the port is taken by the old listener
-            self._stop_listening()
-            try:
-                self._start_listening(*address)
-            except LLMException:
-                try:
-                    self._start_listening(*current)
-                except LLMException as error:
-                    log.warning("%s: could not listen on %s:%d again: %s", api, *current, error)
-                raise
-        else:
-            old_listener, old_task = self._listener, self._accept_task
-            self._listener, self._accept_task = None, None
-            try:
-                self._start_listening(*address)
-            except BaseException:
-                self._listener, self._accept_task = old_listener, old_task
-                raise
-            if old_task is not None:
-                old_task.cancel()
-            if old_listener is not None:
-                old_listener.close()
-        bound = self.listen_address
-        assert bound is not None
+        bound = self._listening.move(check_ip("host", host), check_int("port", port, 0, 65535))
         log.info("engine cluster=%d now listens on %s", self.cluster_id, bound)
         return bound
 
-    def _start_listening(self, host: str, port: int) -> None:
-        try:
-            self._listener = self._control.listen(host, port)
-        except TransportError as error:
-            raise LLMException(LLMStatusCode.LLM_PARAM_INVALID,
-                               f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-        self._accept_task = asyncio.create_task(self._accept_loop(self._listener),
-                                                name=f"kvpush-accept-{self.cluster_id}")
+    def _listening_at(self, host: str, port: int) -> None:
         if not self._options.auth_token and not is_loopback(host):
             log.warning("engine cluster=%d listens on %s:%d, which other hosts may reach, without kvpush.auth_token: "
                         "any peer that reaches it can link and use the caches it may reach", self.cluster_id, host,
                         port)
 
-    def _stop_listening(self) -> None:
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            self._accept_task = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
     def _paths(self) -> DataPaths:
         return DataPaths(self._one_sided.transports, self._one_sided.unavailable)
 
-    async def _accept_loop(self, listener: Listener) -> None:
-        while True:
-            try:
-                connection = await listener.accept()
-            except TransportError as error:
-                log.warning("accept failed on %s: %s", listener.address, error)
-                await asyncio.sleep(0.05)
-                continue
-            while len(self._accepting) >= self.max_pending_handshakes:
-                oldest = next(iter(self._accepting))
-                dropped = self._accepting.pop(oldest)
-                log.warning("too many connections in handshake (%d): dropping the oldest, from %s",
-                            len(self._accepting) + 1, dropped.peer)
-                oldest.cancel()
-                dropped.close()
-            task = self._own(self._accept_one(connection), f"kvpush-handshake-{self.cluster_id}")
-            self._accepting[task] = connection
-            task.add_done_callback(self._accept_done)
-
-    def _accept_done(self, task: asyncio.Task[Any]) -> None:
-        connection = self._accepting.pop(task, None)
-        if task.cancelled() and connection is not None:
-            connection.close()  # dropped before its handshake ran: nothing else owns the socket
-
     async def _accept_one(self, connection: Connection) -> None:
+        """A connection the listener accepted: its handshake (bounded), then the link is adopted."""
         try:
-            link = await asyncio.wait_for(Link.establish(self, connection, self._paths(), dialer=False),
-                                          HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                link = await Link.establish(self, connection, self._paths(), dialer=False)
         except TimeoutError:
             log.warning("refused a link from %s: handshake timed out", connection.peer)
             return
@@ -329,40 +234,16 @@ class LLMDataDist:
         self._adopt(link)
 
     def _adopt(self, link: Link) -> bool:
-        """Make ``link`` a link to its cluster. False: not adopted (closed meanwhile, or finalized).
-
-        - A link from a new instance of the peer (it restarted) replaces every older link to it.
-        - Both ends linked each other (at once, or one while the other's handshake was under way):
-          the first link stays this side's link and the crossing one is kept beside it; neither is
-          torn down, both carry transfers both ways, and unlink ends both.
-        - A link in the same direction as one we have from the same instance means the peer lost
-          that one (it would have reused it otherwise): it replaces it."""
-        assert link.peer_cluster_id is not None
-        cluster_id = link.peer_cluster_id
+        """Make ``link`` a link to its cluster (``LinkTable.adopt``). False: not adopted (closed
+        meanwhile, or finalized)."""
         if not self._initialized:
             link.close("engine finalized")
             return False
         if not link.ready:  # it closed between its handshake and now (the peer left, or misbehaved)
             return False
-        existing = [old for old in (self._links.get(cluster_id), self._crossed.get(cluster_id))
-                    if old is not None and old is not link and old.ready]
-        if any(old.peer_instance != link.peer_instance for old in existing):
-            log.info("cluster %d linked again (peer restarted); closing its previous link", cluster_id)
-            for old in existing:
-                old.close("replaced by a link from a new instance of the same cluster")
-            existing = []
-        for old in [old for old in existing if old.dialer == link.dialer]:
-            log.info("cluster %d linked again in the same direction; closing the link it left", cluster_id)
-            old.close("replaced by a new link to the same cluster")
-            existing.remove(old)
-        primary = self._links.get(cluster_id)
-        if primary is not None and primary.ready and primary in existing:
-            log.info("cluster %d linked from both ends; keeping both links", cluster_id)
-            self._crossed[cluster_id] = link
-            return True
-        self._links[cluster_id] = link
-        for listener in self._link_listeners:
-            listener(link, None)
+        if self._links.adopt(link) is Adopted.PRIMARY:
+            for listener in self._link_listeners:
+                listener(link, None)
         return True
 
     # -- LinkOwner, EngineServices -----------------------------------------------------------------
@@ -370,15 +251,8 @@ class LLMDataDist:
         """Called by a link when it closes: it is forgotten, so linking again works; caches the peer
         may still be writing into are released when that is safe (a task this engine owns)."""
         cluster_id = link.peer_cluster_id
-        if cluster_id is not None and self._crossed.get(cluster_id) is link:
-            del self._crossed[cluster_id]
-        elif cluster_id is not None and self._links.get(cluster_id) is link:
-            spare = self._crossed.pop(cluster_id, None)
-            if spare is not None and spare.ready:  # the crossing link goes on carrying this side's transfers
-                self._links[cluster_id] = spare
-                return self._keep_grants(link, held)
-            del self._links[cluster_id]
-            self._losses[cluster_id] = self._losses.get(cluster_id, 0) + 1
+        if self._links.closed(link):  # the peer is lost: none of its grants, messages or links go on
+            assert cluster_id is not None
             self.registry.drop_grants(cluster_id)  # a restarted peer of that id inherits none
             for inbox in (self.messages, self.notifications):
                 inbox.peer_gone(cluster_id, reason)
@@ -387,11 +261,15 @@ class LLMDataDist:
         self._keep_grants(link, held)
 
     def _keep_grants(self, link: Link, held: HeldGrants | None) -> None:
-        if held is not None:
-            if self._finalized:
+        """The closed link's own tasks and the caches it still holds: owned by this engine until they end."""
+        if self._finalized:  # finalize waits for the link's tasks itself
+            if held is not None:
                 held.release_now_or_keep()
-            else:
-                self._own(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
+            return
+        if len(link.tasks):
+            self._tasks.spawn(link.wait_closed(), f"kvpush-closed-{link.peer_cluster_id}")
+        if held is not None:
+            self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
 
     async def _release_held(self, held: HeldGrants) -> None:
         count = len(held.entries)
@@ -417,7 +295,7 @@ class LLMDataDist:
         """A peer's message or notification (LinkOwner): queued, or False when the inbox is full."""
         assert link.peer_cluster_id is not None
         inbox = self.notifications if channel == NOTIFICATION else self.messages
-        return inbox.put(Delivery(link.peer_cluster_id, data, self._losses.get(link.peer_cluster_id, 0)))
+        return inbox.put(Delivery(link.peer_cluster_id, data, self._links.losses(link.peer_cluster_id)))
 
     async def send_message(self, cluster_id: int, data: bytes) -> None:
         """Send a small message (at most ``kvpush.MAX_MESSAGE_BYTES``) to a linked peer; messages to one
@@ -443,12 +321,12 @@ class LLMDataDist:
 
     def registry_changed(self) -> None:
         """The registry changed: every peer gets the new table (a failing send closes its link)."""
-        for link in [*self._links.values(), *self._crossed.values()]:  # a failing send closes its link
+        for link in self._links.all():  # a failing send closes its link
             link.registry_changed()
 
     def link_for(self, api: str, cluster_id: int) -> Link:
         """The ready link to ``cluster_id``, else LLMException(LLM_NOT_YET_LINK)."""
-        link = self._links.get(cluster_id)
+        link = self._links.primary(cluster_id)
         if link is None or not link.ready:
             raise LLMException(LLMStatusCode.LLM_NOT_YET_LINK, f"{api}: no link to cluster {cluster_id}")
         return link
@@ -461,82 +339,84 @@ class LLMDataDist:
         bounded by ``timeout`` ms; cancelling the call closes half-made connections."""
         api = "link_clusters"
         self.require_init(api)
-        infos = _check_clusters(api, clusters)
-        seconds = _check_timeout(api, timeout)
+        infos = v.check_clusters(api, clusters)
+        seconds = v.check_timeout(api, timeout)
         seen: set[int] = set()
-        jobs = []
+        codes: list[LLMStatusCode] = []
+        jobs: dict[int, Coroutine[Any, Any, LLMStatusCode]] = {}
         for info in infos:
             cluster_id = info.remote_cluster_id
             assert cluster_id is not None
             if cluster_id in seen or not info.remote_ip_info:
                 reason = "listed twice" if cluster_id in seen else "has no remote ip info"
                 log.warning("%s: cluster %d %s", api, cluster_id, reason)
-                jobs.append(self._const(LLMStatusCode.LLM_PARAM_INVALID))
+                codes.append(LLMStatusCode.LLM_PARAM_INVALID)
             else:
-                jobs.append(self._link_one(info, seconds))
+                jobs[len(codes)] = self._link_one(info, seconds)
+                codes.append(LLMStatusCode.LLM_SUCCESS)  # (its code once its job ends)
             seen.add(cluster_id)
-        codes = list(await asyncio.gather(*jobs))
+        for index, code in zip(jobs, await asyncio.gather(*jobs.values())):
+            codes[index] = code
         return _overall(codes), codes
 
-    @staticmethod
-    async def _const(code: LLMStatusCode) -> LLMStatusCode:
-        return code
-
     async def _link_one(self, info: LLMClusterInfo, seconds: float) -> LLMStatusCode:
+        """Dial the cluster's addresses in turn (each ``link_retry_count`` times) until one links,
+        all within ``seconds``."""
         cluster_id = info.remote_cluster_id
         assert cluster_id is not None
         if cluster_id == self.cluster_id:
             log.warning("link_clusters: cluster %d is this engine itself", cluster_id)
             return LLMStatusCode.LLM_PARAM_INVALID
-        existing = self._links.get(cluster_id)
+        existing = self._links.primary(cluster_id)
         if existing is not None and existing.ready:
             # linked by the peer: usable both ways, as if this call had made it (SPEC 3)
             return LLMStatusCode.LLM_ALREADY_LINK if existing.dialer else LLMStatusCode.LLM_SUCCESS
         if cluster_id in self._linking:
             return LLMStatusCode.LLM_PROCESSING_LINK
         self._linking.add(cluster_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
-        reasons = []
+        reasons: list[str] = []
+        address = ""
         try:
-            for host, port in info.remote_ip_info:
-                for _attempt in range(self.options.link_retry_count):
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    dial = self._own(self._dial(host, port, cluster_id), f"kvpush-dial-{cluster_id}")
-                    try:
-                        done, _ = await asyncio.wait({dial}, timeout=remaining)
-                    except asyncio.CancelledError:
-                        dial.cancel()
-                        raise
-                    if not done:
-                        dial.cancel()
-                        reasons.append(f"{host}:{port}: timed out")
-                        continue
-                    if dial.cancelled():
-                        return LLMStatusCode.LLM_LINK_FAILED  # the engine was finalized meanwhile
-                    try:
-                        link = dial.result()
-                    except LLMException as error:
-                        if error.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
-                            log.warning("link_clusters: cluster %d: %s", cluster_id, error)
-                            return error.status_code
-                        reasons.append(f"{host}:{port}: {error}")
-                        continue
-                    except TransportError as error:
-                        reasons.append(f"{host}:{port}: {error}")
-                        continue
-                    if self._adopt(link):
-                        return LLMStatusCode.LLM_SUCCESS
-                    if not self._initialized:
-                        return LLMStatusCode.LLM_LINK_FAILED  # finalized meanwhile
-                    reasons.append(f"{host}:{port}: the link closed right after its handshake: {link.close_reason}")
-                    continue
+            async with asyncio.timeout(seconds):
+                for host, port in info.remote_ip_info:
+                    address = f"{host}:{port}"
+                    for _attempt in range(self.options.link_retry_count):
+                        code = await self._dial_once(host, port, cluster_id, reasons)
+                        if code is not None:
+                            return code
+        except TimeoutError:
+            reasons.append(f"{address}: timed out")
         finally:
             self._linking.discard(cluster_id)
         log.warning("link_clusters: cluster %d failed: %s", cluster_id, "; ".join(reasons) or "timed out")
         return LLMStatusCode.LLM_LINK_FAILED
+
+    async def _dial_once(self, host: str, port: int, cluster_id: int, reasons: list[str]) -> LLMStatusCode | None:
+        """One dial, a task of this engine (finalize ends it); None when the next one may be tried (why not
+        appended to ``reasons``). Cancelling the caller cancels the dial."""
+        dial = self._tasks.spawn(self._dial(host, port, cluster_id), f"kvpush-dial-{cluster_id}")
+        try:
+            link = await dial
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the caller's (or its timeout's) cancellation
+            return LLMStatusCode.LLM_LINK_FAILED  # the engine was finalized meanwhile
+        except LLMException as error:
+            if error.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
+                log.warning("link_clusters: cluster %d: %s", cluster_id, error)
+                return error.status_code
+            reasons.append(f"{host}:{port}: {error}")
+            return None
+        except TransportError as error:
+            reasons.append(f"{host}:{port}: {error}")
+            return None
+        if self._adopt(link):
+            return LLMStatusCode.LLM_SUCCESS
+        if not self._initialized:
+            return LLMStatusCode.LLM_LINK_FAILED  # finalized meanwhile
+        reasons.append(f"{host}:{port}: the link closed right after its handshake: {link.close_reason}")
+        return None
 
     async def _dial(self, host: str, port: int, cluster_id: int) -> Link:
         connection = await self._control.connect(host, port)
@@ -549,15 +429,14 @@ class LLMDataDist:
         local end. Unlinking a cluster that has no link succeeds."""
         api = "unlink_clusters"
         self.require_init(api)
-        infos = _check_clusters(api, clusters)
-        seconds = _check_timeout(api, timeout)
+        infos = v.check_clusters(api, clusters)
+        seconds = v.check_timeout(api, timeout)
         if not isinstance(force, bool):
             raise TypeError(f"{api}: force must be a bool")
 
         async def unlink(info: LLMClusterInfo) -> LLMStatusCode:
             assert info.remote_cluster_id is not None
-            links = [link for link in (self._crossed.get(info.remote_cluster_id),
-                                       self._links.get(info.remote_cluster_id)) if link is not None]
+            links = self._links.links_to(info.remote_cluster_id)
             if not links:
                 return LLMStatusCode.LLM_SUCCESS
             if force:
@@ -580,9 +459,9 @@ class LLMDataDist:
             raise TypeError("switch_role: options must be a dict of str")
         if self._links:
             raise LLMException(LLMStatusCode.LLM_EXIST_LINK,
-                               f"switch_role: unlink clusters {sorted(self._links)} first")
+                               f"switch_role: unlink clusters {sorted(self._links.primaries)} first")
         listen = parse_options(options).listen if options else None
-        self._stop_listening()
+        self._listening.stop()
         if listen is not None:
-            self._start_listening(*listen)
+            self._listening.start(*listen)
         self.role = role

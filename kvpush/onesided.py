@@ -129,7 +129,8 @@ class OneSidedSender:
     async def drain_leases(self, timeout: float) -> bool:
         """Wait (bounded) until no leased copy runs; True when none does."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
         except TimeoutError:
             pass
         return self.leases_idle()

@@ -83,7 +83,7 @@ class LayerPusher:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
         op = self._prepared.pop(layer)
-        self._link.release_held(op)
+        self._link.outbound.release_held(op)
         task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
         task.add_done_callback(self._retrieve)
         self._tasks[layer] = task
@@ -126,7 +126,7 @@ class LayerPusher:
     def _close(self) -> None:
         self._finished = True
         for op in self._prepared.values():  # layers never pushed: nothing of them moves
-            self._link.abandon(op)
+            self._link.outbound.abandon(op)
         self._prepared.clear()
         if self._pinned:
             self._pinned = False

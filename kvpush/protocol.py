@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import RUN_DTYPE
+from .layout import Runs, unpack_wire_runs
 
 PROTOCOL_VERSION = 1
 MAGIC = 0x4B50  # "KP"
@@ -36,7 +36,6 @@ HEADER_SIZE = HEADER.size
 TRANSFER_META = struct.Struct("<QIIIi")
 STATUS_META = struct.Struct("<I")
 
-SMALL_RUNS = 16  # transfers with at most this many runs are decoded into plain ints too
 MAX_JSON_META = 1 << 20
 MAX_RUNS = 1 << 20
 MAX_TRANSFER_META = TRANSFER_META.size + MAX_RUNS * 16
@@ -154,58 +153,34 @@ def decode_json(kind: Kind, meta: bytes | bytearray | memoryview) -> dict[str, A
 # -- transfers ---------------------------------------------------------------------------------
 
 class TransferMeta:
-    """What a WRITE or READ addresses in the receiver's registry. A request of a few runs keeps them
-    as Python ints (``runs``) and lays out the numpy arrays only if someone asks for them."""
+    """What a WRITE or READ addresses in the receiver's registry: ``num_tensors`` tensors from
+    ``first_tensor`` of cache ``cache_id``, the same ``runs`` (``layout.Runs`` of (offset, length)) in each."""
 
-    __slots__ = ("cache_id", "first_tensor", "num_tensors", "budget_ms", "runs", "_offsets", "_lengths")
+    __slots__ = ("cache_id", "first_tensor", "num_tensors", "runs", "budget_ms")
 
-    def __init__(self, cache_id: int, first_tensor: int, num_tensors: int, offsets: np.ndarray[Any, Any] | None,
-                 lengths: np.ndarray[Any, Any] | None, budget_ms: int = 0,
-                 runs: tuple[tuple[int, int], ...] | None = None) -> None:
+    def __init__(self, cache_id: int, first_tensor: int, num_tensors: int, runs: Runs, budget_ms: int = 0) -> None:
         self.cache_id = cache_id
         self.first_tensor = first_tensor
         self.num_tensors = num_tensors
+        self.runs = runs
         self.budget_ms = budget_ms
-        self.runs = runs  # the runs as Python ints, for short requests
-        self._offsets = offsets
-        self._lengths = lengths
-
-    def _arrays(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        if self._offsets is None or self._lengths is None:
-            pairs = np.array(self.runs or (), np.uint64).reshape(-1, 2)
-            self._offsets, self._lengths = pairs[:, 0], pairs[:, 1]
-        return self._offsets, self._lengths
 
     @property
     def offsets(self) -> np.ndarray[Any, Any]:
-        return self._arrays()[0]
+        return self.runs.column(0)
 
     @property
     def lengths(self) -> np.ndarray[Any, Any]:
-        return self._arrays()[1]
+        return self.runs.length
 
     @property
     def payload_len(self) -> int:
-        if self.runs is not None:
-            return self.num_tensors * sum(length for _, length in self.runs)
-        return self.num_tensors * int(self.lengths.sum(dtype=np.uint64))
+        return self.num_tensors * self.runs.bytes_per_tensor
 
 
-# (offset, length) pairs of a request of n <= SMALL_RUNS runs, unpacked into ints in one call
-_SMALL_RUN_STRUCTS = [struct.Struct(f"<{2 * n}Q") for n in range(SMALL_RUNS + 1)]
-
-
-def encode_transfer(
-    kind: Kind,
-    request_id: int,
-    cache_id: int,
-    first_tensor: int,
-    num_tensors: int,
-    runs_wire: bytes,
-    payload_len: int,
-    budget_ms: int = 0,
-) -> bytes:
-    """Header + meta of a WRITE (payload follows) or READ (no payload)."""
+def encode_transfer(kind: Kind, request_id: int, cache_id: int, first_tensor: int,  # noqa: PLR0913
+                    num_tensors: int, runs_wire: bytes, payload_len: int, budget_ms: int = 0) -> bytes:
+    """Header + meta of a transfer frame (a WRITE's payload follows), one parameter per field."""
     n_runs = len(runs_wire) // 16
     meta = TRANSFER_META.pack(cache_id, first_tensor, num_tensors, n_runs, budget_ms) + runs_wire
     return encode_header(kind, request_id, len(meta), payload_len) + meta
@@ -219,21 +194,11 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
         raise ProtocolError(f"{header.kind.name} meta length {len(meta)} does not match {n_runs} runs")
     if n_runs == 0 or num_tensors == 0:
         raise ProtocolError(f"{header.kind.name} addresses no bytes")
-    if n_runs <= SMALL_RUNS:  # a few runs (decode-time pushes): plain ints cost less than numpy calls
-        flat = _SMALL_RUN_STRUCTS[n_runs].unpack_from(meta, TRANSFER_META.size)
-        runs = tuple(zip(flat[0::2], flat[1::2]))
-        expected = num_tensors * sum(flat[1::2])
-        if header.kind == Kind.WRITE and expected != header.payload_len:
-            raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
-        return TransferMeta(cache_id, first_tensor, num_tensors, None, None, budget_ms, runs)
-    pairs = np.frombuffer(meta, RUN_DTYPE, count=2 * n_runs, offset=TRANSFER_META.size).reshape(-1, 2)
-    offsets = pairs[:, 0].astype(np.uint64)
-    lengths = pairs[:, 1].astype(np.uint64)
-    total = int(lengths.sum(dtype=np.float64))  # float: an overflow shows as a huge number
-    expected = num_tensors * total
+    runs = unpack_wire_runs(meta, TRANSFER_META.size, n_runs)
+    expected = num_tensors * runs.bytes_per_tensor
     if header.kind == Kind.WRITE and expected != header.payload_len:
         raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
-    return TransferMeta(cache_id, first_tensor, num_tensors, offsets, lengths, budget_ms)
+    return TransferMeta(cache_id, first_tensor, num_tensors, runs, budget_ms)
 
 
 def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:

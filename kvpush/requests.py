@@ -20,7 +20,7 @@ from .status import LLMException, LLMStatusCode
 if TYPE_CHECKING:
     from transports.base import OutgoingFrame, PayloadSink
 
-    from .layout import FlatIoVec, IoVec
+    from .layout import IoVec
 
 
 class PendingOp:
@@ -47,12 +47,13 @@ class PendingOp:
         self.frame: OutgoingFrame | None = None
         self.sink: PayloadSink | None = None
         self.expected = 0
-        self.local_iov: IoVec | FlatIoVec | None = None
-        self.remote_iov: IoVec | FlatIoVec | None = None
+        self.local_iov: IoVec | None = None
+        self.remote_iov: IoVec | None = None
         self.copy: asyncio.Future[Any] | None = None
         self.held = False      # prepared (and, one-sided, granted) but waiting for release_held
         self.granted = False
         self.notice: bytes | None = None  # set for a write under a lease: the WRITE_NOTICE to send after the copy
+        # where a one-sided request's bytes go: the mover's (cache_id, first_tensor, rkeys, runs_per_tensor)
         self.move_args: tuple[int, int, tuple[bytes, ...] | None, int] = (0, 0, None, 0)
         # set by whoever awaits the request (``transfer.await_layer``): woken in the same loop pass as
         # ``future`` ends, and cancelled instead of ``future`` when that caller is cancelled

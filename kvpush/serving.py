@@ -7,8 +7,9 @@ request is checked by one pure function, ``resolve``, against this engine's regi
 registered, tensors and every run inside it, remote access allowed) before a byte is written or read;
 a refusal is answered with its status code and logged.
 
-``Inbound`` is built from what it needs - the registry, whether remote access is allowed, a frame
-sender, the link's counters and what the data paths say about the peer - and knows no link.
+``Inbound`` is handed what it needs - its engine (the registry and the options: whether remote access is
+allowed, the engine's own timeout) and its link's ports (a frame sender, the counters, closing the link,
+the data paths' check of a lease proof) - and knows no link.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from transports.base import OutgoingFrame, PayloadSink, PeerWatch
 
-from .layout import FLAT_ENTRIES, FlatIoVec, IoVec, as_iovec, iovec_bytes, runs_at, runs_in_bounds, scatter_vector
+from .layout import FEW, IoVec
 from .memory import CacheEntry, CacheRegistry
+from .options import EngineOptions
 from .protocol import (
     FrameHeader,
     Kind,
@@ -65,12 +67,11 @@ class Refusal(Exception):
 
 
 def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta, peer: int | None = None,
-            write: bool = True, flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec]:
+            write: bool = True) -> tuple[CacheEntry, IoVec]:
     """Check a peer's transfer (``write``: into this engine's memory, else out of it) against the local
     registry: the cache and the iovec it addresses, or ``Refusal``. A private cache is refused as if it
     did not exist; a ``GRANTED`` one only where every run lies in blocks granted to ``peer`` for that
-    direction. ``flat``: a vector of a few entries may come as ``FlatIoVec`` (no numpy call). Pure:
-    nothing is pinned, nothing is sent."""
+    direction. Pure: nothing is pinned, nothing is sent."""
     if not access_allowed:
         raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
     entry = registry.get(transfer.cache_id)
@@ -80,21 +81,10 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     if first + count > entry.num_tensors:
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
                       f"tensors {first}..{first + count - 1} exceed the cache's {entry.num_tensors}")
-    limit = entry.tensor_bytes
-    runs = transfer.runs
-    if runs is not None:  # a few runs: checked and laid out with plain ints (no generator: latency)
-        for offset, length in runs:
-            if length <= 0 or offset + length > limit:
-                raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                              f"a run lies outside cache {transfer.cache_id}'s tensors")
-        _check_grants(entry, transfer, peer, write)
-        ints = runs_at(entry.cache.tensor_addrs[first:first + count], runs, 0)
-        return entry, ints if flat and len(ints) <= 2 * FLAT_ENTRIES else as_iovec(ints)
-    if not runs_in_bounds(transfer.offsets, transfer.lengths, limit):
+    if not transfer.runs.within(entry.tensor_bytes):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
     _check_grants(entry, transfer, peer, write)
-    addrs = entry.addrs[first:first + count]
-    return entry, scatter_vector(addrs, transfer.offsets, transfer.lengths)
+    return entry, transfer.runs.vector(entry.cache.tensor_addrs[first:first + count], 0)
 
 
 def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, write: bool) -> None:
@@ -104,12 +94,36 @@ def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, w
         return
     runs = transfer.runs
     covered = peer is not None and (
-        grants.covers(peer, write, entry.block_bytes, runs) if runs is not None
-        else grants.covers(peer, write, entry.block_bytes, None, transfer.offsets, transfer.lengths))
+        grants.covers(peer, write, entry.block_bytes, runs.rows()) if len(runs) <= FEW
+        else grants.covers(peer, write, entry.block_bytes, None, runs.column(0), runs.length))
     if not covered:
         raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                       f"cache {transfer.cache_id}: the {'written' if write else 'read'} blocks are not all granted to "
                       f"cluster {peer} for {'writing' if write else 'reading'}")
+
+
+class InboundOwner(Protocol):
+    """What the inbound side reads of its engine (``kvpush.datadist.LLMDataDist``)."""
+
+    registry: CacheRegistry
+
+    @property
+    def options(self) -> EngineOptions: ...
+
+    def registry_changed(self) -> None:
+        """The registry changed because of a peer (it released a cache key): tell every peer."""
+
+
+@dataclass(slots=True)
+class LinkPorts:
+    """What the inbound side uses of its link: a frame sender, the link's counters, its loop (one timer for
+    the deadlines of incoming transfers), closing the link, and the data paths' check of a lease proof."""
+
+    send: Send
+    counters: Counter[str]
+    loop: asyncio.AbstractEventLoop
+    close: Callable[[str], None]
+    proves_reach: Callable[[str], bool]
 
 
 @dataclass
@@ -180,23 +194,17 @@ async def _readable(fd: int) -> None:
 class Inbound:
     """Everything a peer asks of this engine's memory on one link."""
 
-    def __init__(self, registry: CacheRegistry, access_allowed: Callable[[], bool], send: Send,
-                 counters: Counter[str], proves_reach: Callable[[str], bool], peer: str,
-                 loop: asyncio.AbstractEventLoop, close_link: Callable[[str], None],
-                 limit_ms: Callable[[], int], registry_changed: Callable[[], None] = lambda: None) -> None:
-        self._registry = registry
-        self._registry_changed = registry_changed  # tells every peer (a pull released a cache key)
-        self._loop = loop
-        self._close_link = close_link
-        self._limit_ms = limit_ms
-        # per incoming write or grant: request id -> (loop time it must end by, what it is, its allowance in s);
-        # one sweep timer (armed while any is open) checks them, so a request costs no timer of its own
+    def __init__(self, owner: InboundOwner, link: LinkPorts, peer: str = "?") -> None:
+        self._owner = owner
+        self._registry = owner.registry
+        self._options = owner.options  # parsed at init, before any link
+        self._link = link
+        self._send = link.send
+        self._counters = link.counters
+        # per incoming write or grant: request id -> (monotonic time it must end by, what it is, its allowance
+        # in s); one sweep timer (armed while any is open) checks them, so a request costs no timer of its own
         self._deadlines: dict[int, tuple[float, str, float]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
-        self._access_allowed = access_allowed
-        self._send = send
-        self._counters = counters
-        self._proves_reach = proves_reach
         self._peer = peer
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
@@ -210,17 +218,16 @@ class Inbound:
         self._peer = str(peer_cluster_id)
         self._peer_id = peer_cluster_id
 
-    def _resolve(self, header: FrameHeader, meta: bytes, what: str,
-                 flat: bool = False) -> tuple[CacheEntry, IoVec | FlatIoVec, int] | Refusal:
-        """The cache, the iovec (``flat``: see ``resolve``) and the receiver-side deadline (s) of a peer's
-        request, or the refusal."""
+    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec, int] | Refusal:
+        """The cache, the iovec and the sender's budget (ms) of a peer's request, or the refusal."""
         transfer = decode_transfer(header, meta)
         try:
             if len(self._writes) + len(self._granted) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
             write = header.kind in (Kind.WRITE, Kind.WRITE_INTENT)
-            entry, iov = resolve(self._registry, self._access_allowed(), transfer, self._peer_id, write, flat)
+            entry, iov = resolve(self._registry, self._options.enable_remote_cache_accessible, transfer,
+                                 self._peer_id, write)
         except Refusal as refusal:
             log.warning("refused a %s from cluster %s: %s", what, self._peer, refusal.reason)
             return refusal
@@ -231,12 +238,12 @@ class Inbound:
         own ``sync_kv_timeout`` (each doubled, plus a second, since the sender's clock starts when the
         layer is its oldest in flight). Past it (checked every ``DEADLINE_SWEEP_S``) the link is
         closed, which unpins what it held."""
-        own = self._limit_ms()
+        own = self._options.sync_kv_timeout_ms
         limit_ms = min(budget_ms, own) if budget_ms > 0 else own
         seconds = 2 * limit_ms / 1000 + 1.0
         self._deadlines[request_id] = (time.monotonic() + seconds, what, seconds)  # the sweep's clock, in C
         if self._sweeper is None:
-            self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
+            self._sweeper = self._link.loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
     def _done(self, request_id: int) -> None:
         self._deadlines.pop(request_id, None)
@@ -248,17 +255,17 @@ class Inbound:
             if when <= now:
                 reason = f"an incoming {what} (request {request_id}) did not complete within {seconds:.1f} s"
                 log.warning("closing the link to cluster %s: %s", self._peer, reason)
-                self._close_link(reason)  # ends every request of the link (and clears this table)
+                self._link.close(reason)  # ends every request of the link (and clears this table)
                 return
         if self._deadlines:
-            self._sweeper = self._loop.call_later(DEADLINE_SWEEP_S, self._sweep)
+            self._sweeper = self._link.loop.call_later(DEADLINE_SWEEP_S, self._sweep)
 
     # -- stream transfers ---------------------------------------------------------------------------
     def serve_write(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
         """A WRITE: where its payload lands (checked by ``resolve``), or None after answering the
         refusal. ``in_hand`` (the stream has the whole payload and fills the sink before the loop runs
         anything else): no pin and no deadline are needed, nothing can release the cache meanwhile."""
-        resolved = self._resolve(header, meta, "write", flat=True)  # the stream lands a flat vector as it is
+        resolved = self._resolve(header, meta, "write")
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
             return None
@@ -284,13 +291,13 @@ class Inbound:
         return PayloadSink(iov, landed, header.payload_len)  # decode_transfer checked it against the runs
 
     def serve_read(self, header: FrameHeader, meta: bytes) -> None:
-        resolved = self._resolve(header, meta, "read", flat=True)
+        resolved = self._resolve(header, meta, "read")
         if isinstance(resolved, Refusal):
             self._send(encode_status(Kind.READ_DATA, header.request_id, int(resolved.status), resolved.reason))
             return
         entry, iov, _ = resolved
         entry.pin()
-        payload_len = iovec_bytes(iov)
+        payload_len = iov.nbytes
         frame = self._send(encode_status(Kind.READ_DATA, header.request_id, 0, "", payload_len), iov)
         frame.sent.add_done_callback(lambda _: entry.unpin())
         self._counters["bytes_served"] += payload_len
@@ -304,7 +311,7 @@ class Inbound:
         entry, iov, budget_ms = resolved
         entry.pin()
         counter = "bytes_received" if header.kind == Kind.WRITE_INTENT else "bytes_served"
-        self._granted[header.request_id] = (entry, iovec_bytes(iov), counter)
+        self._granted[header.request_id] = (entry, iov.nbytes, counter)
         self._watch(header.request_id, budget_ms, "one-sided transfer")
         self._counters["grants"] += 1
         self._send(encode_status(Kind.GRANT, header.request_id, 0))
@@ -330,7 +337,8 @@ class Inbound:
             # only a writer that read our in-memory secret (it can reach this process) gets a lease
             # a lease opens the whole cache to the writer: only an OPEN cache is leased
             if (entry is None or entry.access is not RemoteAccess.OPEN or cache_id in self._leases
-                    or not self._proves_reach(str(body.get("proof", ""))) or not self._access_allowed()):
+                    or not self._link.proves_reach(str(body.get("proof", "")))
+                    or not self._options.enable_remote_cache_accessible):
                 self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
                 return
             entry.pin()
@@ -370,9 +378,8 @@ class Inbound:
             raise ProtocolError(f"a leased write to cache {transfer.cache_id} after the writer ended its leases")
         if entry is None:
             raise ProtocolError(f"WRITE_NOTICE for cache {transfer.cache_id}, which this link holds no lease on")
-        desc = entry.desc
-        if (transfer.first_tensor + transfer.num_tensors > desc.num_tensors
-                or not runs_in_bounds(transfer.offsets, transfer.lengths, desc.size)):
+        tensors_end = transfer.first_tensor + transfer.num_tensors
+        if tensors_end > entry.num_tensors or not transfer.runs.within(entry.tensor_bytes):
             raise ProtocolError(f"a leased write to cache {transfer.cache_id} lay outside it")
         self._counters["leased_writes"] += 1
         self._counters["bytes_received"] += transfer.payload_len
@@ -384,7 +391,7 @@ class Inbound:
         that no longer names that slot is left alone (removed or re-bound meanwhile: not the peer's
         fault); tensors outside the cache are a protocol error."""
         release = decode_release_key(decode_json(header.kind, meta))
-        if not self._access_allowed():
+        if not self._options.enable_remote_cache_accessible:
             log.warning("ignored a cache key release from cluster %s: remote cache access is disabled", self._peer)
             return
         entry = self._registry.get(release.cache_id)
@@ -399,7 +406,7 @@ class Inbound:
                                       release.num_tensors):
             log.debug("cache key %s of cache %d released: cluster %s pulled its slot", release.name,
                       release.cache_id, self._peer)
-            self._registry_changed()
+            self._owner.registry_changed()
 
     # -- closing ------------------------------------------------------------------------------------
     def close(self, watch: Callable[[], PeerWatch | None]) -> HeldGrants | None:

@@ -180,19 +180,21 @@ class CacheDesc:
             raise AttributeError(f"CacheDesc.{name}: the descriptor of a registered cache cannot change")
         object.__setattr__(self, name, value)
 
+    def seal(self) -> None:
+        """From now on this descriptor cannot change (registration seals its own copy)."""
+        object.__setattr__(self, "_sealed", True)
+
     def sealed_copy(self) -> CacheDesc:
         """A copy that can no longer change: a registered cache's own, which its bounds checks read
         (the caller's descriptor stays the caller's to change and describe the next cache with)."""
         twin = self.__copy__()
-        object.__setattr__(twin, "_sealed", True)
+        twin.seal()
         return twin
 
     def __copy__(self) -> CacheDesc:
         """Copies (of a sealed descriptor too) can change: they describe another cache."""
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        twin.__dict__.pop("_sealed", None)
-        return twin
+        return type(self)(self.num_tensors, self.shape, self.data_type, self.placement, self.batch_dim_index,
+                          self.seq_len_dim_index, self.kv_tensor_format)
 
     def __deepcopy__(self, memo: dict[int, object]) -> CacheDesc:
         return self.__copy__()  # every field is immutable
@@ -230,7 +232,8 @@ class CacheDesc:
         """Bytes of one block of one tensor (``size // shape[0]``)."""
         return self.size // self.shape[0] if self.shape and self.shape[0] else 0
 
-    def _layout(self) -> tuple[object, ...]:
+    def as_tuple(self) -> tuple[object, ...]:
+        """Every field, in order: descriptors are equal (and hash alike) when these are."""
         return (self.num_tensors, self.shape, self.data_type, self.placement, self.batch_dim_index,
                 self.seq_len_dim_index, self.kv_tensor_format)
 
@@ -248,10 +251,10 @@ class CacheDesc:
         )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CacheDesc) and self._layout() == other._layout()
+        return isinstance(other, CacheDesc) and self.as_tuple() == other.as_tuple()
 
     def __hash__(self) -> int:
-        return hash(self._layout())
+        return hash(self.as_tuple())
 
 
 @dataclass(eq=False)

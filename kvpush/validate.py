@@ -7,13 +7,15 @@ types -> the local cache kind -> block list lengths -> tensor_num_per_layer -> l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .layout import FEW, Blocks
 from .status import LLMException, LLMStatusCode, param_invalid
-from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType
+from .types import U64_MAX, Cache, CacheDesc, CacheKey, DataType, LLMClusterInfo
 
 
 def check_type(api: str, name: str, value: object, kind: type | tuple[type, ...]) -> None:
@@ -39,10 +41,21 @@ def check_key_ids(api: str, name: str, key: CacheKey) -> None:
                             f"[0, 2**64-1)")
 
 
-def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
-    """A list/tuple (or 1-D integer array) of block ids -> uint64 array. TypeError for non-int
-    items, ValueError for ids outside [0, 2^64). Converted by numpy in one call; only lists with
-    ids beyond int64 take the item-by-item path."""
+def check_blocks(api: str, name: str, blocks: object) -> Blocks:
+    """A list/tuple (or 1-D integer array) of block ids -> ``Blocks``. TypeError for non-int items,
+    ValueError for ids outside [0, 2^64). A short list of plain ints is checked item by item (no numpy
+    call); anything else by numpy in one call, and only ids beyond int64 item by item."""
+    if type(blocks) in (list, tuple) and len(blocks) <= FEW:  # type: ignore[arg-type]
+        items: tuple[Any, ...] = tuple(blocks)  # type: ignore[arg-type]
+        for item in items:  # a loop, not all(generator): this runs on every small transfer
+            if type(item) is not int or not 0 <= item <= U64_MAX:
+                break
+        else:
+            return Blocks(items, None)
+    return Blocks.of(_checked_array(api, name, blocks))
+
+
+def _checked_array(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
     if not isinstance(blocks, (list, tuple, np.ndarray)):
         raise TypeError(f"{api}: {name} must be a list or tuple of int, got {type(blocks).__name__}")
     if len(blocks) == 0:
@@ -57,15 +70,18 @@ def check_blocks(api: str, name: str, blocks: object) -> np.ndarray[Any, Any]:
         array = np.asarray(blocks, dtype=object)  # ints beyond int64 next to negatives: check one by one
     if array.ndim != 1:
         raise TypeError(f"{api}: {name} must be a flat list of int")
-    if array.dtype.kind == "i":
-        if int(array.min()) < 0:
-            index = int(np.argmin(array))
-            raise ValueError(f"{api}: {name}[{index}]={int(array[index])} is negative")
-        return array.astype(np.uint64)
-    if array.dtype.kind == "u":
+    if array.dtype.kind == "i" and int(array.min()) < 0:
+        index = int(np.argmin(array))
+        raise ValueError(f"{api}: {name}[{index}]={int(array[index])} is negative")
+    if array.dtype.kind in "iu":
         return array.astype(np.uint64)
     if array.dtype.kind != "O":
         raise TypeError(f"{api}: {name} must contain int, got {array.dtype}")
+    return _each_id(api, name, array)
+
+
+def _each_id(api: str, name: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Ids numpy could not type (beyond int64, mixed): checked one by one."""
     for index, value in enumerate(array):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{api}: {name}[{index}] must be an int, got {type(value).__name__}")
@@ -95,6 +111,8 @@ def check_layer_range_values(api: str, name: str, value: range | None) -> None:
 
 
 def check_tensor_num_type(api: str, value: object) -> int:
+    if type(value) is int and value >= 0:  # the common case, before numpy's slower isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{api}: tensor_num_per_layer must be an int, got {type(value).__name__}")
     if int(value) < 0:
@@ -107,11 +125,11 @@ def check_blocks_cache(api: str, name: str, cache: Cache) -> None:
         raise param_invalid(f"{api}: {name} (cache {cache.cache_id}) is not a blocks cache")
 
 
-def check_block_counts(api: str, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
-    if dst.shape[0] == 0:
+def check_block_counts(api: str, src: Blocks, dst: Blocks) -> None:
+    if not dst.count:
         raise param_invalid(f"{api}: dst_blocks is empty")
-    if src.shape[0] != dst.shape[0]:
-        raise param_invalid(f"{api}: src_blocks has {src.shape[0]} ids but dst_blocks has {dst.shape[0]}")
+    if src.count != dst.count:
+        raise param_invalid(f"{api}: src_blocks has {src.count} ids but dst_blocks has {dst.count}")
 
 
 def check_tensor_num(api: str, n: int, num_tensors: int, ranges_given: bool) -> None:
@@ -137,24 +155,16 @@ def check_range_lengths(api: str, src: range | None, dst: range | None) -> None:
         raise param_invalid(f"{api}: src_layer_range={src} and dst_layer_range={dst} differ in length")
 
 
-def check_block_bounds(api: str, name: str, blocks: np.ndarray[Any, Any], num_blocks: int, whose: str) -> None:
-    if blocks.shape[0] == 0:
-        return
-    bad = np.flatnonzero(blocks >= num_blocks)
-    if bad.shape[0]:
-        index = int(bad[0])
-        raise param_invalid(
-            f"{api}: {name}[{index}]={int(blocks[index])} is out of range: {whose} cache has {num_blocks} blocks"
-        )
+def check_block_bounds(api: str, name: str, blocks: Blocks, num_blocks: int, whose: str) -> None:
+    bad = blocks.first_at_least(num_blocks)
+    if bad is not None:
+        raise param_invalid(f"{api}: {name}[{bad[0]}]={bad[1]} is out of range: {whose} cache has {num_blocks} blocks")
 
 
-def check_no_duplicates(api: str, name: str, blocks: np.ndarray[Any, Any]) -> None:
-    if blocks.shape[0] < 2:
-        return
-    ordered = np.sort(blocks)
-    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if repeated.shape[0]:
-        raise param_invalid(f"{api}: {name} repeats block {int(ordered[repeated[0]])}")
+def check_no_duplicates(api: str, name: str, blocks: Blocks) -> None:
+    repeated = blocks.repeated()
+    if repeated is not None:
+        raise param_invalid(f"{api}: {name} repeats block {repeated}")
 
 
 def check_compatible(api: str, local_unit: int, local_dtype: DataType, remote_unit: int,
@@ -184,12 +194,18 @@ def layer_steps(api: str, src_tensors: int, dst_tensors: int, n: int,
         if src_tensors != dst_tensors:
             raise param_invalid(f"{api}: local cache has {src_tensors} tensors, remote {dst_tensors}; "
                                 f"give layer ranges to move a subset")
-        return [LayerStep(i, first, first, min(n, src_tensors - first))
-                for i, first in enumerate(range(0, src_tensors, n))]
+        return list(_all_layers(src_tensors, n))
     src = src_range if src_range is not None else range(0, src_tensors // n)
     dst = dst_range if dst_range is not None else range(0, dst_tensors // n)
     check_range_lengths(api, src, dst)
     return [LayerStep(d, s * n, d * n, n) for s, d in zip(src, dst)]
+
+
+@functools.lru_cache(maxsize=64)
+def _all_layers(tensors: int, n: int) -> tuple[LayerStep, ...]:
+    """Every tensor, N at a time: the same few shapes on every transfer, laid out once each (the steps are
+    read, never changed)."""
+    return tuple(LayerStep(i, first, first, min(n, tensors - first)) for i, first in enumerate(range(0, tensors, n)))
 
 
 def ext_param_range(api: str, name: str, pair: tuple[int, int], num_tensors: int, n: int) -> range | None:
@@ -201,3 +217,28 @@ def ext_param_range(api: str, name: str, pair: tuple[int, int], num_tensors: int
     if first < 0 or second < 0 or first > second or second > last_layer:
         raise param_invalid(f"{api}: {name}={pair} must satisfy 0 <= first <= second <= {last_layer}")
     return range(first, second + 1)
+
+
+MAX_CLUSTERS_PER_CALL = 16  # LLM-DataDist's limit for one link_clusters / unlink_clusters call
+
+
+def check_timeout(api: str, timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{api}: timeout must be an int (ms), got {type(timeout).__name__}")
+    if timeout <= 0:
+        raise param_invalid(f"{api}: timeout={timeout} must be > 0 ms")
+    return float(timeout) / 1000
+
+
+def check_clusters(api: str, clusters: object) -> list[LLMClusterInfo]:
+    if not isinstance(clusters, (list, tuple)):
+        raise TypeError(f"{api}: clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
+    for index, info in enumerate(clusters):
+        if not isinstance(info, LLMClusterInfo):
+            raise TypeError(f"{api}: clusters[{index}] must be an LLMClusterInfo, got {type(info).__name__}")
+        if info.remote_cluster_id is None:
+            raise param_invalid(f"{api}: clusters[{index}].remote_cluster_id is not set")
+    if len(clusters) > MAX_CLUSTERS_PER_CALL:
+        raise LLMException(LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                           f"{api}: {len(clusters)} clusters in one call (at most {MAX_CLUSTERS_PER_CALL})")
+    return list(clusters)

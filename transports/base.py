@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kvpush.layout import FlatIoVec, IoVec
+    from kvpush.layout import IoVec
     from kvpush.protocol import FrameHeader
 
 HOST_MEMORY = "host"
@@ -55,8 +55,7 @@ class Capabilities:
     - ``needs_registration``: memory must be registered with it and its public descriptors (rkeys)
       sent to the peer in the cache table;
     - ``standing_grants``: a writer may hold a standing write grant (lease) on a destination cache;
-    - ``memory_kinds``: what memory it reaches (``"host"``; ``"device"`` is reserved for later);
-    - ``flat_vectors``: its mover's ``start`` also takes a few entries as ``FlatIoVec`` (both sides).
+    - ``memory_kinds``: what memory it reaches (``"host"``; ``"device"`` is reserved for later).
     """
 
     name: str
@@ -66,27 +65,22 @@ class Capabilities:
     needs_registration: bool = False
     standing_grants: bool = False
     memory_kinds: frozenset[str] = field(default_factory=lambda: frozenset({HOST_MEMORY}))
-    flat_vectors: bool = False
 
 
 # -- the control stream ----------------------------------------------------------------------------
 
 class PayloadSink:
-    """Where an incoming payload lands. ``cancel()`` (from the event-loop thread) makes the
-    transport discard the rest of the payload: no byte lands in ``iov`` after it returns. The
-    transport owns ``iov`` from now on (it may rewrite entries as it progresses); ``nbytes`` is its
-    total (computed from it when not given). ``iov`` is an ``IoVec`` or, for a few entries, a
-    ``FlatIoVec`` (received with no numpy call)."""
+    """Where an incoming payload lands: ``iov``, an ``IoVec`` (or what ``IoVec.of`` takes, with ``nbytes``
+    given). ``cancel()`` (from the event-loop thread) makes the transport discard the rest of the payload:
+    no byte lands in ``iov`` after it returns. ``nbytes`` is its total."""
 
     __slots__ = ("iov", "on_done", "cancelled", "nbytes")
 
-    def __init__(self, iov: IoVec | FlatIoVec, on_done: Callable[[], None], nbytes: int | None = None) -> None:
+    def __init__(self, iov: IoVec, on_done: Callable[[], None], nbytes: int | None = None) -> None:
         self.iov = iov
         self.on_done = on_done
         self.cancelled = False
-        if nbytes is None:  # (kvpush.layout.iovec_bytes; this interface module imports nothing of kvpush)
-            nbytes = sum(iov[1::2]) if type(iov) is tuple else int(iov[:, 1].sum())  # type: ignore[call-overload]
-        self.nbytes = nbytes
+        self.nbytes = iov.nbytes if nbytes is None else nbytes  # (an attribute: this module imports no kvpush)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -126,9 +120,17 @@ class FrameStream(Protocol):
 
     capabilities: Capabilities
     closed: bool
-    last_receive: float  # time.monotonic() of the last byte received (keepalive)
-    bytes_in: int
-    bytes_out: int
+
+    @property
+    def last_receive(self) -> float:
+        """``time.monotonic()`` of the last byte received (keepalive)."""
+
+    @property
+    def bytes_in(self) -> int: ...
+
+    @property
+    def bytes_out(self) -> int: ...
+
     # The largest frame meta accepted now (None: the protocol's own limits). A frame announcing more is
     # a protocol violation that closes the stream at once, before anything is allocated for it: before
     # a peer is authenticated it can make the engine hold only this much.
@@ -138,16 +140,16 @@ class FrameStream(Protocol):
         """The peer is authenticated (or, without a token, done with the handshake): from now on the
         stream may hold more for it than the few KiB a stranger can make it hold."""
 
-    def send(self, head: bytes, payload: IoVec | FlatIoVec | None = None) -> OutgoingFrame:
-        """Queue a frame now (a small frame on an idle stream leaves before this returns)."""
-
-    def prepare(self, head: bytes, payload: IoVec | FlatIoVec | None = None,
-                nbytes: int | None = None) -> OutgoingFrame:
-        """A frame ready to ``enqueue`` later; nothing is sent yet. ``nbytes``: the payload's total,
-        when the caller knows it."""
+    def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> OutgoingFrame:
+        """A frame ready to ``enqueue``; nothing is sent yet. ``nbytes``: the payload's total, when the
+        caller knows it."""
 
     def enqueue(self, frame: OutgoingFrame) -> None:
-        """Queue a prepared frame behind everything sent so far."""
+        """Queue a prepared frame behind everything sent so far (a small frame on an idle stream leaves
+        before this returns)."""
+
+    def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
+        """``enqueue(prepare(head, payload))``."""
 
     def close(self, reason: str, abort: bool = False) -> None:
         """Close; ``abort`` discards bytes still queued in this host's kernel. Idempotent."""
@@ -187,15 +189,16 @@ class ControlTransport(Protocol):
 
 class Mover(Protocol):
     """Moves granted bytes of one link. ``start`` posts one layer: ``local`` and ``remote`` iovecs pair
-    up entry by entry; ``rkeys`` are the peer's public descriptors of that cache (None when the
-    transport needs none); the future completes when every byte is in the destination (remote
-    completion) or fails with ``TransportError``."""
+    up entry by entry, ``runs_per_tensor`` entries per tensor of the peer's cache ``cache_id`` from
+    ``first_tensor``; ``rkeys`` are the peer's public descriptors of that cache's tensors (None when the
+    transport needs none). The future completes when every byte is in the destination (remote completion)
+    or fails with ``TransportError``."""
 
     capabilities: Capabilities
     lease_proof: str  # non-empty when this mover read the peer's in-memory secret (standing grants)
 
-    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
-              first_tensor: int, rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]: ...
 
     def close(self) -> None: ...
 

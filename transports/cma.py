@@ -3,9 +3,9 @@
 Why this and not a shared-memory mapping: CMA copies straight from the prefill process's block
 memory into the decode process's registered blocks, whatever that memory is (numpy arrays, torch
 tensors, raw addresses from another allocator), in one kernel copy per layer (batched iovecs, at most
-IOV_MAX entries per call). Measured on this kind of host it moves W-KV at 0.85-0.9x a single-thread
-memcpy. A shared mapping would reach memcpy speed but only for caches kvpush allocated itself, and
-it maps a peer's memory into this process for the link's lifetime; CMA needs neither.
+IOV_MAX entries per call), near a single-thread memcpy (docs/perf/notes.md). A shared mapping would
+reach memcpy speed but only for caches kvpush allocated itself, and it maps a peer's memory into this
+process for the link's lifetime; CMA needs neither.
 
 Safety, in layers:
 - same host is decided from the boot id plus the pid and network namespaces (``host_identity``):
@@ -31,20 +31,16 @@ import hmac
 import os
 import select
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvpush.layout import as_iovec, iovec_bytes
+from kvpush.layout import IoVec
 
 from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
 from .iovec import IOV_MAX, LIBC
 
-if TYPE_CHECKING:
-    from kvpush.layout import FlatIoVec, IoVec
-
-CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True,
-                            flat_vectors=True)
+CAPABILITIES = Capabilities(name="cma", one_sided=True, same_host_only=True, standing_grants=True)
 INLINE_COPY_BYTES = 256 << 10
 try:
     _writev = LIBC.process_vm_writev
@@ -135,17 +131,14 @@ class CmaPeer:
             if process_start_time(self.pid) != start:
                 raise CmaError(errno.ESRCH, f"pid {self.pid} is not the peer process (start time differs)")
             got = np.zeros(len(token), np.uint8)
-            local = np.array([[got.ctypes.data, len(token)]], np.uint64)
-            remote = np.array([[probe_addr, len(token)]], np.uint64)
-            self.read(local, remote)
+            self.read(IoVec.of_ints((got.ctypes.data, len(token))), IoVec.of_ints((probe_addr, len(token))))
             if got.tobytes() != token:
                 raise CmaError(errno.EACCES, "probe read returned the wrong token: not the peer's memory")
             self.leases = int(description.get("leases", 0)) >= 1 and "secret_addr" in description
             self.secret = b""
             if self.leases:  # read the peer's in-memory secret: our proof of reach when asking for leases
                 secret = np.zeros(32, np.uint8)
-                self.read(np.array([[secret.ctypes.data, 32]], np.uint64),
-                          np.array([[int(description["secret_addr"]), 32]], np.uint64))
+                self.read(IoVec.of_ints((secret.ctypes.data, 32)), IoVec.of_ints((int(description["secret_addr"]), 32)))
                 self.secret = secret.tobytes()
         except BaseException:
             os.close(self.pidfd)
@@ -155,36 +148,32 @@ class CmaPeer:
         """False once the peer process has exited (its pidfd turns readable)."""
         return not self._poller.poll(0)
 
-    def _copy(self, function: Any, name: str, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
-        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. A few
-        entries given flat go to the kernel from two ctypes arrays (no numpy call)."""
+    def _copy(self, function: Any, name: str, local_iov: IoVec | Any, remote_iov: IoVec | Any) -> int:
+        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. The vectors
+        are ``IoVec``s (or what ``IoVec.of`` takes)."""
+        local, remote = IoVec.of(local_iov), IoVec.of(remote_iov)
         if not self.alive():
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
-        calls: Any  # (local vector, remote vector, entries, bytes) per kernel call
-        if type(local) is tuple and type(remote) is tuple and len(local) == len(remote) and len(local) <= 2 * IOV_MAX:
-            vector = ctypes.c_uint64 * len(local)
-            calls = [(vector(*local), vector(*remote), len(local) // 2, sum(local[1::2]))]
-        else:
-            lv = np.ascontiguousarray(as_iovec(local), np.uint64)
-            rv = np.ascontiguousarray(as_iovec(remote), np.uint64)
-            calls = ((lv.ctypes.data + 16 * start, rv.ctypes.data + 16 * start, min(IOV_MAX, lv.shape[0] - start),
-                      int(lv[start:start + IOV_MAX, 1].sum())) for start in range(0, lv.shape[0], IOV_MAX))
-        total = 0
-        for local_vector, remote_vector, count, expected in calls:
-            done = function(self.pid, local_vector, count, remote_vector, count, 0)
+        if local.entries != remote.entries:
+            raise CmaError(errno.EINVAL, f"{name}: {local.entries} local entries for {remote.entries} remote ones")
+        remote_address = remote.native()[0]
+        total = entry = 0
+        for local_address, count, expected in local.chunks(IOV_MAX):
+            done = function(self.pid, local_address, count, remote_address + 16 * entry, count, 0)
             if done < 0:
                 code = ctypes.get_errno()
                 raise CmaError(code, f"{name}(pid {self.pid}): {os.strerror(code)}")
             if done != expected:
                 raise CmaError(errno.EFAULT, f"{name}(pid {self.pid}): copied {done} of {expected} bytes")
             total += done
-        return int(total)
+            entry += count
+        return total
 
-    def write(self, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
+    def write(self, local: IoVec | Any, remote: IoVec | Any) -> int:
         """Copy local -> peer (blocking; call from a worker thread for big copies)."""
         return self._copy(_writev, "process_vm_writev", local, remote)
 
-    def read(self, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec) -> int:
+    def read(self, local: IoVec | Any, remote: IoVec | Any) -> int:
         """Copy peer -> local (blocking)."""
         return self._copy(_readv, "process_vm_readv", local, remote)
 
@@ -205,10 +194,10 @@ class CmaMover:
         self._queued = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvpush-cma-{name}")
 
-    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
-              first_tensor: int, rkeys: Any, runs_per_tensor: int) -> Any:
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: Any, runs_per_tensor: int) -> Any:
         copy = self.peer.read if is_read else self.peer.write
-        if iovec_bytes(local) <= INLINE_COPY_BYTES and self._idle():
+        if local.nbytes <= INLINE_COPY_BYTES and self._idle():
             # small (decode-time) transfers: a thread hand-off would cost more than the copy
             future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             try:

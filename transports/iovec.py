@@ -1,6 +1,6 @@
-"""Vectored I/O over numpy iovecs (rows of (address, length), uint64): the libc calls, the most
-entries one call takes, a cursor that resumes after partial reads or writes, and where a bytes
-object's contents are. Shared by the TCP stream and the same-host mover; no I/O of its own."""
+"""Vectored I/O over ``kvpush.layout.IoVec``: the libc calls, the most entries one call takes, a cursor that
+resumes after partial reads or writes, a stream's scratch vector, and where a bytes object's contents are.
+Shared by the TCP stream and the same-host mover; no I/O of its own."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import errno
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvpush.layout import FlatIoVec, IoVec
+from kvpush.layout import FEW, IoVec
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -26,42 +24,66 @@ writev = LIBC.writev
 writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 writev.restype = ctypes.c_ssize_t
 
+_ENTRY = struct.Struct("<QQ")
+
+
+class Scratch:
+    """A stream's own ``struct iovec`` array for a vector of a few entries and one more (a frame's head
+    before them, or a spill buffer behind them): a short frame or payload needs no vector of its own."""
+
+    ROWS = FEW + 1
+
+    def __init__(self) -> None:
+        self.table = np.zeros((self.ROWS, 2), np.uint64)
+        self.address = int(self.table.ctypes.data)
+        self.view = self.table.data.cast("B")
+
 
 class Cursor:
-    """Progress through an iovec, resumable after partial reads or writes (numpy, no loop per
-    entry): a call that stops inside an entry shortens that entry in place.
+    """Progress through an ``IoVec`` (after an optional ``head`` entry), resumable after partial reads or
+    writes: a call that stops inside an entry shortens that entry in the kernel's vector.
 
-    ``spill``: (address, size) of a buffer to append as one more entry behind the vector, so that a
-    read that finishes the vector goes on into it (the next frame's first bytes) in the same call.
-    ``scratch``: (vector, its address) the copy may use when it fits (a stream receives one payload
-    at a time), saving an allocation and an address lookup per frame."""
+    ``spill``: (address, size) of a buffer appended as one more entry behind the vector, so that a read
+    that finishes the vector goes on into it (the next frame's first bytes) in the same call. ``scratch``:
+    the stream's ``Scratch``, used when everything fits (one stream moves one vector at a time).
 
-    __slots__ = ("vec", "rows", "total", "done", "index", "base")
+    A few entries are tracked as ints (no numpy call); many with numpy (no Python loop per entry)."""
 
-    def __init__(self, iov: IoVec, total: int | None = None, spill: tuple[int, int] | None = None,
-                 scratch: tuple[IoVec, int] | None = None) -> None:
-        rows = iov.shape[0]
-        if spill is not None:  # a copy: the sink's iovec stays as the engine made it
-            if scratch is not None and rows < scratch[0].shape[0]:
-                self.vec, self.base = scratch[0][:rows + 1], scratch[1]
-            else:
-                self.vec = np.empty((rows + 1, 2), np.uint64)
-                self.base = self.vec.ctypes.data
-            self.vec[:rows] = iov
-            self.vec[rows] = spill
-        else:  # the caller's own contiguous uint64 vector, advanced in place
-            self.vec = iov
-            self.base = iov.ctypes.data
-        self.rows = rows
-        self.total = int(self.vec[:rows, 1].sum()) if total is None else total
+    __slots__ = ("vec", "rows", "total", "done", "index", "base", "_entries", "_ints", "_view")
+
+    def __init__(self, iov: IoVec, head: tuple[int, int] | None = None, spill: tuple[int, int] | None = None,
+                 scratch: Scratch | None = None) -> None:
+        first = () if head is None else head
+        tail = () if spill is None else spill
+        self.rows = iov.entries + (head is not None)
+        self.total = iov.nbytes + (0 if head is None else head[1])
         self.done = 0
         self.index = 0
+        self._entries = self.rows + (spill is not None)  # in the kernel's vector
+        if scratch is not None and self._entries <= Scratch.ROWS:
+            iov.pack_into(scratch.view, first, tail)
+            self.vec, self.base, self._view = scratch.table, scratch.address, scratch.view
+            self._ints: list[int] | None = [*first, *iov.ints()]
+            return
+        self.vec = np.empty((self.rows + (spill is not None), 2), np.uint64)
+        self.base = int(self.vec.ctypes.data)
+        self._view = self.vec.data.cast("B")
+        self._ints = None
+        offset = 0 if head is None else 1
+        if head is not None:
+            self.vec[0] = head
+        self.vec[offset:self.rows] = iov.array()
+        if spill is not None:
+            self.vec[self.rows] = spill
 
     def advance(self, count: int) -> None:
         """``count`` more bytes of the vector (not of the spill) were moved."""
         self.done += count
         if self.done >= self.total:
             self.index = self.rows
+            return
+        if self._ints is not None:
+            self._advance_ints(count)
             return
         vec, index = self.vec, self.index
         address, length = vec[index].tolist()
@@ -76,73 +98,33 @@ class Cursor:
         vec[index, 1] -= np.uint64(consumed)
         self.index = index
 
-    def pointer(self) -> tuple[int, int]:
-        """(address of the current iovec entry, entries to pass) for readv/writev; the spill entry
-        is passed only when the rest of the vector fits in the same call."""
-        return self.base + 16 * self.index, min(IOV_MAX, self.vec.shape[0] - self.index)
-
-    def fill(self, source: int, count: int) -> None:
-        """Copy ``count`` bytes (at most the rest of the vector) from address ``source`` into it. Used
-        for the few bytes of a payload that arrived in the staging buffer behind their header, so it
-        runs over at most a staging buffer's worth of entries, once per frame."""
-        while count > 0:
-            base, length = self.vec[self.index].tolist()
-            step = min(count, length)
-            ctypes.memmove(base, source, step)
-            source += step
-            count -= step
-            self.advance(step)
-
-
-_ENTRY = struct.Struct("<QQ")
-# VECTOR_STRUCTS[n]: the compiled struct of n uint64s, for the iovec of a few entries (up to 64 rows)
-VECTOR_STRUCTS = [struct.Struct(f"<{count}Q") for count in range(2 * 64 + 1)]
-
-
-class FlatCursor:
-    """``Cursor``'s interface over a few entries given flat (``kvpush.layout.FlatIoVec``), with no
-    numpy call (each costs microseconds on the cold cache a wakeup finds): the vector and the spill
-    entry behind it are written into the caller's scratch vector by one struct call, and the entry a
-    call stops inside is rewritten there in place. The scratch must hold ``len(flat) // 2 + 1`` rows."""
-
-    __slots__ = ("entries", "rows", "total", "done", "index", "base", "buffer")
-
-    def __init__(self, flat: FlatIoVec, total: int, spill: tuple[int, int], scratch: tuple[memoryview, int]) -> None:
-        self.buffer, self.base = scratch
-        VECTOR_STRUCTS[len(flat) + 2].pack_into(self.buffer, 0, *flat, *spill)  # scratch: < 64 rows
-        self.entries = list(flat)
-        self.rows = len(flat) // 2
-        self.total = total
-        self.done = 0
-        self.index = 0
-
-    def advance(self, count: int) -> None:
-        """``count`` more bytes of the vector (not of the spill) were moved."""
-        self.done += count
-        if self.done >= self.total:
-            self.index = self.rows
-            return
-        entries, index = self.entries, self.index
+    def _advance_ints(self, count: int) -> None:
+        entries, index = self._ints, self.index
+        assert entries is not None
         while count >= entries[2 * index + 1]:  # whole entries (the vector is not finished: one is left)
             count -= entries[2 * index + 1]
             index += 1
         if count:
             address, length = entries[2 * index] + count, entries[2 * index + 1] - count
             entries[2 * index], entries[2 * index + 1] = address, length
-            _ENTRY.pack_into(self.buffer, 16 * index, address, length)
+            _ENTRY.pack_into(self._view, 16 * index, address, length)
         self.index = index
 
     def pointer(self) -> tuple[int, int]:
-        """As ``Cursor.pointer``: the spill entry goes with the rest of the vector."""
-        return self.base + 16 * self.index, self.rows + 1 - self.index
+        """(address of the current entry, entries to pass) for readv/writev; the spill entry is passed
+        only when the rest of the vector fits in the same call."""
+        return self.base + 16 * self.index, min(IOV_MAX, self._entries - self.index)
 
     def fill(self, source: int, count: int) -> None:
-        """As ``Cursor.fill``."""
-        entries = self.entries
+        """Copy ``count`` bytes (at most the rest of the vector) from address ``source`` into it: the few
+        bytes of a payload that arrived in the staging buffer behind their header."""
         while count > 0:
-            index = self.index
-            step = min(count, entries[2 * index + 1])
-            ctypes.memmove(entries[2 * index], source, step)
+            if self._ints is not None:
+                base, length = self._ints[2 * self.index], self._ints[2 * self.index + 1]
+            else:
+                base, length = self.vec[self.index].tolist()
+            step = min(count, length)
+            ctypes.memmove(base, source, step)
             source += step
             count -= step
             self.advance(step)
@@ -157,8 +139,8 @@ def address_by_cast(data: bytes) -> int:
 
 def _bytes_offset() -> int | None:
     """Where CPython keeps a bytes object's contents relative to the object (``id``): a fixed offset,
-    ~30x cheaper to add than a ctypes cast (~3 us on a small host, paid by every frame). Checked here
-    on objects of several sizes against the cast; None (use the cast) if it does not hold."""
+    much cheaper to add than a ctypes cast, paid by every frame. Checked here on objects of several sizes
+    against the cast; None (use the cast) if it does not hold."""
     offset = sys.getsizeof(b"") - 1
     for probe in (b"\x01", b"kvpush" * 7, bytes(range(256)) * 9):
         if id(probe) + offset != address_by_cast(probe) or ctypes.string_at(id(probe) + offset, len(probe)) != probe:

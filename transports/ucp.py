@@ -37,7 +37,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-import numpy as np
+from kvpush.layout import IoVec
 
 log = logging.getLogger(__name__)
 
@@ -319,30 +319,24 @@ class Endpoint:
         self._rkeys.append(rkey[0])
         return rkey[0]
 
-    def rma(self, is_get: bool, local_iov: np.ndarray[Any, Any] | tuple[int, ...],
-            remote_iov: np.ndarray[Any, Any] | tuple[int, ...], rkey_index: np.ndarray[Any, Any] | tuple[int, ...],
+    def rma(self, is_get: bool, local_iov: IoVec | Any, remote_iov: IoVec | Any, rkey_index: Any,
             rkeys: list[Any]) -> asyncio.Future[None]:
         """Post one layer (puts or gets of every entry, then a flush). The future resolves when UCX
-        reports the flush complete: every byte is then in its destination. The vectors are (n, 2)
-        uint64 arrays, or for a few entries flat ints (address, length, ...) with the index as ints."""
+        reports the flush complete: every byte is then in its destination. The vectors are ``IoVec``s (or
+        what ``IoVec.of`` takes); entry i uses ``rkeys[rkey_index[i]]`` (``rkey_index``: a contiguous
+        uint32 buffer)."""
         worker = self.worker
         ffi, lib = worker.ffi, worker.lib
         future: asyncio.Future[None] = worker.loop.create_future()
         if self.closed:
             future.set_exception(UcpError("rma", -1, "endpoint closed"))
             return future
-        if type(local_iov) is tuple:  # a few entries as ints: cffi arrays, no numpy call
-            entries = len(local_iov) // 2
-            local_c, remote_c = ffi.new("uint64_t[]", local_iov), ffi.new("uint64_t[]", remote_iov)
-            index_c = ffi.new("uint32_t[]", rkey_index)
-        else:
-            local = np.ascontiguousarray(local_iov, np.uint64)
-            remote = np.ascontiguousarray(remote_iov, np.uint64)
-            index = np.ascontiguousarray(rkey_index, np.uint32)
-            entries = local.shape[0]
-            # from_buffer, not a cast of ``.ctypes.data``: ~10x cheaper; the vectors are read during the call only
-            local_c, remote_c = ffi.from_buffer("uint64_t[]", local), ffi.from_buffer("uint64_t[]", remote)
-            index_c = ffi.from_buffer("uint32_t[]", index)
+        local, remote = IoVec.of(local_iov), IoVec.of(remote_iov)
+        entries = local.entries
+        # from_buffer over the vectors' own memory: no copy; they are read during the call only
+        local_c = ffi.from_buffer("uint64_t[]", local.native()[1])
+        remote_c = ffi.from_buffer("uint64_t[]", remote.native()[1])
+        index_c = ffi.from_buffer("uint32_t[]", rkey_index)
         handles = ffi.new("ucp_rkey_h[]", rkeys)
         token = next(_tokens)
 

@@ -13,9 +13,9 @@ the link is up and presents it when it asks for a lease, so only a peer holding 
 and rkeys into this process - which can write every cache the table names anyway - gets one. Under a
 lease a layer is a put and a flush, then a one-way WRITE_NOTICE: no intent/grant round trip.
 
-Error handling mode and transports (measured here, ``shared/UCX_NOTES.md``): endpoint error mode
-PEER over tcp let UCX abort a passive target whose writer died (6 of 9 runs), and PEER with shared
-memory needs a UCX-allocated target pool to be safe, which registered user memory is not. So
+Error handling mode and transports (``shared/UCX_NOTES.md``, docs/perf/notes.md): endpoint error mode
+PEER over tcp can let UCX abort a passive target whose writer died, and PEER with shared memory needs
+a UCX-allocated target pool to be safe, which registered user memory is not. So
 kvpush uses error mode NONE and, with the wheel's UCX, ``UCX_TLS=tcp`` unless the user set
 ``UCX_TLS``: on one host the same-host transport (``cma``) carries local traffic anyway, and a dead
 peer is detected by the control link within milliseconds (its socket closes), after which the
@@ -25,29 +25,38 @@ endpoint is closed without waiting for the peer. On RDMA hosts (system UCX with 
 
 from __future__ import annotations
 
+import array
 import asyncio
+import functools
 import hmac
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvpush.layout import as_iovec
+from kvpush.layout import IoVec
 
 from . import ucp
 from .base import Capabilities, MemoryRegistrar, Mover, Offer, PeerWatch, TransportError
 
-if TYPE_CHECKING:
-    from kvpush.layout import FlatIoVec, IoVec
-
 log = logging.getLogger(__name__)
 
-# auto_between_hosts is False: over plain TCP kvpush's own TCP path is faster on the hosts measured,
-# so ``auto`` opens UCX only when it can use RDMA (``open_transport``).
+# auto_between_hosts is False: over plain TCP kvpush's own TCP path is the faster one (docs/perf), so
+# ``auto`` opens UCX only when it can use RDMA (``open_transport``).
 CAPABILITIES = Capabilities(name="ucx", one_sided=True, same_host_only=False, auto_between_hosts=False,
-                            needs_registration=True, standing_grants=True, flat_vectors=True)
+                            needs_registration=True, standing_grants=True)
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_index(tensors: int, runs_per_tensor: int) -> array.array[int]:
+    """The rkey of each entry of a layer's vectors: ``runs_per_tensor`` entries per tensor, tensor-major.
+    The same few shapes recur layer after layer: made once each (read only, during one call at a time)."""
+    index = array.array("I")
+    for tensor in range(tensors):
+        index.extend(array.array("I", (tensor,)) * runs_per_tensor)
+    return index
 
 
 class UcxError(TransportError):
@@ -159,9 +168,8 @@ class UcxMover:
         try:
             address, packed = int(offered[0]), bytes.fromhex(str(offered[1]))
             handle = self.endpoint.unpack_rkey(packed)
-            local = np.array([[self._secret_buffer.ctypes.data, SECRET_BYTES]], np.uint64)
-            remote = np.array([[address, SECRET_BYTES]], np.uint64)
-            got = self.endpoint.rma(True, local, remote, np.zeros(1, np.uint32), [handle])
+            local = IoVec.of_ints((self._secret_buffer.ctypes.data, SECRET_BYTES))
+            got = self.endpoint.rma(True, local, IoVec.of_ints((address, SECRET_BYTES)), tensor_index(1, 1), [handle])
         except (TypeError, ValueError, IndexError, ucp.UcpError) as error:
             log.info("UCX: the peer's secret cannot be read (%s): per-request grants only", error)
             return
@@ -179,21 +187,14 @@ class UcxMover:
             self._rkeys[(cache_id, tensor)] = handle
         return handle
 
-    def start(self, is_read: bool, local: IoVec | FlatIoVec, remote: IoVec | FlatIoVec, cache_id: int,
-              first_tensor: int, rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
+    def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
+              rkeys: tuple[bytes, ...] | None, runs_per_tensor: int) -> asyncio.Future[Any]:
         if rkeys is None:
             raise UcxError("the peer sent no rkeys for this cache")
-        flat = type(local) is tuple and type(remote) is tuple
-        if not flat:  # IoVecs (a lone flat side is laid out to match)
-            local, remote = as_iovec(local), as_iovec(remote)
-        count = (len(local) // 2 if flat else local.shape[0]) // runs_per_tensor  # type: ignore[union-attr]
+        count = local.entries // runs_per_tensor
         try:
             handles = [self._rkey(cache_id, first_tensor + j, rkeys[first_tensor + j]) for j in range(count)]
-            if flat:  # flat_vectors: a few entries as ints end to end
-                index: Any = tuple(j for j in range(count) for _ in range(runs_per_tensor))
-            else:
-                index = np.repeat(np.arange(count, dtype=np.uint32), runs_per_tensor)
-            return self.endpoint.rma(is_read, local, remote, index, handles)
+            return self.endpoint.rma(is_read, local, remote, tensor_index(count, runs_per_tensor), handles)
         except ucp.UcpError as error:
             raise UcxError(str(error)) from None
 

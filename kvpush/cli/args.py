@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvpush import AUTH_TOKEN_ENV, DataType, LLMClusterInfo
 
-if TYPE_CHECKING:
-    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+class Subcommands(Protocol):
+    """What ``ArgumentParser.add_subparsers()`` returns, as a subcommand's ``add_parser`` uses it."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 # The names ``kvpush.transport`` accepts, as --help shows them. kvpush's public API has no list of
 # transport names to read; the engine validates the option itself, so a name missing here is only a

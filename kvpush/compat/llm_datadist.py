@@ -57,9 +57,9 @@ from kvpush import (
     Placement,
 )
 
+from ..portal import Portal, PortalClosedError, at_exit
 from . import rank_table as ranks
 from .cache_manager import CacheManager
-from .portal import Portal, PortalClosedError, at_exit
 from .rank_table import Comm, LinkWaiter
 from .runner import Runner, refuse_blocking_in_loop
 from .transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import kvpush
 from kvpush import LLMException, LLMStatusCode
 
-from .portal import Portal, PortalClosedError, refuse_in_event_loop
+from ..portal import Portal, PortalClosedError, refuse_in_event_loop
 
 T = TypeVar("T")
 

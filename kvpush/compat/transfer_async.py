@@ -329,18 +329,7 @@ async def run_transfer(cache_manager: Callable[[], kvpush.CacheManager],
                               name="kvpush-layer-synchronizer", daemon=True)
     worker.start()
     try:
-        for layer in plan.layers:
-            _, ok = await ready.get()
-            covering = [route for route in routes if route.covers(layer)]
-            if not ok:
-                log.error("transfer_cache_async: failed to synchronize layer %d", layer)
-                for route in covering:
-                    results[route.cluster] = LLMStatusCode.LLM_PARAM_INVALID
-                break
-            if any(route.failed() for route in routes):
-                break
-            for route in covering:
-                route.push(layer)
+        await _push_layers(plan, routes, ready, results)
     except BaseException:
         for route in routes:
             route.cancel()
@@ -355,6 +344,24 @@ async def run_transfer(cache_manager: Callable[[], kvpush.CacheManager],
         elif outcome is not None and results.get(route.cluster) in (None, LLMStatusCode.LLM_SUCCESS):
             results[route.cluster] = outcome
     return results
+
+
+async def _push_layers(plan: TransferPlan, routes: list[Route], ready: asyncio.Queue[tuple[int, bool]],
+                       results: dict[int, LLMStatusCode]) -> None:
+    """Each layer, once synchronised, on every route that covers it; stop at a layer that failed to
+    synchronise (its routes fail with LLM_PARAM_INVALID) or once a route failed."""
+    for layer in plan.layers:
+        _, ok = await ready.get()
+        covering = [route for route in routes if route.covers(layer)]
+        if not ok:
+            log.error("transfer_cache_async: failed to synchronize layer %d", layer)
+            for route in covering:
+                results[route.cluster] = LLMStatusCode.LLM_PARAM_INVALID
+            return
+        if any(route.failed() for route in routes):
+            return
+        for route in covering:
+            route.push(layer)
 
 
 def _synchronize(synchronizer: LayerSynchronizer, layers: list[int], loop: asyncio.AbstractEventLoop,

@@ -15,8 +15,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..portal import Portal
 from .fleet import Instance, Load, parse_discovery, parse_load
-from .vllm_worker import ConnectorSettings, LoopThread
+from .vllm_worker import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class FleetMember:
         self.instance = Instance(uuid.uuid4().hex[:12], _role(settings.role), url.rstrip("/"), served_model,
                                  settings.compat, tuple(kv), tuple(clusters), settings.tp_size)
         self._pending = pending
-        self._thread = LoopThread("kvpush-fleet")
+        self._thread = Portal("kvpush-fleet")
         self._registrar = Registrar(endpoints, self.instance, load=self._load)
         self._run = self._thread.submit(self._registrar.run())
         log.info("KvpushConnector: registering this instance (%s, %s) in %s", self.instance.role, self.instance.url,

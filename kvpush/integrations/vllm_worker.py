@@ -12,17 +12,15 @@ inbound messages back as events on a queue, which every hook drains first.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import json
 import logging
 import os
 import queue
 import secrets
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,11 +38,12 @@ from kvpush import (
     RemoteAccess,
     is_loopback,
 )
+from kvpush.portal import Portal
+from kvpush.scope import TaskScope
 
 from . import vllm_core as core
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MODEL_ID = 0  # the one blocks cache of an instance: BlocksCacheKey(cluster_id, MODEL_ID)
 _DTYPES = {"float32": DataType.DT_FLOAT, "float16": DataType.DT_FLOAT16, "bfloat16": DataType.DT_BF16}
@@ -59,44 +58,6 @@ def describe_error(error: BaseException) -> str:
     if isinstance(error, TimeoutError):
         return "timed out"
     return f"{type(error).__name__}: {error}"
-
-
-# -- the event-loop thread -------------------------------------------------------------------------
-
-class LoopThread:
-    """A private asyncio loop on a daemon thread: ``run`` (blocking), ``submit`` (a future),
-    ``call_soon`` (fire and return). Stands in for ``kvpush.compat.portal.Portal``, which the import
-    contracts do not let integrations use yet."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout)
 
 
 # -- every kvpush call, in one place ---------------------------------------------------------------
@@ -126,7 +87,7 @@ class EngineBridge:
         self.config = config
         self.auth_token = auth_token
         self.events = events
-        self.thread = LoopThread(f"kvpush-{cluster_id}")
+        self.thread = Portal(f"kvpush-{cluster_id}")
         self.dd = LLMDataDist(role, cluster_id)
         self.cache: Cache | None = None
         self._pushes: dict[int, _Push] = {}
@@ -135,7 +96,7 @@ class EngineBridge:
         self._peer_geometry: dict[int, core.Geometry] = {}  # prefill workers that accepted ours (decode side)
         self._welcomes: dict[int, asyncio.Future[core.Welcome]] = {}
         self._peer_locks: dict[int, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskScope(f"kvpush-worker-{cluster_id}")
         self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -170,9 +131,7 @@ class EngineBridge:
         self.thread.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def _read(self, inbox: Any) -> None:
         try:

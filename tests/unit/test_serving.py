@@ -14,6 +14,7 @@ import pytest
 
 from kvpush.layout import pack_runs
 from kvpush.memory import CacheRegistry, allocate_regions
+from kvpush.options import EngineOptions
 from kvpush.protocol import (
     HEADER_SIZE,
     KeyRelease,
@@ -28,7 +29,7 @@ from kvpush.protocol import (
     encode_status,
     encode_transfer,
 )
-from kvpush.serving import Inbound, Refusal, resolve
+from kvpush.serving import Inbound, LinkPorts, Refusal, resolve
 from kvpush.status import LLMStatusCode
 from kvpush.types import CacheDesc, CacheKey, DataType
 
@@ -98,11 +99,24 @@ def test_resolve_refuses_what_lies_outside_the_registry(change: dict[str, Any], 
     assert caught.value.status == status and words in caught.value.reason
 
 
+class Engine:
+    """What the inbound side reads of its engine: the registry, the options (remote access allowed, the
+    engine's own limit) and where a registry change is told."""
+
+    def __init__(self, registry: CacheRegistry, limit_ms: int = 1000, changed: list[bool] | None = None) -> None:
+        self.registry = registry
+        self.options = EngineOptions(sync_kv_timeout_ms=limit_ms)
+        self.changed = changed if changed is not None else []
+
+    def registry_changed(self) -> None:
+        self.changed.append(True)
+
+
 def inbound(registry: CacheRegistry, proves: bool = True) -> tuple[Inbound, Sent, Counter[str]]:
     sent, counters = Sent(), Counter[str]()
     closed: list[str] = []
-    side = Inbound(registry, lambda: True, sent, counters, lambda proof: proves and proof == "ok", "9",
-                   LOOP, closed.append, lambda: 1000)
+    side = Inbound(Engine(registry), LinkPorts(sent, counters, LOOP, closed.append,
+                                               lambda proof: proves and proof == "ok"), "9")
     return side, sent, counters
 
 
@@ -131,8 +145,8 @@ def test_a_write_whose_done_cannot_be_sent_is_unpinned_once() -> None:
         closed.append(True)
         return frame
 
-    side = Inbound(registry, lambda: True, send_then_fail, Counter(), lambda proof: False, "9", LOOP,
-                   lambda _: None, lambda: 1000)
+    side = Inbound(Engine(registry), LinkPorts(send_then_fail, Counter(), LOOP, lambda _: None, lambda proof: False),
+                   "9")
     entry = registry.get(cache_id)
     assert entry is not None
     entry.pin()  # another holder (a lease, a held grant, another link's write)
@@ -208,8 +222,8 @@ def test_a_graceful_unlink_ends_leases_and_late_frames_for_them_are_tolerated() 
 async def test_an_incoming_write_that_never_finishes_closes_the_link_and_unpins() -> None:
     registry, cache_id = registry_with_cache()
     sent, closed = Sent(), []
-    side = Inbound(registry, lambda: True, sent, Counter(), lambda proof: False, "9", asyncio.get_running_loop(),
-                   closed.append, lambda: 100)  # own limit 100 ms -> deadline 2 * 0.1 + 1 s
+    side = Inbound(Engine(registry, limit_ms=100),  # own limit 100 ms -> deadline 2 * 0.1 + 1 s
+                   LinkPorts(sent, Counter(), asyncio.get_running_loop(), closed.append, lambda proof: False), "9")
     header, meta = transfer_frame(Kind.WRITE, cache_id, 0, 1, [0], [64])
     assert side.serve_write(header, meta) is not None
     entry = registry.get(cache_id)
@@ -244,9 +258,8 @@ def test_a_key_release_is_checked_against_the_registry_and_tells_every_peer_when
     mapping, regions = allocate_regions(desc)
     cache = registry.add(desc, regions, False, None, mapping, cache_keys=[CacheKey(1, 10), CacheKey(1, 11)])
     changed: list[bool] = []
-    allowed = [True]
-    side = Inbound(registry, lambda: allowed[0], Sent(), Counter(), lambda proof: False, "9", LOOP, lambda _: None,
-                   lambda: 1000, lambda: changed.append(True))
+    engine = Engine(registry, changed=changed)
+    side = Inbound(engine, LinkPorts(Sent(), Counter(), LOOP, lambda _: None, lambda proof: False), "9")
     side.on_release_key(*release_frame((0, 10, 0), cache.cache_id, 1, 0, 4))  # slot 1 is not key 10's: ignored
     side.on_release_key(*release_frame((0, 10, 0), cache.cache_id + 5, 0, 0, 4))  # no such cache: ignored
     side.on_release_key(*release_frame((0, 10, 0), cache.cache_id, 0, 0, 2))  # half of the slot's tensors
@@ -255,7 +268,7 @@ def test_a_key_release_is_checked_against_the_registry_and_tells_every_peer_when
     assert changed == [True] and registry.slot_of((0, 10, 0)) is None
     with pytest.raises(ProtocolError, match="which has 4"):
         side.on_release_key(*release_frame((0, 11, 0), cache.cache_id, 1, 2, 3))  # outside the cache
-    allowed[0] = False  # remote access disabled: a peer could not have pulled, nothing is released
+    engine.options.enable_remote_cache_accessible = False  # a peer could not have pulled: nothing is released
     side.on_release_key(*release_frame((0, 11, 0), cache.cache_id, 1, 0, 4))
     assert registry.slot_of((0, 11, 0)) is not None and changed == [True]
     malformed = encode_json(Kind.RELEASE_KEY, 0, {"key": [0, 11]})

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.layout import IoVec
 from kvpush.protocol import FrameHeader, Kind, encode_header
 from transports import iovec
 from transports.base import PayloadSink
@@ -213,9 +214,11 @@ async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> Non
         receiver.close("test over")
 
 
-def test_a_flat_cursor_moves_through_its_entries_as_the_numpy_cursor_does() -> None:
-    """FlatCursor against Cursor over the same entries and the same random progress: the same entry
-    pointers, the same remaining vector in the scratch, the same bytes where ``fill`` copied them."""
+def test_a_cursor_tracks_a_few_entries_as_ints_as_it_tracks_many_with_numpy() -> None:
+    """The cursor's two ways of tracking progress - a few entries as ints in the stream's scratch vector,
+    any number with numpy in a vector of its own - against each other over the same entries and the same
+    random progress: the same entry pointers, the same remaining vector, the same bytes where ``fill``
+    copied them."""
     rng = random.Random(11)
     for _ in range(300):
         sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 16))]
@@ -226,9 +229,9 @@ def test_a_flat_cursor_moves_through_its_entries_as_the_numpy_cursor_does() -> N
         flat = tuple(v for a, n in zip(bounds, sizes) for v in (flat_target.ctypes.data + int(a), n))
         vec = np.array([(np_target.ctypes.data + int(a), n) for a, n in zip(bounds, sizes)], np.uint64)
         spill = (12345, 2048)
-        scratch = np.zeros((32, 2), np.uint64)
-        ours = iovec.FlatCursor(flat, total, spill, (scratch.data.cast("B"), scratch.ctypes.data))
-        theirs = iovec.Cursor(vec, total=total, spill=spill)
+        scratch = iovec.Scratch()
+        ours = iovec.Cursor(IoVec.of(flat), spill=spill, scratch=scratch)
+        theirs = iovec.Cursor(IoVec.of(vec), spill=spill)
         done = 0
         while done < total:
             step = min(total - done, rng.choice([1, 2, rng.randint(1, 60)]))
@@ -243,9 +246,9 @@ def test_a_flat_cursor_moves_through_its_entries_as_the_numpy_cursor_does() -> N
             if done < total:
                 left = theirs.vec.shape[0] - theirs.index
                 assert ours.pointer()[1] == theirs.pointer()[1] == left
-                mine = scratch[ours.index:ours.index + left - 1].astype(np.int64)  # entries into another array
+                mine = scratch.table[ours.index:ours.index + left - 1].astype(np.int64)  # entries into another array
                 other = theirs.vec[theirs.index:-1].astype(np.int64)
                 assert (mine[:, 1] == other[:, 1]).all()
                 assert (mine[:, 0] - flat_target.ctypes.data == other[:, 0] - np_target.ctypes.data).all()
-                assert tuple(scratch[ours.index + left - 1]) == spill
+                assert tuple(scratch.table[ours.index + left - 1]) == spill
         assert (flat_target == np_target).all()

@@ -1,4 +1,4 @@
-"""kvpush/compat/portal.py: a private event loop that runs coroutines for blocking callers."""
+"""kvpush/portal.py: a private event loop that runs coroutines for blocking callers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpush.compat.portal import Portal, PortalClosedError
+from kvpush.portal import Portal, PortalClosedError
 
 
 @pytest.fixture
@@ -206,7 +206,7 @@ def _error_of(call: object) -> BaseException:
 
 _EXIT_WITHOUT_CLOSE = textwrap.dedent("""
     import asyncio, sys, time
-    from kvpush.compat.portal import Portal
+    from kvpush.portal import Portal
 
     portal = Portal("left-open")
 
