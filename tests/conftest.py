@@ -1,4 +1,6 @@
-"""Shared fixtures: engines in this process (finalized after each test) and helpers to link them."""
+"""Shared fixtures: engines in this process (finalized after each test), the decode peer per transport and a real
+etcd. Helpers live in modules (kvtest, peer, etcdserver, ...), never imported from here: every test directory may
+have its own conftest, and ``conftest`` names a different module depending on which was collected last."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # UCX over tcp would also use the host's external interface: tests stay on loopback (peers inherit this).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from kvtest import EngineFactory, cluster, decode_peer_with_kv, link  # noqa: E402, F401  (re-exported)
+from etcdserver import Etcd, missing  # noqa: E402
+from kvtest import TRANSPORTS, EngineFactory, decode_peer_with_kv  # noqa: E402
 from netns import two_hosts  # noqa: E402, F401  (a fixture for every test directory)
 from peer import Peer  # noqa: E402
 
 from kvpush import LLMDataDist, LLMRole  # noqa: E402
-from transports import cma, ucx  # noqa: E402
 
 
 @pytest.fixture
@@ -51,9 +53,6 @@ def long_mode(request: pytest.FixtureRequest) -> bool:
 
 
 # -- the conformance suites run every case once per transport available here -----------------------
-TRANSPORTS = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
-
-
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -65,3 +64,19 @@ def decode_peer(transport: str) -> Iterator[Peer]:
 
     with decode_peer_with_kv(transport) as peer:
         yield peer
+
+
+@pytest.fixture
+def etcd() -> Iterator[Etcd]:
+    """A real etcd on loopback, stopped after the test. Without etcd the test is skipped, saying why; in CI (``CI``
+    set) a missing etcd fails it instead."""
+    problem = missing()
+    if problem is not None:
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    server = Etcd().start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -15,8 +15,12 @@ import numpy as np
 from peer import Peer, pattern
 
 from kvpush import BlocksCacheKey, Cache, CacheDesc, DataType, LLMClusterInfo, LLMDataDist
+from transports import cma, ucx
 
 EngineFactory = Callable[..., Awaitable[LLMDataDist]]
+
+# the conformance suites run every case once per transport available here
+TRANSPORTS = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
 
 TENSORS = 8            # 4 layers of K, V with N = 2
 SRC_BLOCKS, DST_BLOCKS = 32, 64

@@ -12,15 +12,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, cluster, link
 from kvtest import (
     DST_BLOCKS,
     ROW,
     SRC_BLOCKS,
     TENSORS,
+    EngineFactory,
+    cluster,
     desc,
     expected_after,
     fill,
+    link,
     peer_options,
     prefill,
     random_blocks,

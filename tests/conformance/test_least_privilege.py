@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory
-from kvtest import DST_BLOCKS, PATIENT, ROW, SRC_BLOCKS, TENSORS, desc, fill, peer_options, raw
+from kvtest import DST_BLOCKS, PATIENT, ROW, SRC_BLOCKS, TENSORS, EngineFactory, desc, fill, peer_options, raw
 from peer import Peer, pattern
 from wire import RawPeer, write_frame
 

@@ -7,8 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, cluster, link
-from kvtest import DST_BLOCKS, SRC_BLOCKS, desc, fill, raw
+from kvtest import DST_BLOCKS, SRC_BLOCKS, EngineFactory, cluster, desc, fill, link, raw
 
 from kvpush import MAX_MESSAGE_BYTES, BlocksCacheKey, Cache, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 

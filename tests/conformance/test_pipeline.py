@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory
-from kvtest import DST_BLOCKS, TENSORS, expected_after, prefill, raw
+from kvtest import DST_BLOCKS, TENSORS, EngineFactory, expected_after, prefill, raw
 from peer import Peer
 
 from kvpush import BlocksCacheKey, LLMException, LLMStatusCode

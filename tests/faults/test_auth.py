@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from conftest import EngineFactory, cluster
+from kvtest import EngineFactory, cluster
 from wire import read_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMStatusCode

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from conftest import cluster
-from kvtest import desc, fill, raw
+from kvtest import cluster, desc, fill, raw
 
 from kvpush import BlocksCacheKey, LLMDataDist, LLMRole, LLMStatusCode
 

@@ -10,7 +10,7 @@ import socket
 import time
 
 import pytest
-from conftest import EngineFactory, cluster
+from kvtest import EngineFactory, cluster
 from peer import Peer
 from wire import RawPeer, write_frame
 

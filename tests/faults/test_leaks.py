@@ -7,7 +7,7 @@ import gc
 import os
 
 import pytest
-from conftest import EngineFactory, cluster
+from kvtest import EngineFactory, cluster
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMStatusCode
 

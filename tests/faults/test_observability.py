@@ -7,7 +7,7 @@ import json
 import logging
 
 import pytest
-from conftest import EngineFactory, cluster, link
+from kvtest import EngineFactory, cluster, link
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from etcd import Etcd
+from etcdserver import Etcd
 
 from kvpush.integrations.fleet import FleetError, Instance, Load, Membership, parse_discovery
 from kvpush.integrations.fleet_etcd import Registrar, Watcher, snapshot

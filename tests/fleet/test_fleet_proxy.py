@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
-from etcd import Etcd
+from etcdserver import Etcd
 from fakevllm import FakeVllm
 
 from kvpush.integrations import proxy

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, link
+from kvtest import EngineFactory, link
 
 from kvpush import (
     BlocksCacheKey,

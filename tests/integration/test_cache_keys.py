@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, link
-from kvtest import wait_for
+from kvtest import EngineFactory, link, wait_for
 
 from kvpush import (
     BlocksCacheKey,

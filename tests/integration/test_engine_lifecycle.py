@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, cluster, link
+from kvtest import EngineFactory, cluster, link
 from peer import Peer
 
 from kvpush import (

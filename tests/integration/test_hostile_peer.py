@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory, link
+from kvtest import EngineFactory, link
 from wire import RawPeer, write_frame
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMDataDist

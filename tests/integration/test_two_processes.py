@@ -13,8 +13,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TRANSPORTS, EngineFactory, cluster, link
-from kvtest import DST_BLOCKS, ROW, SRC_BLOCKS, TENSORS, decode_peer_with_kv, desc, fill, prefill, raw, wait_for
+from kvtest import (
+    DST_BLOCKS,
+    ROW,
+    SRC_BLOCKS,
+    TENSORS,
+    TRANSPORTS,
+    EngineFactory,
+    cluster,
+    decode_peer_with_kv,
+    desc,
+    fill,
+    link,
+    prefill,
+    raw,
+    wait_for,
+)
 from peer import Peer, pattern
 
 from kvpush import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineFactory
+from kvtest import EngineFactory
 
 from kvpush import BlocksCacheKey, Cache, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
 from kvpush.memory import CacheRegistry, allocate_regions, region_of

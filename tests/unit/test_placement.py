@@ -9,7 +9,7 @@ import mmap
 
 import numpy as np
 import pytest
-from conftest import EngineFactory
+from kvtest import EngineFactory
 
 from kvpush import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from kvpush.memory import accelerator_runtime, mapped_writable

@@ -25,9 +25,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "fleet"))
 
-from etcd import Etcd, missing  # noqa: E402
+from etcdserver import Etcd, missing  # noqa: E402
 from serving import (  # noqa: E402
     KV_CONNECTOR,
     MODEL_NAME,
