@@ -142,6 +142,19 @@ def _describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+@dataclass(frozen=True)
+class _Hop:
+    """One request to an upstream: ``method`` on ``upstream`` + the client's path; ``route`` goes back to
+    the client as X-Kvpush-Route; ``resend``: a connection closed before any answer raises _Unanswered."""
+
+    method: str
+    upstream: str
+    json: Any = None
+    headers: Mapping[str, str] | None = None
+    route: str | None = None
+    resend: bool = False
+
+
 class _Unanswered(Exception):
     """The decode refused the connection or closed it before any byte of its answer: nothing reached the
     client, so the request may go again."""
@@ -292,16 +305,9 @@ class Proxy:
 
     # -- completions -------------------------------------------------------------------------------
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            return self._fail(413, f"the request body exceeds this proxy's limit of {self.config.max_body_bytes} bytes")
-        except ValueError as error:
-            return self._fail(400, f"the request body is not JSON: {error}")
-        if not isinstance(body, dict):
-            return self._fail(400, "the request body must be a JSON object")
-        if body.get("n") not in (None, 1):
-            return self._fail(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         headers = self._upstream_headers(request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
@@ -309,18 +315,9 @@ class Proxy:
         resends = 0
         try:
             while True:
-                decode = self.decodes.pick()
-                if decode is None:
-                    wake = self.decodes.next_up_at()
-                    now = loop.time()
-                    if wake is None and self.membership is not None:
-                        wake = now + 0.2  # a fleet with no decode yet: one may register meanwhile
-                    if wake is None or now >= give_up_waiting:
-                        waited = now - (deadline - self.config.timeout_s)
-                        return self._fail(504 if now >= deadline else 503, "no decode instance accepted the request "
-                                          f"within {waited:.1f} s: {self._down(self.decodes)}", {"Retry-After": "1"})
-                    await asyncio.sleep(min(max(wake - now, 0.01), give_up_waiting - now))
-                    continue
+                decode = await self._next_decode(deadline, give_up_waiting)
+                if isinstance(decode, web.Response):
+                    return decode
                 if self.decodes.probing(decode):  # back after failing? (no prefill works for a decode that is not)
                     problem = await self._healthy(decode, deadline)
                     if problem is not None:
@@ -341,6 +338,36 @@ class Proxy:
             self.counters["client_left"] += 1
             raise
 
+    async def _read_body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The request's JSON object, or the error answer to send instead."""
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return self._fail(413, f"the request body exceeds this proxy's limit of {self.config.max_body_bytes} bytes")
+        except ValueError as error:
+            return self._fail(400, f"the request body is not JSON: {error}")
+        if not isinstance(body, dict):
+            return self._fail(400, "the request body must be a JSON object")
+        if body.get("n") not in (None, 1):
+            return self._fail(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
+        return body
+
+    async def _next_decode(self, deadline: float, give_up_waiting: float) -> str | web.Response:
+        """A decode to try, waiting while every one sits out a back-off (or a fleet has none yet) until
+        ``give_up_waiting``; then the error answer (503, or 504 past ``deadline``)."""
+        loop = asyncio.get_running_loop()
+        while (decode := self.decodes.pick()) is None:
+            wake = self.decodes.next_up_at()
+            now = loop.time()
+            if wake is None and self.membership is not None:
+                wake = now + 0.2  # a fleet with no decode yet: one may register meanwhile
+            if wake is None or now >= give_up_waiting:
+                waited = now - (deadline - self.config.timeout_s)
+                return self._fail(504 if now >= deadline else 503, "no decode instance accepted the request "
+                                  f"within {waited:.1f} s: {self._down(self.decodes)}", {"Retry-After": "1"})
+            await asyncio.sleep(min(max(wake - now, 0.01), give_up_waiting - now))
+        return decode
+
     async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str], decode: str,
                        deadline: float) -> web.StreamResponse:
         """One try: a prefill (if any accepts), then the decode's answer relayed. Raises _Unanswered."""
@@ -356,8 +383,8 @@ class Proxy:
                 log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.prefill.url, decode)
             self.decodes.acquire(decode)
             try:
-                response = await self._relay(request, "POST", decode + request.path, decode, deadline, json=copy,
-                                             headers=headers, route=route, resend=True)
+                response = await self._relay(request, _Hop("POST", decode, json=copy, headers=headers, route=route,
+                                                            resend=True), deadline)
             finally:
                 self.decodes.release(decode)
             answered = True
@@ -416,20 +443,20 @@ class Proxy:
                       self._down(self.prefills))
         return None
 
-    async def _relay(self, request: web.Request, method: str, url: str, upstream: str, deadline: float,
-                     json: Any = None, headers: Mapping[str, str] | None = None, route: str | None = None,
-                     resend: bool = False) -> web.StreamResponse:
-        """Pass the answer of ``upstream`` to ``method url`` on to the client as it arrives: status,
-        headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable upstream a
-        502, or with ``resend`` _Unanswered (when a connection error says nothing was answered)."""
+    async def _relay(self, request: web.Request, hop: _Hop, deadline: float) -> web.StreamResponse:
+        """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
+        status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
+        upstream a 502, or with ``hop.resend`` _Unanswered (when a connection error says nothing was
+        answered)."""
         response: web.StreamResponse | None = None
         remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        upstream = hop.upstream
         try:
-            async with self.session.request(method, url, json=json, headers=headers,
+            async with self.session.request(hop.method, upstream + request.path, json=hop.json, headers=hop.headers,
                                             timeout=aiohttp.ClientTimeout(total=remaining)) as reply:
                 passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
-                if route is not None:
-                    passed["X-Kvpush-Route"] = route
+                if hop.route is not None:
+                    passed["X-Kvpush-Route"] = hop.route
                 response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
                 await response.prepare(request)
                 async for chunk in reply.content.iter_any():
@@ -440,7 +467,7 @@ class Proxy:
             what = _describe(error)
             if response is None:
                 timed_out = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
-                if resend and not timed_out and isinstance(error, (aiohttp.ClientConnectionError, ConnectionError)):
+                if hop.resend and not timed_out and isinstance(error, (aiohttp.ClientConnectionError, ConnectionError)):
                     raise _Unanswered(what) from None
                 log.warning("%s%s: %s", upstream, request.path, what)
                 return self._fail(504 if timed_out else 502, f"upstream {upstream}: {what}")
@@ -469,8 +496,7 @@ class Proxy:
         if decode is None:
             return self._fail(503, f"no decode instance is up: {self._down(self.decodes)}")
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        return await self._relay(request, "GET", decode + request.path, decode, deadline,
-                                 headers=self._upstream_headers(request))
+        return await self._relay(request, _Hop("GET", decode, headers=self._upstream_headers(request)), deadline)
 
     async def health(self, request: web.Request) -> web.Response:
         urls = [prefill.url for prefill in self.prefills.targets] + list(self.decodes.targets)

@@ -60,40 +60,16 @@ class ConnectorConfig:
     advertise_url: str | None = None
     engine_options: Mapping[str, str] = field(default_factory=dict)
 
-    _FLOATS = ("transfer_timeout_s", "ids_timeout_s", "abort_grace_s")
-    _INTS = ("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers")
-    _STRS = ("host", "transport", "auth_token", "discovery", "advertise_url")
-    _BOOLS = ("insecure",)
-
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         """Validate ``extra`` (unknown keys and wrong types raise ParamsError naming the key)."""
         values: dict[str, Any] = {}
         for key, value in (extra or {}).items():
-            if key in cls._FLOATS:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {value!r}")
-                values[key] = float(value)
-            elif key in cls._INTS:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a non-negative int, got {value!r}")
-                values[key] = value
-            elif key in cls._STRS:
-                if not isinstance(value, str):
-                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
-                values[key] = value
-            elif key in cls._BOOLS:
-                if not isinstance(value, bool):
-                    raise ParamsError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
-                values[key] = value
-            elif key == "engine_options":
-                if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                             for k, v in value.items()):
-                    raise ParamsError("kv_connector_extra_config['engine_options'] must map strings to strings")
-                values[key] = dict(value)
-            else:
-                known = sorted(cls._FLOATS + cls._INTS + cls._STRS + cls._BOOLS + ("engine_options",))
-                raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; known: {', '.join(known)}")
+            check = _CHECKS.get(key)
+            if check is None:
+                raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; "
+                                  f"known: {', '.join(sorted(_CHECKS))}")
+            values[key] = check(key, value)
         if "port" in values and not 0 < values["port"] < 65536:
             raise ParamsError(f"kv_connector_extra_config['port']={values['port']} is not a TCP port")
         if ("discovery" in values) != ("advertise_url" in values):
@@ -119,6 +95,46 @@ class ConnectorConfig:
             options["kvpush.auth_token"] = auth_token or self.auth_token or ""
         options.update(self.engine_options)
         return options
+
+
+def _positive(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _count(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a non-negative int, got {value!r}")
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ParamsError(f"kv_connector_extra_config[{key!r}] must be a string, got {value!r}")
+    return value
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ParamsError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+    return value
+
+
+def _string_map(key: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ParamsError(f"kv_connector_extra_config[{key!r}] must map strings to strings")
+    return dict(value)
+
+
+# each key of kv_connector_extra_config -> its check (which returns the value to keep)
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    **dict.fromkeys(("transfer_timeout_s", "ids_timeout_s", "abort_grace_s"), _positive),
+    **dict.fromkeys(("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers"), _count),
+    **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url"), _text),
+    "insecure": _flag,
+    "engine_options": _string_map,
+}
 
 
 def derive_cluster_id(host: str, port: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +163,15 @@ def decode(data: bytes) -> Message:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MessageError(f"a message is bytes, got {type(data).__name__}")
     data = bytes(data)
+    kind, transfer_id, at = _head(data)
+    try:
+        return _DECODERS[kind](data, at, transfer_id)
+    except struct.error as error:
+        raise MessageError(f"{kind.name} message truncated: {error}") from None
+
+
+def _head(data: bytes) -> tuple[Kind, str, int]:
+    """A message's kind, transfer id and where its body starts."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     if len(data) < _HEAD.size + 2:
@@ -185,53 +194,73 @@ def decode(data: bytes) -> Message:
         transfer_id = data[at:at + tid_len].decode("utf-8")
     except UnicodeDecodeError:
         raise MessageError("transfer id is not UTF-8") from None
-    at += tid_len
+    return kind, transfer_id, at + tid_len
+
+
+def _block_ids(data: bytes, at: int, transfer_id: str) -> BlockIds:
+    block_size, num_tokens, first_block, total, offset, count = _IDS.unpack_from(data, at)
+    at += _IDS.size
+    src_head, dst_head, heads, dst_local, legs = _LEG.unpack_from(data, at)
+    at += _LEG.size
+    leg = None if dst_local == 0 else LegInfo(src_head, dst_head, heads, dst_local, legs)
+    if leg is not None and (dst_head + heads > dst_local or legs < 1):
+        raise MessageError(f"BLOCK_IDS leg out of range: {leg}")
+    if at + 4 * count != len(data):
+        raise MessageError(f"BLOCK_IDS says {count} ids, carries {(len(data) - at) / 4:g}")
+    blocks = struct.unpack_from(f"<{count}I", data, at)
+    if block_size == 0 or total > MAX_BLOCKS_PER_TRANSFER or offset + count > total:
+        raise MessageError(f"BLOCK_IDS geometry out of range (block_size={block_size}, total={total}, "
+                           f"offset={offset}, count={count})")
+    return BlockIds(transfer_id, block_size, num_tokens, first_block, total, offset, blocks, leg)
+
+
+def _abort(data: bytes, at: int, transfer_id: str) -> Abort:
+    (length,) = _REASON.unpack_from(data, at)
+    at += _REASON.size
+    if at + length != len(data) or length > MAX_REASON_BYTES:
+        raise MessageError("ABORT reason length does not match the message")
+    return Abort(transfer_id, data[at:].decode("utf-8", "replace"))
+
+
+def _greeting(kind: Kind, data: bytes, at: int) -> tuple[Geometry, dict[str, Any]]:
+    """A Hello's or Welcome's geometry and JSON fields."""
+    (length,) = _JSON.unpack_from(data, at)
+    at += _JSON.size
+    if at + length != len(data):
+        raise MessageError(f"{kind.name} length does not match the message")
     try:
-        if kind == Kind.BLOCK_IDS:
-            block_size, num_tokens, first_block, total, offset, count = _IDS.unpack_from(data, at)
-            at += _IDS.size
-            src_head, dst_head, heads, dst_local, legs = _LEG.unpack_from(data, at)
-            at += _LEG.size
-            leg = None if dst_local == 0 else LegInfo(src_head, dst_head, heads, dst_local, legs)
-            if leg is not None and (dst_head + heads > dst_local or legs < 1):
-                raise MessageError(f"BLOCK_IDS leg out of range: {leg}")
-            if at + 4 * count != len(data):
-                raise MessageError(f"BLOCK_IDS says {count} ids, carries {(len(data) - at) / 4:g}")
-            blocks = struct.unpack_from(f"<{count}I", data, at)
-            if block_size == 0 or total > MAX_BLOCKS_PER_TRANSFER or offset + count > total:
-                raise MessageError(f"BLOCK_IDS geometry out of range (block_size={block_size}, total={total}, "
-                                   f"offset={offset}, count={count})")
-            return BlockIds(transfer_id, block_size, num_tokens, first_block, total, offset, blocks, leg)
-        if kind == Kind.ABORT:
-            (length,) = _REASON.unpack_from(data, at)
-            at += _REASON.size
-            if at + length != len(data) or length > MAX_REASON_BYTES:
-                raise MessageError("ABORT reason length does not match the message")
-            return Abort(transfer_id, data[at:].decode("utf-8", "replace"))
-        if kind in (Kind.HELLO, Kind.WELCOME):
-            (length,) = _JSON.unpack_from(data, at)
-            at += _JSON.size
-            if at + length != len(data):
-                raise MessageError(f"{kind.name} length does not match the message")
-            try:
-                fields = json.loads(data[at:].decode("utf-8"))
-                geometry = Geometry.from_wire(fields.get("geometry") if isinstance(fields, dict) else None)
-            except (ValueError, UnicodeDecodeError) as error:
-                raise MessageError(f"{kind.name}: {error}") from None
-            if kind == Kind.HELLO:
-                return Hello(geometry, transfer_id)
-            return Welcome(geometry, str(fields.get("refusal", "")), transfer_id)
-        outcome_value, num_blocks, length = _DONE.unpack_from(data, at)
-        at += _DONE.size
-        if at + length != len(data) or length > MAX_REASON_BYTES:
-            raise MessageError("DONE reason length does not match the message")
-        try:
-            outcome = Outcome(outcome_value)
-        except ValueError:
-            raise MessageError(f"unknown outcome {outcome_value}") from None
-        return Done(transfer_id, outcome, num_blocks, data[at:].decode("utf-8", "replace"))
-    except struct.error as error:
-        raise MessageError(f"{kind.name} message truncated: {error}") from None
+        fields = json.loads(data[at:].decode("utf-8"))
+        geometry = Geometry.from_wire(fields.get("geometry") if isinstance(fields, dict) else None)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise MessageError(f"{kind.name}: {error}") from None
+    return geometry, fields
+
+
+def _hello(data: bytes, at: int, transfer_id: str) -> Hello:
+    geometry, _ = _greeting(Kind.HELLO, data, at)
+    return Hello(geometry, transfer_id)
+
+
+def _welcome(data: bytes, at: int, transfer_id: str) -> Welcome:
+    geometry, fields = _greeting(Kind.WELCOME, data, at)
+    return Welcome(geometry, str(fields.get("refusal", "")), transfer_id)
+
+
+def _done(data: bytes, at: int, transfer_id: str) -> Done:
+    outcome_value, num_blocks, length = _DONE.unpack_from(data, at)
+    at += _DONE.size
+    if at + length != len(data) or length > MAX_REASON_BYTES:
+        raise MessageError("DONE reason length does not match the message")
+    try:
+        outcome = Outcome(outcome_value)
+    except ValueError:
+        raise MessageError(f"unknown outcome {outcome_value}") from None
+    return Done(transfer_id, outcome, num_blocks, data[at:].decode("utf-8", "replace"))
+
+
+_DECODERS: dict[Kind, Callable[[bytes, int, str], Message]] = {
+    Kind.BLOCK_IDS: _block_ids, Kind.ABORT: _abort, Kind.HELLO: _hello, Kind.WELCOME: _welcome,
+    Kind.DONE: _done}
 
 
 def block_id_messages(transfer_id: str, block_size: int, num_tokens: int, first_block: int,

@@ -152,29 +152,7 @@ class ProducerBook:
         for item in finished:
             self._finish(item)
         for send in sends:
-            r = self._requests.get(send.transfer_id)
-            if r is None:
-                r = self._requests[send.transfer_id] = _Request(send.transfer_id, self.clock())
-                gone = self._ended.get(send.transfer_id)
-                if gone is not None:  # its decode already gave up (and was answered): only keep the blocks
-                    r.failure = f"ended before its request ran: {gone}"
-                    r.expected = 0
-            if r.req_id is None:
-                r.ids_deadline = None  # the request is here; its ids are awaited from when it finishes
-            r.req_id = send.req_id
-            r.blocks = list(send.blocks)
-            if send.resumed:
-                log.info("transfer %s: request %s was preempted; its blocks are pushed again", r.transfer_id,
-                         send.req_id)
-                for t in r.legs.values():
-                    t.pushed_upto = t.first_block
-            if r.num_prompt_tokens is None:
-                r.num_prompt_tokens = send.num_prompt_tokens
-                for t in list(r.legs.values()):
-                    self._check_tokens(t)
-            r.computed_upto = send.computed_before
-            r.step_after = send.computed_after
-            r.in_step = True
+            r = self._in_step(send)
             self._step.append(r)
             for t in list(r.legs.values()):
                 if t.failure is None and r.failure is None and t.dst_blocks is not None and not t.released:
@@ -184,6 +162,33 @@ class ProducerBook:
                                         else send.computed_after // self.block_size)
                     if push_id is not None:
                         self._step_pushes.append(push_id)
+
+    def _in_step(self, send: SendStep) -> _Request:
+        """The request ``send`` computes in this step, created on its first step, brought up to date."""
+        r = self._requests.get(send.transfer_id)
+        if r is None:
+            r = self._requests[send.transfer_id] = _Request(send.transfer_id, self.clock())
+            gone = self._ended.get(send.transfer_id)
+            if gone is not None:  # its decode already gave up (and was answered): only keep the blocks
+                r.failure = f"ended before its request ran: {gone}"
+                r.expected = 0
+        if r.req_id is None:
+            r.ids_deadline = None  # the request is here; its ids are awaited from when it finishes
+        r.req_id = send.req_id
+        r.blocks = list(send.blocks)
+        if send.resumed:
+            log.info("transfer %s: request %s was preempted; its blocks are pushed again", r.transfer_id,
+                     send.req_id)
+            for t in r.legs.values():
+                t.pushed_upto = t.first_block
+        if r.num_prompt_tokens is None:
+            r.num_prompt_tokens = send.num_prompt_tokens
+            for t in list(r.legs.values()):
+                self._check_tokens(t)
+        r.computed_upto = send.computed_before
+        r.step_after = send.computed_after
+        r.in_step = True
+        return r
 
     def layer_saved(self, layer: int) -> None:
         """Layer ``layer``'s KV of this step is in memory: push it for every pipelined push."""
@@ -327,51 +332,16 @@ class ProducerBook:
         self._release_if_done(r)
 
     def _on_ids(self, peer: int, message: BlockIds) -> None:
-        r = self._requests.get(message.transfer_id)
-        if r is None:
-            gone = self._ended.get(message.transfer_id)
-            if gone is not None:
-                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.UNKNOWN, 0,
-                                                     f"already ended: {gone}")))
-                return
-            if len(self._requests) >= self.config.max_transfers:
-                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
-                                                     f"prefill tracks {len(self._requests)} transfers already")))
-                return
-            r = self._requests[message.transfer_id] = _Request(message.transfer_id, self.clock())
-            r.ids_deadline = r.created + self.config.transfer_timeout_s
-        legs = message.leg.legs if message.leg is not None else 1
-        t = r.legs.get(peer)
-        if t is None and r.failure is not None:  # the request failed before this leg came: say so at once
-            self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0, r.failure)))
-            return
+        t = self._leg_for(peer, message)
         if t is None:
-            if r.expected is not None and len(r.legs) >= r.expected:
-                owners = ", ".join(str(other) for other in r.legs)
-                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
-                                                     f"transfer already belongs to cluster(s) {owners}")))
-                return
-            t = r.legs[peer] = _Outgoing(r, peer)
-        if r.expected is None:
-            r.expected = legs
+            return
+        r = t.request
         if t.failure is not None or r.failure is not None or t.released:
             self._settle(t)  # answers with the failure (once its pushes drained)
             return
-        if legs != r.expected:
-            self._fail(t, f"decode ranks announce {legs} and {r.expected} legs", Outcome.MISMATCH)
-            return
-        if t.dst_blocks is not None:
-            self._fail(t, "block ids sent twice", Outcome.MISMATCH)
-            return
-        if message.block_size != self.block_size:
-            self._fail(t, f"decode block size {message.block_size}, prefill {self.block_size}", Outcome.MISMATCH)
-            return
-        if message.leg is not None and message.leg.src_head + message.leg.heads > self.local_heads:
-            self._fail(t, f"decode asks for local heads {message.leg.src_head}..+{message.leg.heads}, this rank "
-                          f"holds {self.local_heads}", Outcome.MISMATCH)
-            return
-        if message.offset != len(t.parts) or (t.parts and message.total != t.parts_total):
-            self._fail(t, f"block id part at {message.offset} of {message.total} out of order", Outcome.MISMATCH)
+        problem = self._mismatch(t, message)
+        if problem is not None:
+            self._fail(t, problem, Outcome.MISMATCH)
             return
         t.parts.extend(message.blocks)
         t.parts_total = message.total
@@ -391,6 +361,53 @@ class ProducerBook:
         if not self._check_tokens(t):
             return
         self._settle(t)
+
+    def _leg_for(self, peer: int, message: BlockIds) -> _Outgoing | None:
+        """The leg ``peer``'s block ids belong to, made on its first part; None when the decode was answered at
+        once instead (the transfer ended, too many transfers, the request failed or its legs are all taken)."""
+        r = self._requests.get(message.transfer_id)
+        if r is None:
+            gone = self._ended.get(message.transfer_id)
+            if gone is not None:
+                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.UNKNOWN, 0,
+                                                     f"already ended: {gone}")))
+                return None
+            if len(self._requests) >= self.config.max_transfers:
+                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
+                                                     f"prefill tracks {len(self._requests)} transfers already")))
+                return None
+            r = self._requests[message.transfer_id] = _Request(message.transfer_id, self.clock())
+            r.ids_deadline = r.created + self.config.transfer_timeout_s
+        t = r.legs.get(peer)
+        if t is None and r.failure is not None:  # the request failed before this leg came: say so at once
+            self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0, r.failure)))
+            return None
+        if t is None:
+            if r.expected is not None and len(r.legs) >= r.expected:
+                owners = ", ".join(str(other) for other in r.legs)
+                self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.FAILED, 0,
+                                                     f"transfer already belongs to cluster(s) {owners}")))
+                return None
+            t = r.legs[peer] = _Outgoing(r, peer)
+        if r.expected is None:
+            r.expected = message.leg.legs if message.leg is not None else 1
+        return t
+
+    def _mismatch(self, t: _Outgoing, message: BlockIds) -> str | None:
+        """Why this part of leg ``t``'s block ids cannot be taken, or None."""
+        legs = message.leg.legs if message.leg is not None else 1
+        if legs != t.request.expected:
+            return f"decode ranks announce {legs} and {t.request.expected} legs"
+        if t.dst_blocks is not None:
+            return "block ids sent twice"
+        if message.block_size != self.block_size:
+            return f"decode block size {message.block_size}, prefill {self.block_size}"
+        if message.leg is not None and message.leg.src_head + message.leg.heads > self.local_heads:
+            return (f"decode asks for local heads {message.leg.src_head}..+{message.leg.heads}, this rank "
+                    f"holds {self.local_heads}")
+        if message.offset != len(t.parts) or (t.parts and message.total != t.parts_total):
+            return f"block id part at {message.offset} of {message.total} out of order"
+        return None
 
     @staticmethod
     def _waiting_ids(r: _Request) -> bool:
@@ -429,23 +446,8 @@ class ProducerBook:
         if t.pushes or t.released or self._requests.get(r.transfer_id) is not r:
             return
         failure = t.failure or r.failure
-        if failure is None:
-            if t.dst_blocks is None:
-                return
-            if r.finished and r.computed_upto < t.num_tokens:
-                self._fail(t, f"request finished with {r.computed_upto} of {t.num_tokens} prompt tokens computed",
-                           Outcome.FAILED)
-                return
-            if not r.in_step:
-                # Blocks every layer of which is in memory and that no later step writes: all of them
-                # once the request finished, else the whole blocks below the computed tokens.
-                limit = self._end_block(t) if r.finished else r.computed_upto // self.block_size
-                if t.pushed_upto < limit:
-                    start, t.pushed_upto = t.pushed_upto, limit
-                    if self._start(t, start, limit, pipelined=False) is not None:
-                        return
-            if not r.finished or t.pushed_upto < self._end_block(t):
-                return
+        if failure is None and not self._all_pushed(t):
+            return
         if not t.notify_state:
             t.notify_state = "sent"
             if failure is None:
@@ -461,6 +463,26 @@ class ProducerBook:
         t.released = True
         self.stats["landed" if failure is None else "failed"] += 1
         self._release_if_done(r)
+
+    def _all_pushed(self, t: _Outgoing) -> bool:
+        """Leg ``t`` (not failed) has pushed every block of its finished request; else start the catch-up pushes
+        it can (or fail it when its request finished short of the tokens it announced) and say False."""
+        r = t.request
+        if t.dst_blocks is None:
+            return False
+        if r.finished and r.computed_upto < t.num_tokens:
+            self._fail(t, f"request finished with {r.computed_upto} of {t.num_tokens} prompt tokens computed",
+                       Outcome.FAILED)
+            return False
+        if not r.in_step:
+            # Blocks every layer of which is in memory and that no later step writes: all of them
+            # once the request finished, else the whole blocks below the computed tokens.
+            limit = self._end_block(t) if r.finished else r.computed_upto // self.block_size
+            if t.pushed_upto < limit:
+                start, t.pushed_upto = t.pushed_upto, limit
+                if self._start(t, start, limit, pipelined=False) is not None:
+                    return False
+        return r.finished and t.pushed_upto >= self._end_block(t)
 
     def _release_if_done(self, r: _Request) -> None:
         """Release the request once it finished (or never came) and every leg it will have ended."""
