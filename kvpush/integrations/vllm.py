@@ -12,7 +12,7 @@ parallelism every worker rank runs its own kvpush engine (rank ``r`` listening o
 pushes its own KV heads; prefill and decode may use different TP sizes (``vllm_core.topology``).
 
 This module is the thin part: it translates vLLM's hooks into calls on the scheduler book of
-``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``EngineBridge``, which runs
+``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``vllm_bridge.EngineBridge``, which runs
 every kvpush call on one private event-loop thread); both are vLLM-free. Only host (CPU) KV caches
 are supported: a CUDA cache is refused with the reason.
 """
@@ -37,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 
 from . import vllm_core as core
 from .vllm_fleet import fleet_member
-from .vllm_worker import ConnectorSettings, WorkerSide, scheduled_requests
+from .vllm_settings import ConnectorSettings, scheduled_requests
+from .vllm_worker import WorkerSide
 
 log = logging.getLogger(__name__)
 

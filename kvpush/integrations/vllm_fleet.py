@@ -17,7 +17,7 @@ from typing import Any
 
 from ..portal import Portal
 from .fleet import Instance, Load, parse_discovery, parse_load
-from .vllm_worker import ConnectorSettings
+from .vllm_settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 

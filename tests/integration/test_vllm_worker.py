@@ -21,7 +21,8 @@ from peer import Peer
 from kvpush import LLMStatusCode
 from kvpush.integrations import vllm_core as core
 from kvpush.integrations.vllm_core import FinishedSend, RecvSpec, SendStep, StepMeta
-from kvpush.integrations.vllm_worker import ConnectorSettings, WorkerSide, cache_desc
+from kvpush.integrations.vllm_settings import ConnectorSettings, cache_desc
+from kvpush.integrations.vllm_worker import WorkerSide
 
 LAYERS, BLOCKS, HEADS, BLOCK, WIDTH = 2, 64, 2, 4, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -349,7 +349,7 @@ def _wake(server: Server, signal_all: bool) -> None:
 
 def _kvpush_lines(server: Server, since: int) -> str:
     """The connector's log lines (vLLM's format) since byte ``since`` of ``server``'s log, for the report."""
-    modules = ("consumer", "producer", "scheduler", "vllm_worker")
+    modules = ("consumer", "producer", "scheduler", "vllm_worker", "vllm_bridge")
     return "\n".join(line[-320:] for line in log_lines(server, since=since)
                      if any(f"[{module}.py:" in line for module in modules))
 

@@ -1,0 +1,154 @@
+"""What KvpushConnector reads from vLLM's objects: the settings both sides derive from the vLLM config
+(``ConnectorSettings``: role, addresses, cluster id, TP place, fingerprints), the one blocks cache of a
+worker's KV tensors (``cache_desc``) and a scheduler output's requests (``scheduled_requests``). Works
+without vLLM or torch (any objects with the attributes vLLM's would have).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvpush import (
+    AUTH_TOKEN_ENV,
+    CacheDesc,
+    DataType,
+    LLMRole,
+    is_loopback,
+)
+
+from . import vllm_core as core
+
+_DTYPES = {"float32": DataType.DT_FLOAT, "float16": DataType.DT_FLOAT16, "bfloat16": DataType.DT_BF16}
+
+def cache_desc(names: Sequence[str], tensors: Sequence[Any]) -> CacheDesc:
+    """One blocks cache, one tensor per layer (each layer's ``[num_blocks, ...]`` view registered in
+    place). Refuses what kvpush cannot move, naming the layer and the reason."""
+    if not tensors:
+        raise ValueError("KvpushConnector: vLLM registered no KV cache tensors")
+    first = tensors[0]
+    for name, tensor in zip(names, tensors):
+        device = str(getattr(tensor, "device", "cpu"))
+        if not device.startswith("cpu"):
+            raise NotImplementedError(
+                f"KvpushConnector: layer {name}'s KV cache is on {device}; kvpush moves host memory only "
+                f"(registering GPU memory, e.g. through UCX with CUDA support, is not implemented yet)")
+        if tuple(tensor.shape) != tuple(first.shape) or tensor.dtype != first.dtype:
+            raise NotImplementedError(
+                f"KvpushConnector: layer {name} has KV {tuple(tensor.shape)} {tensor.dtype}, layer {names[0]} "
+                f"{tuple(first.shape)} {first.dtype}; one shape and dtype for every layer is required")
+        contiguous = tensor.is_contiguous() if hasattr(tensor, "is_contiguous") else tensor.flags.c_contiguous
+        if not contiguous:
+            raise NotImplementedError(f"KvpushConnector: layer {name}'s KV cache view is not contiguous")
+    dtype = _DTYPES.get(str(first.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise NotImplementedError(f"KvpushConnector: KV cache dtype {first.dtype} is not supported "
+                                  f"(float32, float16, bfloat16 are)")
+    return CacheDesc(len(tensors), tuple(int(d) for d in first.shape), dtype)
+
+
+class ConnectorSettings:
+    """What both sides derive from the vLLM config: role, addresses, cluster id, deadlines, and this
+    worker's place in its instance (``tp_rank`` of ``tp_size``; the scheduler's settings are rank 0's).
+
+    Rank ``r`` listens on ``port + 2 * r`` (``port``: ``kv_connector_extra_config``'s, else vLLM's
+    ``kv_port``, ``+ 1`` for a decode), with the cluster id derived from that address, or the configured
+    ``cluster_id + r``."""
+
+    def __init__(self, vllm_config: Any, tp_rank: int = 0) -> None:
+        transfer = vllm_config.kv_transfer_config
+        self.role: str = transfer.kv_role
+        if self.role not in core.ROLES:
+            raise core.ParamsError(f"kv_role {self.role!r} is not one of {', '.join(core.ROLES)}")
+        self.config = core.ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.block_size: int = int(vllm_config.cache_config.block_size)
+        self.produce = self.role in ("kv_producer", "kv_both")
+        self.consume = self.role in ("kv_consumer", "kv_both")
+        #: vLLM's answer to a request whose KV did not come ("fail" or "recompute"; None: a vLLM without it)
+        self.load_failure_policy: str | None = getattr(transfer, "kv_load_failure_policy", None)
+        self.engine_role = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}.get(self.role, LLMRole.MIX)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("KvpushConnector: pipeline parallelism (pipeline_parallel_size="
+                                      f"{parallel.pipeline_parallel_size}) is not built yet; tensor parallelism is")
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.tp_rank = tp_rank
+        rank = int(getattr(parallel, "data_parallel_index", 0) or 0) * self.tp_size + tp_rank
+        self.kv_heads: int | None = _total_kv_heads(vllm_config)
+        self.model = _model_fingerprint(vllm_config)
+        kv_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        model_dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
+        #: the KV geometry's fingerprint in a fleet registry: instances with another one are never paired
+        self.compat = hashlib.blake2b(f"{self.model}|{self.block_size}|{kv_dtype}|{model_dtype}".encode(),
+                                      digest_size=8).hexdigest()
+        host = self.config.host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+        self.listen: tuple[str, int] | None = None
+        if self.produce or self.config.port is not None or self.config.host is not None:
+            port = self.config.port + 2 * rank if self.config.port else core.listen_port(transfer.kv_port, self.role,
+                                                                                            rank)
+            self.listen = (host, port)
+        if self.config.cluster_id is not None:
+            self.cluster_id = self.config.cluster_id + rank
+        elif self.listen is not None:
+            self.cluster_id = core.derive_cluster_id(*self.listen)
+        else:  # a decode that only dials: any id no address derives to (those are < 2**48 or >= 2**63)
+            self.cluster_id = (1 << 48) + secrets.randbelow((1 << 62) - (1 << 48))
+        self.local = core.PeerAddress(self.listen[0], self.listen[1], self.cluster_id) if self.listen else None
+        #: the shared secret of this deployment's links: the config's, else the environment's
+        self.auth_token: str | None = self.config.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+        self.insecure_listener = self.listen is not None and not self.auth_token and not is_loopback(self.listen[0])
+        if self.insecure_listener and not self.config.insecure:
+            assert self.listen is not None
+            raise core.ParamsError(
+                f"KvpushConnector: its kvpush engine would listen on {self.listen[0]}:{self.listen[1]}, which other "
+                f"hosts may reach, with no auth token: any of them could link to it. Give every prefill and decode "
+                f"the same secret in the environment variable {AUTH_TOKEN_ENV} (or \"auth_token\" in "
+                f"kv_connector_extra_config, which shows in process listings), or run it unauthenticated on a "
+                f"private network with \"insecure\": true in kv_connector_extra_config")
+        default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+        self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
+        self.name = f"kvpush-{str(transfer.engine_id)[:8]}"
+
+    def geometry(self, layers: int, local_heads: int, head_size: int, dtype: str) -> core.Geometry:
+        """This worker's geometry, once its KV tensors are known."""
+        kv_heads = self.kv_heads or local_heads * self.tp_size
+        return core.Geometry(self.model, dtype, self.block_size, head_size, layers, kv_heads, self.tp_size,
+                             self.tp_rank)
+
+
+def _total_kv_heads(vllm_config: Any) -> int | None:
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        return int(model.get_total_num_kv_heads()) if model is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _model_fingerprint(vllm_config: Any) -> str:
+    """The model's architecture, not where it was loaded from: a hash of its Hugging Face config without
+    paths and versions (two hosts may keep one model under different paths)."""
+    model = getattr(vllm_config, "model_config", None)
+    config = getattr(model, "hf_config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None:
+        return str(getattr(model, "model", "unknown"))
+    fields = {key: value for key, value in to_dict().items()
+              if key not in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return f"{fields.get('model_type', 'model')}-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
+
+
+def scheduled_requests(scheduler_output: Any) -> Iterable[core.Scheduled]:
+    counts = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        yield core.Scheduled(new.req_id, tuple(new.block_ids[0]), False, new.num_computed_tokens, counts[new.req_id])
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        groups = cached.new_block_ids[i]
+        blocks = tuple(groups[0]) if groups is not None else None
+        yield core.Scheduled(req_id, blocks, req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                             counts.get(req_id, 0))
