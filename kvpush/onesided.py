@@ -125,9 +125,12 @@ class OneSidedSender:
 
     def _leased_done(self, cache_id: int) -> None:
         self._leased_inflight[cache_id] -= 1
-        if not any(self._leased_inflight.values()):
-            self._idle.set()
+        self._maybe_idle()
         self._maybe_revoked(cache_id)
+
+    def _maybe_idle(self) -> None:
+        if not self._lent and not any(self._leased_inflight.values()):
+            self._idle.set()
 
     def _maybe_revoked(self, cache_id: int) -> None:
         if self.leases.get(cache_id) == LeaseState.REVOKED and not self._leased_inflight[cache_id]:
@@ -136,7 +139,7 @@ class OneSidedSender:
             self.leases[cache_id] = LeaseState.DONE
 
     def leases_idle(self) -> bool:
-        """No copy under a standing grant is running or queued."""
+        """No copy under a standing grant is running or queued (here, or in the peer for a READ_OFFER)."""
         return self._idle.is_set()
 
     async def drain_leases(self, timeout: float) -> bool:
@@ -181,6 +184,7 @@ class OneSidedSender:
         ``op``) until its DONE arrives (``on_taken``), whatever happens to the request meanwhile."""
         op.copy = self._loop.create_future()  # what ``settle`` waits for: the receiver's copy
         self._lent[op.request_id] = (op, source)
+        self._idle.clear()  # an unlink waits for the answer, so the peer has copied before it lets go
 
     def on_taken(self, request_id: int, status: int, message: str) -> bool:
         """A DONE: if it answers a READ_OFFER (False: it does not), the source may go, and the request
@@ -199,6 +203,7 @@ class OneSidedSender:
             self._end_lent(op, LLMException(LLMStatusCode.LLM_FAILED, "withdrawn before it was sent"))
 
     def _end_lent(self, op: PendingOp, error: LLMException | None) -> None:
+        self._maybe_idle()
         op.release()
         if op.copy is not None and not op.copy.done():
             if error is None:

@@ -191,6 +191,10 @@ class Outbound:
         onesided = self.protocol.onesided
         if op.ended or onesided is None:  # the link closed while the layer was held: it failed with it
             return
+        if onesided.closing:  # unlinking: nothing new starts, so the unlink's drain is final
+            op.release()
+            self.requests.complete(op, LLMException(LLMStatusCode.LLM_NOT_YET_LINK, "the link is unlinking"))
+            return
         assert op.frame is not None and op.source is not None
         onesided.lend(op, op.source)
         self.counters["read_offers"] += 1

@@ -13,7 +13,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import SRC_BLOCKS, TENSORS, EngineFactory, decode_peer_with_kv, expected_after, prefill, raw, wait_for
+from kvtest import (
+    SRC_BLOCKS,
+    TENSORS,
+    EngineFactory,
+    cluster,
+    decode_peer_with_kv,
+    expected_after,
+    prefill,
+    raw,
+    wait_for,
+)
 from peer import Peer
 
 from kvpush import BlocksCacheKey, Cache, LLMDataDist, LLMException, LLMStatusCode
@@ -144,3 +154,28 @@ async def test_cancelling_waits_until_the_decode_copied_or_the_link_is_closed(ma
         assert 2 not in engine.links or not engine.links[2].ready  # not drained in time: closed
     finally:
         decode_peer_cma.signal(signal.SIGCONT)
+
+
+async def test_a_graceful_unlink_waits_for_the_decode_to_copy_what_it_was_offered(make_engine: EngineFactory,
+                                                                                 decode_peer_cma: Peer,
+                                                                                 tmp_path: Any) -> None:
+    engine, src = await leased(make_engine, decode_peer_cma)
+    entry = engine.registry.get(src.cache_id)
+    assert entry is not None
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [4], [9])
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        pusher.push_layer(0)
+        unlinking = asyncio.create_task(engine.unlink_clusters([cluster(2, decode_peer_cma.port)]))
+        await asyncio.sleep(0.2)
+        assert not unlinking.done()  # the offered layer is not copied yet
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+    status, _ = await unlinking
+    assert status == LLMStatusCode.LLM_SUCCESS
+    await pusher.wait()  # landed before the link went
+    assert entry.pins == 0
+    layer = range(0, 1)
+    after = await decode_peer_cma.asnapshot("kv", tmp_path)
+    assert np.array_equal(after, expected_after(before, raw(src), [4], [9], 2, layer, layer))
