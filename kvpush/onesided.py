@@ -198,9 +198,13 @@ class OneSidedSender:
         return True
 
     def withdraw(self, op: PendingOp) -> None:
-        """``op``'s READ_OFFER was dropped before any of it left: nothing will read the source."""
+        """``op``'s READ_OFFER was dropped before any of it left (the request is being abandoned): nothing
+        will read the source."""
         if self._lent.pop(op.request_id, None) is not None:
-            self._end_lent(op, LLMException(LLMStatusCode.LLM_FAILED, "withdrawn before it was sent"))
+            self._maybe_idle()
+            op.release()
+            if op.copy is not None and not op.copy.done():
+                op.copy.cancel()
 
     def _end_lent(self, op: PendingOp, error: LLMException | None) -> None:
         self._maybe_idle()
