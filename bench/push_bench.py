@@ -57,6 +57,9 @@ from kvpush.layout import block_runs  # noqa: E402
 IOV_MAX = 1024
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX over tcp stays on loopback in benchmarks
 HERE = os.path.abspath(__file__)
+# A 1 s keepalive timeout (the engine's default) dropped links in W-LAYER-PINNED on the shared machine, before and
+# after the reader-side copy, when other work took a pinned side's only core for longer: 5 s, as vllm_bench sets.
+ENGINE_OPTIONS = {"kvpush.keepalive_timeout_ms": "5000"}
 
 
 def _alloc(count: int, blocks: int, block_bytes: int) -> list[np.ndarray[Any, Any]]:
@@ -269,7 +272,7 @@ def kvpush_target(work: Workload, transport: str) -> None:
     async def start() -> None:
         engine = LLMDataDist(LLMRole.DECODER, 2)
         await engine.init({"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": transport,
-                           "llm.SyncKvCacheWaitTime": "30000"})
+                           "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS})
         state["engine"] = engine
         state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
                                                                     BlocksCacheKey(2, 0))
@@ -299,7 +302,7 @@ def kvpush_target(work: Workload, transport: str) -> None:
 
 async def linked_prefill(work: Workload, transport: str, target: Target) -> tuple[LLMDataDist, Any]:
     """A prefill engine with the workload's source cache (filled), linked to the target."""
-    options = {"kvpush.transport": transport, "llm.SyncKvCacheWaitTime": "30000"}
+    options = {"kvpush.transport": transport, "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS}
     engine = LLMDataDist(LLMRole.PROMPT, 1, options)
     await engine.init()
     cache = engine.cache_manager.allocate_blocks_cache(_desc(work, work.src_blocks), BlocksCacheKey(1, 0))

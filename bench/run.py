@@ -6,7 +6,8 @@ limits of this machine and the peers, side by side.
     python bench/run.py --quick    # smaller sizes and fewer repetitions: under two minutes
 
 Workloads (shared/bench/WORKLOADS.md): W-KV, W-KV-RUNS, W-LAYER (layer-pipelined prefill with real
-CPU compute per layer), W-SMALL (one 32 KiB block: p50/p99 latency), W-SHORT (a 64-token request at
+CPU compute per layer), W-LAYER-PINNED (the same with the prefill pinned to core 0 and the decode to core 1,
+as serving engines pin them), W-SMALL (one 32 KiB block: p50/p99 latency), W-SHORT (a 64-token request at
 full depth, 8 MiB in one push: p50/p99 latency), W-CONTIG (8 writes of 64 MiB).
 Latency workloads measure each kvpush transport interleaved with a socket baseline of its own
 (``push_bench.case_latency``: turns of pushes in one driver), so their ratios share the machine's phases.
@@ -76,7 +77,7 @@ class Bar:
         shown = record.get("result") or (f"{record['gbps']} GB/s" if "gbps" in record else "")
         if record["workload"] in LATENCY and "p50_us" in record:
             shown = f"p50 {record['p50_us']} us, p99 {record['p99_us']} us"
-        if record["workload"] == "W-LAYER" and "hidden" in record:
+        if record["workload"].startswith("W-LAYER") and "hidden" in record:
             shown = f"{record['hidden'] * 100:.0f}% of transfer hidden"
         sys.stderr.write(f"  {record['case'] + ': ' if named else ''}{shown}\n")
         sys.stderr.flush()
@@ -103,7 +104,7 @@ def _matmul_for(seconds: float) -> Callable[[], None]:
 
 
 async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Target,
-                        progress: Callable[[int, int], None]) -> dict[str, Any]:
+                        progress: Callable[[int, int], None], name: str = "W-LAYER") -> dict[str, Any]:
     engine, cache = await pb.linked_prefill(work, transport, target)
     try:
         src, dst = (b.tolist() for b in work.block_lists())
@@ -181,7 +182,7 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
 
     s, p = median("serial"), median("pipelined")
     record = {
-        "case": f"kvpush-{transport_used}", "workload": "W-LAYER", "transport": transport_used,
+        "case": f"kvpush-{transport_used}", "workload": name, "transport": transport_used,
         "bytes": work.payload_bytes, "reps": reps, "serial_s": round(s, 4), "pipelined_s": round(p, 4),
         "compute_s": round(median("compute"), 4), "transfer_s": round(median("transfer"), 4),
         "hidden": round(min(1.0, max(0.0, paired("hidden"))), 3),
@@ -197,11 +198,41 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
     return record
 
 
-def case_layer(work: Workload, reps: int, transport: str, progress: Callable[[int, int], None]) -> dict[str, Any]:
+def _pin(pid: int, cpus: set[int]) -> dict[int, set[int]]:
+    """Pin every thread of process ``pid`` to ``cpus`` (threads it starts later inherit it); the masks
+    they had, to restore."""
+    before: dict[int, set[int]] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            before[int(task)] = os.sched_getaffinity(int(task))
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return before
+
+
+def _unpin(before: dict[int, set[int]]) -> None:
+    for task, cpus in before.items():
+        try:
+            os.sched_setaffinity(task, cpus)
+        except OSError:
+            pass
+
+
+def case_layer(work: Workload, reps: int, transport: str, progress: Callable[[int, int], None],
+               pinned: bool = False) -> dict[str, Any]:
+    """W-LAYER; ``pinned`` (W-LAYER-PINNED): the prefill (this process, every thread: the compute, the event
+    loop, kvpush's copy threads) on core 0 and the decode target on core 1, as serving engines pin them."""
     target = pb.start_target(work, transport)
+    restore: dict[int, set[int]] = {}
     try:
-        return asyncio.run(_layer_driver(work, reps, transport, target, progress))
+        if pinned:
+            _pin(target.proc.pid, {1})
+            restore = _pin(os.getpid(), {0})
+        return asyncio.run(_layer_driver(work, reps, transport, target, progress,
+                                         "W-LAYER-PINNED" if pinned else "W-LAYER"))
     finally:
+        _unpin(restore)
         target.close()
 
 
@@ -281,7 +312,17 @@ def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
     cases.append((short, "nixl-tcp", lambda p: case_peer(short, "nixl", short_reps, {"UCX_TLS": "tcp"})))
     for transport in transports():
         cases.append((layer, f"kvpush-{transport}", lambda p, t=transport: case_layer(layer, reps, t, p)))
+    if _two_cores():
+        pinned = replace(layer, name="W-LAYER-PINNED")
+        for transport in transports():
+            cases.append((pinned, f"kvpush-{transport}",
+                          lambda p, t=transport: case_layer(layer, reps, t, p, pinned=True)))
     return cases
+
+
+def _two_cores() -> bool:
+    """Cores 0 and 1 are both usable (W-LAYER-PINNED pins one side to each)."""
+    return {0, 1} <= os.sched_getaffinity(0)
 
 
 def ratios(records: list[dict[str, Any]]) -> list[str]:
@@ -297,7 +338,7 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
                 result = record["result"]
             elif work in LATENCY:
                 result = f"p50 {record['p50_us']} us / p99 {record['p99_us']} us"
-            elif work == "W-LAYER":
+            elif work.startswith("W-LAYER"):
                 result = (f"{record['hidden'] * 100:.0f}% hidden (serial {record['serial_s']} s, pipelined "
                           f"{record['pipelined_s']} s); transfer behind compute "
                           f"{record['transfer_behind_compute'] * 100:.0f}%, compute slowed "

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from typing import Any, Protocol
 
-from transports.base import Connection, OutgoingFrame
+from transports.base import Connection, Mover, OutgoingFrame
 
 from .datapath import DataPaths
 from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
@@ -81,7 +81,8 @@ class Link:
         self.tasks = TaskScope("kvpush-link")  # cancelled when the link closes; its owner awaits them
         self._bye: asyncio.Future[None] = self.loop.create_future()
         self._first_table: asyncio.Future[None] = self.loop.create_future()
-        self.inbound = Inbound(owner, LinkPorts(self.send, self.counters, self.loop, self.close, paths.proves_reach))
+        self.inbound = Inbound(owner, LinkPorts(self.send, self.counters, self.loop, self.close, paths.proves_reach,
+                                                self._reader))
         self.handshake = Handshake(owner.identity, self.send, paths.make_offers, dialer=dialer)
         self.protocol = LinkProtocol(self, self.handshake, self.requests, self.peer, self.inbound)
         self.stream = connection.open(self.protocol, self.loop)
@@ -157,6 +158,13 @@ class Link:
         log.info("link to cluster %s ready over %s (%s%s)%s", self.peer_cluster_id, self.transport,
                  "dialed" if self.dialer else "accepted", ", authenticated" if self.owner.options.auth_token else "",
                  f"; same-host path not used: {self.fallback_reason}" if self.fallback_reason else "")
+
+    def _reader(self) -> Mover | None:
+        """The mover through which this side reads the peer's memory for a READ_OFFER: a same-host one."""
+        onesided = self.protocol.onesided
+        if onesided is None or not onesided.mover.capabilities.same_host_only:
+            return None
+        return onesided.mover
 
     # -- LinkDriver: what the protocol core needs done ---------------------------------------------
     def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
@@ -305,9 +313,8 @@ class Link:
         self.stream.close(reason, abort)
         self.tasks.cancel()
         self.requests.fail_all(LLMStatusCode.LLM_TIMEOUT, self.broke())
-        held = self.inbound.close(self.paths.watch_writer)
-        if self.protocol.onesided is not None:
-            self.protocol.onesided.close()
+        lent = self.protocol.onesided.close() if self.protocol.onesided is not None else []
+        held = self.inbound.close(self.paths.watch_writer, lent)
         for waiter in (self._bye, self._first_table):
             if not waiter.done():
                 waiter.set_exception(LLMException(LLMStatusCode.LLM_LINK_FAILED, reason))

@@ -121,6 +121,7 @@ class LinkProtocol:
             Kind.MESSAGE: self._on_message,
             Kind.MESSAGE_ACK: self._on_message_ack,
             Kind.RELEASE_KEY: self._on_release_key,
+            Kind.READ_OFFER: self._on_read_offer,
         }
 
     @property
@@ -175,12 +176,17 @@ class LinkProtocol:
     def _on_notice(self, header: FrameHeader, meta: bytes) -> None:
         self.inbound.on_notice(header, meta)
 
+    def _on_read_offer(self, header: FrameHeader, meta: bytes) -> None:
+        self.inbound.on_read_offer(header, meta)
+
     def _on_release_key(self, header: FrameHeader, meta: bytes) -> None:
         self.inbound.on_release_key(header, meta)
 
     # -- answers to this side's requests -----------------------------------------------------------
     def _on_done(self, header: FrameHeader, meta: bytes) -> None:
         status, message = decode_status(header, meta)
+        if self.onesided is not None and self.onesided.on_taken(header.request_id, status, message):
+            return  # the answer to a READ_OFFER: the peer copied the bytes
         op = self.requests.get(header.request_id, Kind.WRITE)
         if op is None:
             log.debug("ignoring DONE for request %d (abandoned or unknown)", header.request_id)

@@ -14,6 +14,14 @@ same-host writer allowed to ptrace this process, or a UCX peer holding rkeys int
 there anyway; the lease changes when the receiver learns of a write, never where a write may go. The
 mover's ``lease_proof`` (the peer's secret, read through the transport) may arrive after the link is
 up; until then writes ask per request.
+
+A receiver that can itself read this process on the same host says so when it grants a lease
+(``reads``). Then a layer the layer pusher lets go while its caller computes is not copied here: one
+READ_OFFER names where its bytes are in this process's memory and where they go, the receiver (idle,
+waiting for them) copies them in its own worker thread and answers DONE, and only then does the
+request complete (remote completion, as for every write). Until that answer the source stays pinned
+(``_lent``): a request abandoned meanwhile keeps it until the DONE, and a link that closes first hands
+it to the engine, which releases it once the reader's process is gone (``serving.HeldGrants``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 
 from transports.base import Mover, OutgoingFrame, TransportError
 
+from .memory import CacheEntry
 from .protocol import FrameHeader, Kind, ProtocolError, decode_status, encode_json, encode_status
 from .requests import PendingOp, RequestTable
 from .serving import LANDED_ABORTED
@@ -63,6 +72,9 @@ class OneSidedSender:
         # notices of leased writes whose copy is done, sent right after their callers resumed (or
         # before anything else the link sends on their behalf, see ``flush_notices``)
         self._notices: deque[tuple[bytes, int]] = deque()
+        self.peer_reads = False  # the receiver copies offered layers out of this process itself (READ_OFFER)
+        # READ_OFFERs sent and not yet answered: the source each reads, pinned until its DONE
+        self._lent: dict[int, tuple[PendingOp, CacheEntry]] = {}
 
     # -- leases ---------------------------------------------------------------------------------
     def lease_active(self, cache_id: int) -> bool:
@@ -90,6 +102,7 @@ class OneSidedSender:
             raise ProtocolError(f"LEASE without a cache id: {body!r}")
         if op == "grant" and self.leases.get(cache_id) == LeaseState.REQUESTED and not self.closing:
             self.leases[cache_id] = LeaseState.ACTIVE
+            self.peer_reads = body.get("reads") is True
         elif op == "refuse":
             self.leases[cache_id] = LeaseState.REVOKED  # the grant-per-request path goes on working
         elif op == "revoke":
@@ -112,9 +125,12 @@ class OneSidedSender:
 
     def _leased_done(self, cache_id: int) -> None:
         self._leased_inflight[cache_id] -= 1
-        if not any(self._leased_inflight.values()):
-            self._idle.set()
+        self._maybe_idle()
         self._maybe_revoked(cache_id)
+
+    def _maybe_idle(self) -> None:
+        if not self._lent and not any(self._leased_inflight.values()):
+            self._idle.set()
 
     def _maybe_revoked(self, cache_id: int) -> None:
         if self.leases.get(cache_id) == LeaseState.REVOKED and not self._leased_inflight[cache_id]:
@@ -123,7 +139,7 @@ class OneSidedSender:
             self.leases[cache_id] = LeaseState.DONE
 
     def leases_idle(self) -> bool:
-        """No copy under a standing grant is running or queued."""
+        """No copy under a standing grant is running or queued (here, or in the peer for a READ_OFFER)."""
         return self._idle.is_set()
 
     async def drain_leases(self, timeout: float) -> bool:
@@ -156,6 +172,50 @@ class OneSidedSender:
             self._moved(op)
         else:
             op.copy.add_done_callback(lambda _: self._moved(op))
+
+    # -- the receiver reads (READ_OFFER) -----------------------------------------------------------
+    def reader_copies(self, cache_id: int) -> bool:
+        """True when a held write to ``cache_id`` goes as a READ_OFFER: the receiver reads this process
+        (it said so with its lease), and the lease stands."""
+        return self.peer_reads and not self.closing and self.leases.get(cache_id) == LeaseState.ACTIVE
+
+    def lend(self, op: PendingOp, source: CacheEntry) -> None:
+        """``op``'s READ_OFFER is about to be sent: from now on the receiver may read ``source`` (pinned by
+        ``op``) until its DONE arrives (``on_taken``), whatever happens to the request meanwhile."""
+        op.copy = self._loop.create_future()  # what ``settle`` waits for: the receiver's copy
+        self._lent[op.request_id] = (op, source)
+        self._idle.clear()  # an unlink waits for the answer, so the peer has copied before it lets go
+
+    def on_taken(self, request_id: int, status: int, message: str) -> bool:
+        """A DONE: if it answers a READ_OFFER (False: it does not), the source may go, and the request
+        completes (unless it was abandoned meanwhile)."""
+        lent = self._lent.pop(request_id, None)
+        if lent is None:
+            return False
+        op = lent[0]
+        self._end_lent(op, None if status == 0 else LLMException(
+            LLMStatusCode.from_wire(status), f"peer refused the write: {message}"))
+        return True
+
+    def withdraw(self, op: PendingOp) -> None:
+        """``op``'s READ_OFFER was dropped before any of it left (the request is being abandoned): nothing
+        will read the source."""
+        if self._lent.pop(op.request_id, None) is not None:
+            self._maybe_idle()
+            op.release()
+            if op.copy is not None and not op.copy.done():
+                op.copy.cancel()
+
+    def _end_lent(self, op: PendingOp, error: LLMException | None) -> None:
+        self._maybe_idle()
+        op.release()
+        if op.copy is not None and not op.copy.done():
+            if error is None:
+                op.copy.set_result(None)
+            else:
+                op.copy.set_exception(error)
+                op.copy.exception()
+        self._requests.complete(op, error)
 
     # -- per-request grants -----------------------------------------------------------------------
     def on_grant(self, header: FrameHeader, meta: bytes) -> None:
@@ -234,5 +294,12 @@ class OneSidedSender:
         _, pending = await asyncio.wait(running, timeout=grace)
         return not pending
 
-    def close(self) -> None:
+    def close(self) -> list[CacheEntry]:
+        """The link is gone: the mover stops. Returns the sources whose READ_OFFER the receiver may
+        still be reading (each still pinned once): the caller releases them when that is safe."""
         self.mover.close()
+        lent, self._lent = list(self._lent.values()), {}
+        for op, _ in lent:
+            op.take_release()  # the pin goes with the entry to the caller
+            self._end_lent(op, LLMException(LLMStatusCode.LLM_TIMEOUT, "the link closed during the transfer"))
+        return [entry for _, entry in lent]

@@ -20,7 +20,7 @@ from .link_protocol import LinkProtocol
 from .onesided import LeaseState
 from .peer import RemoteCache
 from .plan import Plan
-from .protocol import Kind, encode_status, encode_transfer
+from .protocol import MAX_OFFER_ENTRIES, Kind, encode_read_offer, encode_status, encode_transfer
 from .requests import PendingOp, RequestTable
 from .serving import LANDED_ABORTED
 from .status import LLMException, LLMStatusCode
@@ -68,6 +68,8 @@ class Outbound:
         remote, onesided = plan.remote, self.protocol.onesided
         if onesided is not None and self._onesided_reaches(remote):
             leased = onesided.lease_active(remote.cache_id)
+            if held and source.entries <= MAX_OFFER_ENTRIES and onesided.reader_copies(remote.cache_id):
+                return self._prepare_read_offer(plan, step, source, budget_ms)
             return self._start_onesided(Kind.WRITE_INTENT, plan, step, source, budget_ms, held, leased)
         # The frame goes first and the request is booked behind it: a small frame on an idle stream leaves
         # within ``enqueue``, the bookkeeping off the round trip's path. Nothing can answer it in between:
@@ -118,6 +120,9 @@ class Outbound:
         if not op.held:
             return
         op.held = False
+        if op.kind == Kind.READ_OFFER:
+            self._offer_read(op)
+            return
         if op.kind != Kind.WRITE:
             if self.protocol.onesided is not None:
                 self.protocol.onesided.release_held(op)
@@ -168,13 +173,40 @@ class Outbound:
                                                     plan.wire, 0, budget_ms))
         return op
 
+    def _prepare_read_offer(self, plan: Plan, step: LayerStep, source: IoVec, budget_ms: int) -> PendingOp:
+        """A held write the receiver will copy itself (``OneSidedSender.reader_copies``): its READ_OFFER
+        (where the bytes are here, where they go there), sent by ``release_held``. The source stays
+        pinned until the receiver answered (or, if never sent, the request is abandoned)."""
+        remote, remote_first = plan.remote, plan.firsts(step)[1]
+        op = self.requests.new(Kind.READ_OFFER)
+        op.held = True
+        op.frame = self.stream.prepare(encode_read_offer(op.request_id, remote.cache_id, remote_first, step.count,
+                                                         plan.wire, budget_ms, source.array().tobytes()))
+        plan.local.pin()
+        op.hold(plan.local.unpin)
+        op.source = plan.local
+        return op
+
+    def _offer_read(self, op: PendingOp) -> None:
+        onesided = self.protocol.onesided
+        if op.ended or onesided is None:  # the link closed while the layer was held: it failed with it
+            return
+        if onesided.closing:  # unlinking: nothing new starts, so the unlink's drain is final
+            op.release()
+            self.requests.complete(op, LLMException(LLMStatusCode.LLM_NOT_YET_LINK, "the link is unlinking"))
+            return
+        assert op.frame is not None and op.source is not None
+        onesided.lend(op, op.source)
+        self.counters["read_offers"] += 1
+        self.stream.enqueue(op.frame)
+
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: an unsent frame is dropped, an incoming payload is discarded from now
         on, and a late reply is ignored. Bytes of a WRITE already on the wire, or of a one-sided copy
         already running, still land (see ``settle``)."""
         self.requests.forget(op)
-        if op.frame is not None:
-            op.frame.abandon()
+        if op.frame is not None and op.frame.abandon() and op.kind == Kind.READ_OFFER and self.protocol.onesided:
+            self.protocol.onesided.withdraw(op)  # no byte of the offer left: nothing reads the source
         if op.sink is not None:
             op.sink.cancel()
         if op.copy is None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Runs, unpack_wire_runs
+from .layout import RUN_DTYPE, IoVec, Runs, unpack_wire_runs
 
 PROTOCOL_VERSION = 1
 MAGIC = 0x4B50  # "KP"
@@ -39,6 +39,8 @@ STATUS_META = struct.Struct("<I")
 MAX_JSON_META = 1 << 20
 MAX_RUNS = 1 << 20
 MAX_TRANSFER_META = TRANSFER_META.size + MAX_RUNS * 16
+MAX_OFFER_ENTRIES = 1 << 20  # a READ_OFFER's source entries (tensors x runs); more go as ordinary writes
+MAX_READ_OFFER_META = MAX_TRANSFER_META + MAX_OFFER_ENTRIES * 16
 MAX_STATUS_META = STATUS_META.size + 4096
 MESSAGE_META = struct.Struct("<B")  # the channel: 0 message, 1 notification
 MAX_MESSAGE_DATA = 64 << 10
@@ -76,6 +78,9 @@ class Kind(IntEnum):
     MESSAGE_ACK = 20
     # the sender pulled a batch slot that a cache key of the receiver names (the receiver may drop the key)
     RELEASE_KEY = 21
+    # same host: a write whose bytes the receiver copies itself, out of the sender's memory (the sender goes
+    # on computing); answered with DONE once they are in the receiver's memory
+    READ_OFFER = 22
 
 
 JSON_KINDS = frozenset({Kind.HELLO, Kind.AUTH, Kind.READY, Kind.TABLE, Kind.TABLE_REQUEST,
@@ -104,6 +109,8 @@ def _meta_limit(kind: Kind) -> int:
         return MAX_MESSAGE_META
     if kind in TRANSFER_KINDS:
         return MAX_TRANSFER_META
+    if kind == Kind.READ_OFFER:
+        return MAX_READ_OFFER_META
     return MAX_STATUS_META
 
 
@@ -199,6 +206,34 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
     if header.kind == Kind.WRITE and expected != header.payload_len:
         raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
     return TransferMeta(cache_id, first_tensor, num_tensors, runs, budget_ms)
+
+
+def encode_read_offer(request_id: int, cache_id: int, first_tensor: int, num_tensors: int,  # noqa: PLR0913
+                      runs_wire: bytes, budget_ms: int, source: bytes) -> bytes:
+    """A READ_OFFER: a transfer's meta (where the bytes go in the receiver's cache, as for a WRITE) followed
+    by ``source``, the packed ``(address, length)`` entries in the sender's memory to read them from, one
+    per destination entry (tensor-major, like the destination's)."""
+    n_runs = len(runs_wire) // 16
+    meta = TRANSFER_META.pack(cache_id, first_tensor, num_tensors, n_runs, budget_ms) + runs_wire + source
+    return encode_header(Kind.READ_OFFER, request_id, len(meta), 0) + meta
+
+
+def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> tuple[TransferMeta, IoVec]:
+    """A READ_OFFER's transfer and its source vector; ``ProtocolError`` unless the source has one entry per
+    destination entry, each as long as the run it fills."""
+    if len(meta) < TRANSFER_META.size:
+        raise ProtocolError(f"READ_OFFER meta of {len(meta)} bytes is truncated")
+    _, _, num_tensors, n_runs, _ = TRANSFER_META.unpack_from(meta)
+    runs_end = TRANSFER_META.size + 16 * n_runs
+    entries = num_tensors * n_runs
+    if len(meta) != runs_end + 16 * entries:
+        raise ProtocolError(f"READ_OFFER meta length {len(meta)} does not match {n_runs} runs x {num_tensors} tensors")
+    transfer = decode_transfer(header, memoryview(meta)[:runs_end])
+    source = np.frombuffer(meta, RUN_DTYPE, count=2 * entries, offset=runs_end).reshape(-1, 2)
+    if not np.array_equal(source[:, 1].reshape(num_tensors, n_runs), np.broadcast_to(
+            transfer.lengths.astype(RUN_DTYPE, copy=False), (num_tensors, n_runs))):
+        raise ProtocolError("READ_OFFER source entries do not match the runs they fill")
+    return transfer, IoVec.of_array(source.astype(np.uint64))
 
 
 def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transports.base import OutgoingFrame, PayloadSink
 
     from .layout import IoVec
+    from .memory import CacheEntry
 
 
 class PendingOp:
@@ -34,7 +35,7 @@ class PendingOp:
 
     __slots__ = ("request_id", "kind", "ended", "error", "cancelled", "_loop", "_future", "frame", "sink",
                  "expected", "local_iov", "remote_iov", "copy", "move_args", "held", "granted", "notice",
-                 "waiter", "_release")
+                 "waiter", "source", "_release")
 
     def __init__(self, request_id: int, kind: Kind, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -58,6 +59,7 @@ class PendingOp:
         # set by whoever awaits the request (``transfer.await_layer``): woken in the same loop pass as
         # ``future`` ends, and cancelled instead of ``future`` when that caller is cancelled
         self.waiter: asyncio.Future[None] | None = None
+        self.source: CacheEntry | None = None  # a READ_OFFER's source cache: what the receiver reads
         self._release: Callable[[], None] | None = None
 
     @property

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transports.base import OutgoingFrame, PayloadSink, PeerWatch
+from transports.base import Mover, OutgoingFrame, PayloadSink, PeerWatch, TransportError
 
 from .layout import FEW, IoVec
 from .memory import CacheEntry, CacheRegistry
@@ -33,6 +33,7 @@ from .protocol import (
     ProtocolError,
     TransferMeta,
     decode_json,
+    decode_read_offer,
     decode_release_key,
     decode_status,
     decode_transfer,
@@ -117,13 +118,15 @@ class InboundOwner(Protocol):
 @dataclass(slots=True)
 class LinkPorts:
     """What the inbound side uses of its link: a frame sender, the link's counters, its loop (one timer for
-    the deadlines of incoming transfers), closing the link, and the data paths' check of a lease proof."""
+    the deadlines of incoming transfers), closing the link, the data paths' check of a lease proof, and the
+    same-host mover through which this side can read the peer's memory (None: it cannot)."""
 
     send: Send
     counters: Counter[str]
     loop: asyncio.AbstractEventLoop
     close: Callable[[str], None]
     proves_reach: Callable[[str], bool]
+    reader: Callable[[], Mover | None] = lambda: None
 
 
 @dataclass
@@ -208,6 +211,7 @@ class Inbound:
         self._peer = peer
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
+        self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied here, until their DONE
         self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
         self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
@@ -218,14 +222,16 @@ class Inbound:
         self._peer = str(peer_cluster_id)
         self._peer_id = peer_cluster_id
 
-    def _resolve(self, header: FrameHeader, meta: bytes, what: str) -> tuple[CacheEntry, IoVec, int] | Refusal:
+    def _resolve(self, header: FrameHeader, meta: bytes, what: str,
+                 transfer: TransferMeta | None = None) -> tuple[CacheEntry, IoVec, int] | Refusal:
         """The cache, the iovec and the sender's budget (ms) of a peer's request, or the refusal."""
-        transfer = decode_transfer(header, meta)
+        if transfer is None:
+            transfer = decode_transfer(header, meta)
         try:
-            if len(self._writes) + len(self._granted) >= MAX_INCOMING_IN_FLIGHT:
+            if len(self._writes) + len(self._granted) + len(self._reading) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
-            write = header.kind in (Kind.WRITE, Kind.WRITE_INTENT)
+            write = header.kind in (Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER)
             entry, iov = resolve(self._registry, self._options.enable_remote_cache_accessible, transfer,
                                  self._peer_id, write)
         except Refusal as refusal:
@@ -327,6 +333,53 @@ class Inbound:
         if status == 0:
             self._counters[counter] += size
 
+    # -- writes this side copies itself (same host) ----------------------------------------------------
+    def on_read_offer(self, header: FrameHeader, meta: bytes) -> None:
+        """A READ_OFFER: the peer's bytes for this engine's memory, to be copied out of the peer's process
+        by this side (it waits for them; the peer computes). Checked like a write (``resolve``), then
+        copied by this side's mover (its worker thread for big layers) and answered with DONE once every
+        byte is here, or with the refusal. The cache stays pinned while the copy runs, even if the link
+        closes meanwhile (the copy is this process's own and ends by itself)."""
+        transfer, source = decode_read_offer(header, meta)
+        request_id = header.request_id
+        reader = self._link.reader()
+        resolved = self._resolve(header, meta, "read offer", transfer)
+        if reader is None and not isinstance(resolved, Refusal):
+            resolved = Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "this side cannot read the sender's memory")
+        if isinstance(resolved, Refusal):
+            self._send(encode_status(Kind.DONE, request_id, int(resolved.status), resolved.reason))
+            return
+        assert reader is not None
+        entry, iov, budget_ms = resolved
+        entry.pin()
+        self._reading[request_id] = entry
+        self._watch(request_id, budget_ms, "read offer")
+        self._counters["read_offers_copied"] += 1
+        try:
+            copy = reader.start(True, iov, source, transfer.cache_id, transfer.first_tensor, None,
+                                len(transfer.runs))
+        except TransportError as error:
+            copy = self._link.loop.create_future()
+            copy.set_exception(error)
+        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done))
+
+    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int, copy: asyncio.Future[Any]) -> None:
+        entry.unpin()
+        if self._reading.pop(request_id, None) is None:
+            return  # the link closed meanwhile: no one to answer
+        self._done(request_id)
+        error = None if copy.cancelled() else copy.exception()
+        if error is None and not copy.cancelled():
+            self._counters["bytes_received"] += nbytes
+            self._send(encode_status(Kind.DONE, request_id, 0))
+            return
+        if isinstance(error, TransportError) and error.peer_gone:
+            self._link.close(f"peer process exited: {error}")
+            return
+        log.error("copying read offer %d from cluster %s failed: %s", request_id, self._peer, error)
+        self._send(encode_status(Kind.DONE, request_id, int(LLMStatusCode.LLM_FAILED),
+                                 f"the receiver's copy failed: {error}"))
+
     # -- standing grants (same host, UCX) -------------------------------------------------------------
     def on_lease(self, body: dict[str, Any]) -> None:
         op, cache_id = body.get("op"), body.get("cache")
@@ -343,7 +396,8 @@ class Inbound:
                 return
             entry.pin()
             self._leases[cache_id] = entry
-            self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id}))
+            reads = self._link.reader() is not None  # the writer may offer layers for this side to copy
+            self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id, "reads": reads}))
         elif op == "revoked":
             entry = self._revoking.pop(cache_id, None)
             if entry is None:
@@ -409,11 +463,13 @@ class Inbound:
             self._owner.registry_changed()
 
     # -- closing ------------------------------------------------------------------------------------
-    def close(self, watch: Callable[[], PeerWatch | None]) -> HeldGrants | None:
+    def close(self, watch: Callable[[], PeerWatch | None], lent: list[CacheEntry] | None = None) -> HeldGrants | None:
         """The link is gone. Stream writes being received are unpinned (the stream is closed, no
         byte of them lands any more). A granted one-sided copy may still be queued or running in the
         peer (or the peer may be stopped just before it), so those pins are handed back as
-        ``HeldGrants`` for the engine to release when that is safe (None: nothing held)."""
+        ``HeldGrants`` for the engine to release when that is safe (None: nothing held), with ``lent``:
+        this side's caches the peer may still be reading (READ_OFFERs it did not answer). Copies of read
+        offers running here unpin their caches when they end."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -421,8 +477,9 @@ class Inbound:
         for entry in self._writes.values():
             entry.unpin()
         self._writes.clear()
+        self._reading.clear()
         held = [entry for entry, _, _ in self._granted.values()] + list(self._leases.values()) + list(
-            self._revoking.values())
+            self._revoking.values()) + (lent or [])
         self._granted.clear()
         self._leases.clear()
         self._revoking.clear()

@@ -150,3 +150,54 @@ async def test_no_lease_is_asked_for_until_the_mover_has_its_proof() -> None:
     mover.lease_proof = "late"
     assert not one.lease_active(5)
     assert sent == [(Kind.LEASE, {"op": "request", "cache": 5, "proof": "late"})]
+
+
+class Source:
+    """A cache entry stand-in: counts pins."""
+
+    def __init__(self) -> None:
+        self.pins = 0
+
+    def pin(self) -> None:
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+
+
+def offered(one: OneSidedSender, requests: RequestTable) -> tuple[Any, Source]:
+    source = Source()
+    op = requests.new(Kind.READ_OFFER)
+    source.pin()
+    op.hold(source.unpin)
+    one.lend(op, source)  # type: ignore[arg-type]
+    return op, source
+
+
+async def test_a_read_offer_keeps_its_source_until_the_readers_done_even_when_abandoned() -> None:
+    one, requests, _, _ = sender()
+    assert not one.reader_copies(1)
+    one.lease_active(1)
+    one.on_lease({"op": "grant", "cache": 1, "reads": True})
+    assert one.reader_copies(1)
+    op, source = offered(one, requests)
+    assert not one.leases_idle()  # an unlink waits for the reader
+    requests.abandon(op)  # the caller gave up (timeout, cancel): the reader may still be copying
+    assert source.pins == 1
+    assert not one.on_taken(op.request_id + 1, 0, "")  # not a READ_OFFER's answer
+    assert one.on_taken(op.request_id, 0, "")
+    assert source.pins == 0 and op.copy is not None and op.copy.done() and one.leases_idle()
+    second, _ = offered(one, requests)
+    assert one.on_taken(second.request_id, int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST), "gone")
+    assert second.error is not None and second.error.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+async def test_a_withdrawn_offer_frees_its_source_and_a_closing_link_hands_the_lent_ones_over() -> None:
+    one, requests, _, _ = sender()
+    withdrawn, first = offered(one, requests)
+    one.withdraw(withdrawn)  # dropped before any of it left: no one reads it
+    assert first.pins == 0 and not withdrawn.ended  # ended by whoever abandons it, not here
+    outstanding, second = offered(one, requests)
+    assert one.close() == [second]  # still pinned: the caller releases it once the reader is gone
+    assert second.pins == 1 and outstanding.ended and outstanding.error is not None
+    assert one.leases_idle()

@@ -13,11 +13,13 @@ from kvpush.protocol import (
     ProtocolError,
     decode_header,
     decode_json,
+    decode_read_offer,
     decode_release_key,
     decode_status,
     decode_transfer,
     encode_header,
     encode_json,
+    encode_read_offer,
     encode_release_key,
     encode_status,
     encode_transfer,
@@ -43,6 +45,35 @@ def test_transfer_round_trip() -> None:
     assert (meta.cache_id, meta.first_tensor, meta.num_tensors, meta.budget_ms) == (9, 4, 2, 1000)
     assert meta.offsets.tolist() == [0, 8192] and meta.lengths.tolist() == [4096, 4096]
     assert meta.payload_len == header.payload_len
+
+
+def read_offer(source: list[list[int]], lengths: tuple[int, ...] = (4096, 100), tensors: int = 2) -> bytes:
+    runs = pack_runs(np.array([0, 8192][:len(lengths)], np.uint64), np.array(lengths, np.uint64))
+    return encode_read_offer(5, 9, 4, tensors, runs, 300, np.array(source, np.uint64).tobytes())
+
+
+def test_a_read_offer_round_trips_with_one_source_entry_per_destination_entry() -> None:
+    source = [[0x1000, 4096], [0x9000, 100], [0x20000, 4096], [0x30000, 100]]  # tensor-major, like the runs
+    frame = read_offer(source)
+    header = decode_header(frame[:HEADER_SIZE])
+    assert header.kind == Kind.READ_OFFER and header.payload_len == 0
+    meta, vector = decode_read_offer(header, frame[HEADER_SIZE:])
+    assert (meta.cache_id, meta.first_tensor, meta.num_tensors, meta.budget_ms) == (9, 4, 2, 300)
+    assert meta.offsets.tolist() == [0, 8192] and meta.lengths.tolist() == [4096, 100]
+    assert vector.tolist() == source and vector.nbytes == 2 * 4196
+
+
+@pytest.mark.parametrize("source,cut", [
+    ([[0x1000, 4096], [0x9000, 100], [0x20000, 4096], [0x30000, 99]], 0),   # a source shorter than its run
+    ([[0x1000, 4096], [0x9000, 100], [0x20000, 4096]], 0),                  # an entry missing
+    ([[0x1000, 4096], [0x9000, 100], [0x20000, 4096], [0x30000, 100]], 1),  # truncated
+])
+def test_a_read_offer_whose_source_does_not_match_its_runs_is_a_protocol_error(source: list[list[int]],
+                                                                               cut: int) -> None:
+    frame = read_offer(source)
+    header = decode_header(frame[:HEADER_SIZE])
+    with pytest.raises(ProtocolError):
+        decode_read_offer(header, frame[HEADER_SIZE:len(frame) - cut])
 
 
 def test_status_round_trip() -> None:

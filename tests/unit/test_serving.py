@@ -25,6 +25,7 @@ from kvpush.protocol import (
     decode_status,
     decode_transfer,
     encode_json,
+    encode_read_offer,
     encode_release_key,
     encode_status,
     encode_transfer,
@@ -32,6 +33,7 @@ from kvpush.protocol import (
 from kvpush.serving import Inbound, LinkPorts, Refusal, resolve
 from kvpush.status import LLMStatusCode
 from kvpush.types import CacheDesc, CacheKey, DataType
+from transports.base import TransportError
 
 DESC = CacheDesc(4, (8, 64), DataType.DT_UINT8)  # 4 tensors of 8 blocks x 64 bytes
 LOOP = asyncio.new_event_loop()  # never run: the inbound side's deadline timers are only scheduled on it
@@ -191,7 +193,7 @@ def test_standing_grants_need_proof_of_reach_and_are_revoked_on_release() -> Non
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
     entry = registry.get(cache_id)
     assert entry is not None
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id}) and entry.pins == 1
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": False}) and entry.pins == 1
     header, meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 0, 1, [0], [64])
     side.on_notice(header, meta)  # a leased write inside the cache is counted
     outside, outside_meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 3, 2, [0], [64])
@@ -274,3 +276,102 @@ def test_a_key_release_is_checked_against_the_registry_and_tells_every_peer_when
     malformed = encode_json(Kind.RELEASE_KEY, 0, {"key": [0, 11]})
     with pytest.raises(ProtocolError):
         side.on_release_key(decode_header(malformed[:HEADER_SIZE]), malformed[HEADER_SIZE:])
+
+
+class Reader:
+    """A same-host mover stand-in: records the copies it is asked for, each a future the test completes."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[bool, list[list[int]], list[list[int]], asyncio.Future[Any]]] = []
+
+    def start(self, is_read: bool, local: Any, remote: Any, *args: Any) -> asyncio.Future[Any]:
+        copy: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.copies.append((is_read, local.tolist(), remote.tolist(), copy))
+        return copy
+
+
+def offer_frame(cache_id: int, first: int, source: list[list[int]], lengths: list[int],
+                request_id: int) -> tuple[Any, bytes]:
+    wire = pack_runs(np.array([64 * i for i in range(len(lengths))], np.uint64), np.array(lengths, np.uint64))
+    count = len(source) // len(lengths)
+    frame = encode_read_offer(request_id, cache_id, first, count, wire, 1000, np.array(source, np.uint64).tobytes())
+    return decode_header(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]
+
+
+def reading_side(registry: CacheRegistry, reader: Reader | None) -> tuple[Inbound, Sent, Counter[str], list[str]]:
+    sent, counters, closed = Sent(), Counter[str](), list[str]()
+    side = Inbound(Engine(registry), LinkPorts(sent, counters, asyncio.get_running_loop(), closed.append,
+                                               lambda proof: proof == "ok", lambda: reader), "9")  # type: ignore
+    return side, sent, counters, closed
+
+
+async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_answered_done() -> None:
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, counters, _ = reading_side(registry, reader)
+    entry = registry.get(cache_id)
+    assert entry is not None
+    side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": True})  # it says it reads
+    header, meta = offer_frame(cache_id, 2, [[0x7000, 64], [0x8000, 64]], [64], 4)
+    side.on_read_offer(header, meta)
+    (is_read, local, remote, copy), = reader.copies
+    base = entry.addrs
+    assert is_read and local == [[base[2], 64], [base[3], 64]] and remote == [[0x7000, 64], [0x8000, 64]]
+    assert entry.pins == 2 and sent.frames[-1][0] == Kind.LEASE  # pinned while it copies; nothing answered yet
+    copy.set_result(128)
+    await asyncio.sleep(0)
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1] == (0, "")
+    assert entry.pins == 1 and counters["bytes_received"] == 128
+
+
+async def test_a_read_offer_is_refused_outside_the_registry_or_without_a_reader() -> None:
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, _, _ = reading_side(registry, reader)
+    header, meta = offer_frame(cache_id, 3, [[0x7000, 64], [0x8000, 64]], [64], 4)  # tensors 3..4 of 4
+    side.on_read_offer(header, meta)
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == LLMStatusCode.LLM_PARAM_INVALID
+    blind, blind_sent, _, _ = reading_side(registry, None)
+    header, meta = offer_frame(cache_id, 0, [[0x7000, 64]], [64], 5)
+    blind.on_read_offer(header, meta)
+    assert blind_sent.frames[-1][1][0] == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.pins == 0 and reader.copies == []
+
+
+async def test_a_failed_copy_is_answered_with_its_error_and_a_gone_sender_closes_the_link() -> None:
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, _, closed = reading_side(registry, reader)
+    for request_id in (1, 2):
+        header, meta = offer_frame(cache_id, 0, [[0x7000, 64]], [64], request_id)
+        side.on_read_offer(header, meta)
+
+    class Gone(TransportError):
+        @property
+        def peer_gone(self) -> bool:
+            return True
+
+    reader.copies[0][3].set_exception(TransportError(14, "bad address"))
+    reader.copies[1][3].set_exception(Gone(3, "no such process"))
+    await asyncio.sleep(0)
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == LLMStatusCode.LLM_FAILED
+    assert len(closed) == 1 and "exited" in closed[0]
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.pins == 0
+
+
+async def test_a_copy_running_when_the_link_closes_unpins_when_it_ends_and_answers_nothing() -> None:
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, _, _ = reading_side(registry, reader)
+    header, meta = offer_frame(cache_id, 0, [[0x7000, 64]], [64], 1)
+    side.on_read_offer(header, meta)
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.pins == 1
+    assert side.close(lambda: None) is None  # nothing the peer holds: this side's own copy
+    assert entry.pins == 1  # the copy still writes into the cache
+    reader.copies[0][3].set_result(64)
+    await asyncio.sleep(0)
+    assert entry.pins == 0 and sent.frames == []

@@ -1,0 +1,181 @@
+"""Same host, the layer pusher under a standing grant: the decode copies each layer out of the prefill's
+memory (READ_OFFER -> the decode's process_vm_readv -> DONE), so the prefill's core only computes. Two
+OS processes, real sockets and cross-memory attach; every destination byte is checked, and so are the
+fences: a layer completes only once its bytes are in the decode's memory, a timed-out layer fails alone
+with LLM_TIMEOUT, and a source the decode may still read stays mapped until the decode cannot any more."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kvtest import (
+    SRC_BLOCKS,
+    TENSORS,
+    EngineFactory,
+    cluster,
+    decode_peer_with_kv,
+    expected_after,
+    prefill,
+    raw,
+    wait_for,
+)
+from peer import Peer
+
+from kvpush import BlocksCacheKey, Cache, LLMDataDist, LLMException, LLMStatusCode
+from transports import cma
+
+pytestmark = pytest.mark.skipif(not cma.AVAILABLE, reason="cross-memory attach is not available here")
+
+KEY = BlocksCacheKey(2, 0)
+LAYERS = TENSORS // 2
+
+
+async def leased(make_engine: EngineFactory, decode_peer: Peer, **options: str) -> tuple[LLMDataDist, Cache]:
+    """A prefill linked over cma to ``decode_peer``, holding a standing grant on its cache: from now on
+    the decode copies the layers a pusher lets go."""
+    engine, src = await prefill(make_engine, decode_peer, "cma", **options)
+    await engine.cache_manager.push_blocks(KEY, src, [0], [0])  # asks for the lease; its grant comes first
+    sender = engine.links[2].onesided
+    assert sender is not None
+    await wait_for(lambda: sender.reader_copies(1))  # the decode's cache (its first, id 1) is leased
+    return engine, src
+
+
+@pytest.fixture
+def decode_peer_cma() -> Iterator[Peer]:
+    with decode_peer_with_kv("cma") as peer:
+        yield peer
+
+
+async def test_the_decode_copies_each_layer_and_the_bytes_land_exactly(make_engine: EngineFactory,
+                                                                      decode_peer_cma: Peer, tmp_path: Any) -> None:
+    engine, src = await leased(make_engine, decode_peer_cma)
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    offers = engine.link_stats()[2].get("read_offers", 0)
+    src_blocks, dst_blocks = [3, 4, 5, 0, 9, 31], [10, 11, 12, 40, 2, 63]
+    async with engine.cache_manager.layer_pusher(KEY, src, src_blocks, dst_blocks) as pusher:
+        for layer in (2, 0, 3, 1):
+            await pusher.push_layer(layer)  # complete: the layer is in the decode's memory now
+            after = await decode_peer_cma.asnapshot("kv", tmp_path)
+            layer_range = range(layer, layer + 1)
+            assert np.array_equal(after[2 * layer:2 * layer + 2], expected_after(
+                before, raw(src), src_blocks, dst_blocks, 2, layer_range, layer_range)[2 * layer:2 * layer + 2])
+    assert sorted(pusher.landed) == list(range(LAYERS))
+    assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path),
+                          expected_after(before, raw(src), src_blocks, dst_blocks, 2))
+    assert engine.link_stats()[2]["read_offers"] == offers + LAYERS  # none copied by the prefill
+    decode_stats = (await decode_peer_cma.acall("stats"))["stats"]["1"]
+    assert decode_stats["read_offers_copied"] == LAYERS
+    assert (await decode_peer_cma.acall("pins", name="kv"))["pins"] == 1  # the lease alone: copies unpinned
+
+
+async def test_many_blocks_and_requests_at_once(make_engine: EngineFactory, decode_peer_cma: Peer,
+                                               tmp_path: Any) -> None:
+    """Numpy-sized offers (more runs than a handful) and several pushers interleaved on one link."""
+    engine, src = await leased(make_engine, decode_peer_cma)
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    scattered = list(range(0, SRC_BLOCKS, 2)), list(range(63, 63 - SRC_BLOCKS, -2))  # 16 runs of one block
+    requests = [scattered, ([1, 3], [0, 2])]
+    pushers = [engine.cache_manager.layer_pusher(KEY, src, s, d) for s, d in requests]
+    for layer in range(LAYERS):
+        for pusher in pushers:
+            pusher.push_layer(layer)
+    await asyncio.gather(*(pusher.wait() for pusher in pushers))
+    expected = before
+    for s, d in requests:
+        expected = expected_after(expected, raw(src), s, d, 2)
+    assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path), expected)
+
+
+async def test_a_stopped_decode_times_the_layer_out_and_the_source_stays_mapped(make_engine: EngineFactory,
+                                                                                decode_peer_cma: Peer) -> None:
+    """The decode cannot copy while stopped: the layer fails alone with LLM_TIMEOUT (the layers before it
+    landed). It may still read the source once it runs again, so the source stays mapped, even when
+    released, until the decode's process has exited."""
+    engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
+    entry = engine.registry.get(src.cache_id)
+    assert entry is not None
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
+    await pusher.push_layer(0)
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        pusher.push_layer(1)
+        with pytest.raises(LLMException) as caught:
+            await pusher.wait()
+        assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        assert caught.value.completed_layers == [0]
+        engine.cache_manager.deallocate_cache(src)
+        await asyncio.sleep(0.2)
+        assert entry.removed and entry.pins == 1 and entry.regions  # the decode may still read it
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+    decode_peer_cma.kill()
+    await wait_for(lambda: entry.pins == 0, seconds=5)
+    assert not entry.regions  # released once no one could read it any more
+
+
+async def test_a_decode_that_dies_fails_the_layer_in_flight(make_engine: EngineFactory,
+                                                           decode_peer_cma: Peer) -> None:
+    engine, src = await leased(make_engine, decode_peer_cma)
+    entry = engine.registry.get(src.cache_id)
+    assert entry is not None
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
+    await pusher.push_layer(0)
+    decode_peer_cma.signal(signal.SIGSTOP)
+    pusher.push_layer(1)
+    await asyncio.sleep(0.05)
+    decode_peer_cma.kill()
+    with pytest.raises(LLMException) as caught:
+        await pusher.wait()
+    assert caught.value.status_code in (LLMStatusCode.LLM_TIMEOUT, LLMStatusCode.LLM_NOT_YET_LINK)
+    assert caught.value.completed_layers == [0]
+    await wait_for(lambda: entry.pins == 0, seconds=5)  # the reader is gone: nothing holds the source
+
+
+async def test_cancelling_waits_until_the_decode_copied_or_the_link_is_closed(make_engine: EngineFactory,
+                                                                             decode_peer_cma: Peer) -> None:
+    """Cancelling lets CancelledError out only once no byte can land any more: here the decode is stopped,
+    so the drain gives up after the layer's timeout and closes the link."""
+    engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [2], [2])
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        pusher.push_layer(0)
+        waiting = asyncio.create_task(pusher.wait())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert 2 not in engine.links or not engine.links[2].ready  # not drained in time: closed
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+
+
+async def test_a_graceful_unlink_waits_for_the_decode_to_copy_what_it_was_offered(make_engine: EngineFactory,
+                                                                                 decode_peer_cma: Peer,
+                                                                                 tmp_path: Any) -> None:
+    engine, src = await leased(make_engine, decode_peer_cma)
+    entry = engine.registry.get(src.cache_id)
+    assert entry is not None
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [4], [9])
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        pusher.push_layer(0)
+        unlinking = asyncio.create_task(engine.unlink_clusters([cluster(2, decode_peer_cma.port)]))
+        await asyncio.sleep(0.2)
+        assert not unlinking.done()  # the offered layer is not copied yet
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+    status, _ = await unlinking
+    assert status == LLMStatusCode.LLM_SUCCESS
+    await pusher.wait()  # landed before the link went
+    assert entry.pins == 0
+    layer = range(0, 1)
+    after = await decode_peer_cma.asnapshot("kv", tmp_path)
+    assert np.array_equal(after, expected_after(before, raw(src), [4], [9], 2, layer, layer))
