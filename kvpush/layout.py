@@ -72,6 +72,18 @@ class Blocks:
             self._array = np.array(self._ids, U64)
         return self._array
 
+    def all_below(self, limit: int) -> bool:
+        """Every id is ``< limit`` (``first_at_least`` says which is not)."""
+        if self._ids is not None:
+            return not self._ids or max(self._ids) < limit
+        return not self.count or int(self.array().max()) < limit
+
+    def distinct(self) -> bool:
+        """No id appears twice (``repeated`` says which does)."""
+        if self._ids is not None:
+            return len(set(self._ids)) == len(self._ids)
+        return self.repeated() is None
+
     def first_at_least(self, limit: int) -> tuple[int, int] | None:
         """(index, id) of the first id ``>= limit``, or None."""
         if self._ids is not None:

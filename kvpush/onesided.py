@@ -53,6 +53,9 @@ class LeaseState(StrEnum):
     DONE = "done"            # ended (revocation confirmed, or the link is unlinking)
 
 
+_ACTIVE = LeaseState.ACTIVE  # read on every leased write: a module global, not the enum class's attribute
+
+
 class OneSidedSender:
     """The sending half of one link's one-sided path: owns the mover (a pinned peer process, or a
     UCX endpoint)."""
@@ -87,7 +90,7 @@ class OneSidedSender:
             if proof:
                 self.leases[cache_id] = LeaseState.REQUESTED
                 self._send(encode_json(Kind.LEASE, 0, {"op": "request", "cache": cache_id, "proof": proof}))
-        return state == LeaseState.ACTIVE
+        return state is _ACTIVE
 
     def close_leases(self) -> None:
         """Unlinking: from now on no leased copy starts (held ones fail), so a drain is final."""
@@ -155,7 +158,7 @@ class OneSidedSender:
         """Copy a write under an active lease now; the notice follows the bytes."""
         assert op.local_iov is not None and op.remote_iov is not None
         cache_id = op.move_args[0]
-        if self.closing or self.leases.get(cache_id) != LeaseState.ACTIVE:  # revoked (or unlinking) while held
+        if self.closing or self.leases.get(cache_id) is not _ACTIVE:  # revoked (or unlinking) while held
             op.release()
             status = LLMStatusCode.LLM_NOT_YET_LINK if self.closing else LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
             self._requests.complete(op, LLMException(status, f"the standing grant on cache {cache_id} ended"))
@@ -177,7 +180,7 @@ class OneSidedSender:
     def reader_copies(self, cache_id: int) -> bool:
         """True when a held write to ``cache_id`` goes as a READ_OFFER: the receiver reads this process
         (it said so with its lease), and the lease stands."""
-        return self.peer_reads and not self.closing and self.leases.get(cache_id) == LeaseState.ACTIVE
+        return self.peer_reads and not self.closing and self.leases.get(cache_id) is _ACTIVE
 
     def lend(self, op: PendingOp, source: CacheEntry) -> None:
         """``op``'s READ_OFFER is about to be sent: from now on the receiver may read ``source`` (pinned by

@@ -91,7 +91,7 @@ class Plan:
         self.runs = runs
         self.steps = steps
         self.remote_slot = remote_slot  # the peer's batch slot a pull reads (its cache key may be released)
-        self._local_column = 0 if request.kind == Kind.WRITE else 1
+        self._local_column = 0 if request.push else 1
         self.wire = runs.wire(1 - self._local_column)  # the peer's offsets and the lengths, sent per request
         self._span_vector: IoVec | None = None
         self._span_first = 0
@@ -115,7 +115,7 @@ class Plan:
 
     def firsts(self, step: v.LayerStep) -> tuple[int, int]:
         """(the first local tensor, the first remote tensor) of ``step``."""
-        return (step.src_first, step.dst_first) if self.kind == Kind.WRITE else (step.dst_first, step.src_first)
+        return (step.src_first, step.dst_first) if not self._local_column else (step.dst_first, step.src_first)
 
     def local_vector(self, first: int, count: int) -> IoVec:
         """The local iovec of tensors ``[first, first + count)``. A plan of many steps lays out one vector
@@ -163,6 +163,9 @@ def group_steps(steps: list[v.LayerStep], bytes_per_tensor: int,
 
 # -- checking a call ----------------------------------------------------------------------------------
 _NAMES = {Kind.WRITE: ("src_cache", "dst_cache_key"), Kind.READ: ("dst_cache", "src_cache_key")}
+_REMOTE_KEYS: dict[bool, type | tuple[type, ...]] = {  # by push
+    True: BlocksCacheKey, False: (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)}
+_BLOCKS = Shape.BLOCKS
 
 
 def _check_local_layers(request: Request) -> None:
@@ -190,19 +193,20 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     ``CacheKeyByIdAndIndex``), a push's a slot of the local contiguous cache (``local_slot``, the call's
     ``src_batch_index``); ``src_blocks`` is then empty and the slot is read as consecutive blocks.
     ``remote_cache_id``: the peer's cache is named by id (the status-returning forms), not by the key."""
-    push = kind == Kind.WRITE
+    push = kind is Kind.WRITE
     local_name, remote_name = _NAMES[kind]
-    if remote_cache_id is None:
-        v.check_type(api, remote_name, remote_key,
-                     BlocksCacheKey if push else (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
-    v.check_type(api, local_name, local_cache, Cache)
+    if remote_cache_id is None and not isinstance(remote_key, _REMOTE_KEYS[push]):
+        v.check_type(api, remote_name, remote_key, _REMOTE_KEYS[push])  # raises
+    if not isinstance(local_cache, Cache):
+        v.check_type(api, local_name, local_cache, Cache)  # raises
     assert isinstance(local_cache, Cache) and isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     slot_index = None if local_slot is None or not push else check_int("src_batch_index", local_slot)
-    request = Request(api, kind, push, Shape.BLOCKS, remote_key.cluster_id, local_cache, local_name, None, None,
+    request = Request(api, kind, push, _BLOCKS, remote_key.cluster_id, local_cache, local_name, None, None,
                       None, v.check_blocks(api, "src_blocks", src_blocks),  # (positional: made on every transfer)
                       v.check_blocks(api, "dst_blocks", dst_blocks),
-                      v.check_layer_range(api, "src_layer_range", src_range),
-                      v.check_layer_range(api, "dst_layer_range", dst_range), v.check_tensor_num_type(api, n))
+                      None if src_range is None else v.check_layer_range(api, "src_layer_range", src_range),
+                      None if dst_range is None else v.check_layer_range(api, "dst_layer_range", dst_range),
+                      n if type(n) is int and n >= 0 else v.check_tensor_num_type(api, n))
     if remote_cache_id is not None:
         request.cache_id = remote_cache_id
     elif isinstance(remote_key, BlocksCacheKey):
@@ -218,8 +222,10 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     if request.shape is Shape.SLOT_BLOCKS:
         _check_slot_blocks(request, remote_key, remote_name)
     else:
-        v.check_blocks_cache(api, local_name, local_cache)
-        v.check_block_counts(api, request.src, request.dst)
+        if not local_cache.is_blocks_cache:
+            v.check_blocks_cache(api, local_name, local_cache)  # raises
+        if not request.dst.count or request.src.count != request.dst.count:
+            v.check_block_counts(api, request.src, request.dst)  # raises
     _check_local_layers(request)
     return request
 
@@ -344,11 +350,16 @@ def plan_blocks(request: Request, local: CacheEntry, remote: RemoteCache, remote
     if not remote.is_blocks_cache:
         raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
     local_blocks, remote_blocks = (request.src, request.dst) if push else (request.dst, request.src)
-    v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
-    v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
-    v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type, "block size")
+    if not local_blocks.all_below(local.num_blocks):
+        v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
+    if not remote_blocks.all_below(remote.num_blocks):
+        v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
+    if local.block_bytes != remote.block_bytes or local.data_type != remote.data_type:
+        v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type,
+                           "block size")  # raises
     steps = _layer_steps(request, local, remote)
-    v.check_no_duplicates(api, "dst_blocks", request.dst)
+    if not request.dst.distinct():
+        v.check_no_duplicates(api, "dst_blocks", request.dst)  # raises
     return Plan(request, local, remote, block_runs(request.src, request.dst, local.block_bytes), steps)
 
 

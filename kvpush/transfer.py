@@ -74,7 +74,7 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
     propagates once no byte of the request can still land."""
     timeout_ms = options.sync_kv_timeout_ms
     merge_bytes = options.layer_merge_bytes
-    if merge_bytes > 0 and plan.kind == Kind.WRITE and len(plan.steps) > 1 and link.outbound.writes_alone(plan.remote):
+    if len(plan.steps) > 1 and merge_bytes > 0 and plan.kind == Kind.WRITE and link.outbound.writes_alone(plan.remote):
         merge_bytes = max(merge_bytes, GROUP_BYTES)
     groups = plan.groups(merge_bytes)
     local = plan.local
@@ -98,7 +98,8 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
             if not inflight:
                 break
             layers, op = inflight[0]
-            await await_layer(plan.api, link, op, layers[0], timeout_ms, completed)
+            if not op.ended or op.cancelled or op.error is not None:  # an ended request needs no wait
+                await await_layer(plan.api, link, op, layers[0], timeout_ms, completed)
             inflight.popleft()
             completed.extend(layers)
         if issued < len(groups):  # the local cache was released: layers not issued are never sent

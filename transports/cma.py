@@ -197,7 +197,7 @@ class CmaMover:
     def start(self, is_read: bool, local: IoVec, remote: IoVec, cache_id: int, first_tensor: int,
               rkeys: Any, runs_per_tensor: int) -> Any:
         copy = self.peer.read if is_read else self.peer.write
-        if local.nbytes <= INLINE_COPY_BYTES and self._idle():
+        if local.nbytes <= INLINE_COPY_BYTES and not self._queued:  # (an inline copy never overtakes queued ones)
             # small (decode-time) transfers: a thread hand-off would cost more than the copy
             future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             try:
@@ -209,9 +209,6 @@ class CmaMover:
         job = asyncio.wrap_future(self.executor.submit(copy, local, remote))
         job.add_done_callback(self._dequeue)
         return job
-
-    def _idle(self) -> bool:
-        return self._queued == 0  # an inline copy must not overtake copies still queued on the thread
 
     def _dequeue(self, _: Any) -> None:
         self._queued -= 1
