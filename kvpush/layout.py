@@ -179,6 +179,9 @@ class Runs:
     def vector(self, bases: Sequence[int] | np.ndarray[Any, Any], column: int) -> IoVec:
         """The iovec of these runs in every tensor at ``bases``, tensor-major (the wire order)."""
         entries = len(bases) * self.count
+        if entries == 1 and self._rows is not None:  # one run of one tensor (a decode-time push)
+            row = self._rows[0]
+            return IoVec((int(bases[0]) + row[column], row[-1]), None, 1, self.bytes_per_tensor)
         if entries <= FEW and self._rows is not None:
             flat: list[int] = []
             for base in (bases.tolist() if isinstance(bases, np.ndarray) else bases):

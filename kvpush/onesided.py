@@ -276,8 +276,9 @@ class OneSidedSender:
             if failed:
                 self._leased_done(cache_id)
             else:  # sent right after the caller resumed; the lease counts as busy until it is out
+                if not self._notices:  # else a flush is already due and takes this one too
+                    self._loop.call_soon(self.flush_notices)
                 self._notices.append((op.notice, cache_id))
-                self._loop.call_soon(self.flush_notices)
         else:
             self._send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:

@@ -139,7 +139,9 @@ class Plan:
 
     def groups(self, limit: int) -> list[tuple[v.LayerStep, tuple[int, ...]]]:
         """The steps as requests of at most ``limit`` bytes (``group_steps``; 0: one request per step)."""
-        if limit <= 0 or len(self.steps) == 1:
+        if len(self.steps) == 1:
+            return [(self.steps[0], (self.steps[0].dst_layer,))]
+        if limit <= 0:
             return [(step, (step.dst_layer,)) for step in self.steps]
         return group_steps(self.steps, self.runs.bytes_per_tensor, limit)
 

@@ -34,6 +34,7 @@ MAGIC = 0x4B50  # "KP"
 HEADER = struct.Struct("<HBBIQQ")
 HEADER_SIZE = HEADER.size
 TRANSFER_META = struct.Struct("<QIIIi")
+_TRANSFER_HEAD = struct.Struct("<HBBIQQ" + "QIIIi")  # HEADER then TRANSFER_META, packed in one call
 STATUS_META = struct.Struct("<I")
 
 MAX_JSON_META = 1 << 20
@@ -188,9 +189,9 @@ class TransferMeta:
 def encode_transfer(kind: Kind, request_id: int, cache_id: int, first_tensor: int,  # noqa: PLR0913
                     num_tensors: int, runs_wire: bytes, payload_len: int, budget_ms: int = 0) -> bytes:
     """Header + meta of a transfer frame (a WRITE's payload follows), one parameter per field."""
-    n_runs = len(runs_wire) // 16
-    meta = TRANSFER_META.pack(cache_id, first_tensor, num_tensors, n_runs, budget_ms) + runs_wire
-    return encode_header(kind, request_id, len(meta), payload_len) + meta
+    n_runs = len(runs_wire) >> 4
+    return _TRANSFER_HEAD.pack(MAGIC, kind, 0, TRANSFER_META.size + len(runs_wire), request_id, payload_len, cache_id,
+                               first_tensor, num_tensors, n_runs, budget_ms) + runs_wire
 
 
 def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> TransferMeta:
