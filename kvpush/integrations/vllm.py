@@ -20,6 +20,7 @@ are supported: a CUDA cache is refused with the reason.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
     KVConnectorPromMetrics,
@@ -60,6 +62,23 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
         s = self.step
         return (f"KvpushMetadata(recv={len(s.recv)}, recv_aborted={len(s.recv_aborted)}, send={len(s.send)}, "
                 f"send_finished={len(s.send_finished)})")
+
+
+class KvpushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-ignore]
+    """What the workers tell the scheduler after a step: the transfers whose decode's block ids came
+    before their request ran (transfer id -> worker ranks that said so; vLLM sums the ranks' with
+    ``aggregate``)."""
+
+    def __init__(self, ids_in: dict[str, int]) -> None:
+        self.ids_in = ids_in
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvpushWorkerMeta:
+        for transfer_id, ranks in getattr(other, "ids_in", {}).items():
+            self.ids_in[transfer_id] = self.ids_in.get(transfer_id, 0) + ranks
+        return self
+
+    def __repr__(self) -> str:
+        return f"KvpushWorkerMeta(ids_in={len(self.ids_in)})"
 
 
 def _log_like_vllm() -> None:
@@ -216,7 +235,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._fleet = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
-                                                 lambda: s.default_remote, s.name)
+                                                 lambda: s.default_remote, s.name,
+                                                 core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size))
             self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:
             self._worker = WorkerSide(s)
@@ -249,6 +269,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output)))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvpushWorkerMeta):
+            self._book().ids_in(meta.ids_in)
         self._book().connector_output(connector_output.finished_sending or (),
                                       connector_output.finished_recving or ())
 
@@ -295,6 +318,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._work().results()
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KvpushWorkerMeta | None:
+        ids_in = self._work().take_ids_in()
+        return KvpushWorkerMeta(dict.fromkeys(ids_in, 1)) if ids_in else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

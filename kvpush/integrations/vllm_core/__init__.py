@@ -33,6 +33,7 @@ compatibility). Every name is re-exported here; import from the package.
 from kvpush import MAX_MESSAGE_BYTES
 
 from .config import (
+    IDS_WAIT_MS,
     ROLES,
     ConnectorConfig,
     ConsumerParams,
@@ -67,7 +68,7 @@ from .messages import (
     encode,
 )
 from .producer import TOMBSTONES, ProducerBook, ProducerState
-from .scheduler import Scheduled, SchedulerBook
+from .scheduler import IDS_IN_REMEMBERED, IdsHold, Scheduled, SchedulerBook
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
 from .topology import (
     Geometry,
@@ -83,12 +84,13 @@ from .topology import (
 )
 
 __all__ = [
-    "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook", "ConsumerEffects", "ConsumerParams",
-    "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER",
-    "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES", "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome",
-    "PROTOCOL_VERSION", "ParamsError", "PeerAddress", "ProducerBook", "ProducerEffects", "ProducerParams",
-    "ProducerState", "ROLES", "Received", "RecvSpec", "Scheduled", "SchedulerBook", "SendStep", "Sharding",
-    "StepMeta", "TOMBSTONES", "Target", "TopologyError", "Welcome", "block_id_messages", "blocks_for", "decode",
-    "decode_request_params", "derive_cluster_id", "dst_ids", "encode", "incompatibility", "listen_port",
-    "new_transfer_id", "parse_params", "plan_legs", "prefill_request_params", "targets",
+    "IDS_IN_REMEMBERED", "IDS_WAIT_MS", "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook",
+    "ConsumerEffects", "ConsumerParams", "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "IdsHold",
+    "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER", "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES",
+    "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome", "PROTOCOL_VERSION", "ParamsError", "PeerAddress",
+    "ProducerBook", "ProducerEffects", "ProducerParams", "ProducerState", "ROLES", "Received", "RecvSpec",
+    "Scheduled", "SchedulerBook", "SendStep", "Sharding", "StepMeta", "TOMBSTONES", "Target", "TopologyError",
+    "Welcome", "block_id_messages", "blocks_for", "decode", "decode_request_params", "derive_cluster_id", "dst_ids",
+    "encode", "incompatibility", "listen_port", "new_transfer_id", "parse_params", "plan_legs",
+    "prefill_request_params", "targets",
 ]
