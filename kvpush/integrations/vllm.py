@@ -125,7 +125,10 @@ def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
 # counters: what ended since the last step, by (book, its counter) -> the reported key
 _COUNTERS = {("producer", "landed"): "send_landed", ("producer", "failed"): "send_failed",
              ("producer", "blocks_pushed"): "blocks_pushed", ("consumer", "landed"): "receive_landed",
-             ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted"}
+             ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted",
+             ("producer", "pushes_pipelined"): "pushes_in_forward",
+             ("producer", "pushes_after_forward"): "pushes_after_forward"}
+_PUSHES = {"pushes_in_forward": "in_forward", "pushes_after_forward": "after_forward"}
 _GAUGES = ("open", "links", "held_caches")
 
 
@@ -158,7 +161,8 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
     """kvpush's numbers in vLLM's /metrics: ``vllm:kvpush_transfers_open`` (transfers this instance's
     connector tracks), ``vllm:kvpush_links`` (live kvpush links), ``vllm:kvpush_held_caches`` (caches kept
     pinned for links that closed), each as of the engine's last step; counters
-    ``vllm:kvpush_transfers_total{side,outcome}`` and ``vllm:kvpush_blocks_pushed_total``."""
+    ``vllm:kvpush_transfers_total{side,outcome}``, ``vllm:kvpush_blocks_pushed_total`` and
+    ``vllm:kvpush_pushes_total{when}`` (``in_forward``, ``after_forward``)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -179,6 +183,10 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
                                                      "decode) and outcome")
         self._blocks: Any = counter(name="vllm:kvpush_blocks_pushed", labelnames=labelnames,
                                     documentation="KV blocks pushed to decode instances (per layer group)")
+        self._pushes: Any = counter(name="vllm:kvpush_pushes", labelnames=[*labelnames, "when"],
+                                    documentation="pushes of a prefill's KV to decode instances, by when: in_forward "
+                                                  "(each layer as the forward computed it) or after_forward (the "
+                                                  "decode's block ids came too late for that)")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self._values[engine_idx]
@@ -186,7 +194,9 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
             self._gauges[key].labels(*labels).set(transfer_stats_data.get(key, 0))
         for key in _COUNTERS.values():
             value = transfer_stats_data.get(key, 0)
-            if value and key != "blocks_pushed":
+            if value and key in _PUSHES:
+                self._pushes.labels(*labels, _PUSHES[key]).inc(value)
+            elif value and key != "blocks_pushed":
                 side, outcome = key.split("_", 1)
                 self._transfers.labels(*labels, side, outcome).inc(value)
         if transfer_stats_data.get("blocks_pushed"):
