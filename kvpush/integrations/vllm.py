@@ -209,18 +209,21 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """kvpush's vLLM KV connector; see the module docstring. Hook by hook:
 
     scheduler: ``on_new_request`` notes ``kv_transfer_params``; ``get_num_new_matched_tokens``
-    claims a decode request's prompt as loaded asynchronously; ``update_state_after_alloc`` turns
-    the allocated blocks into the worker's RecvSpec; ``build_connector_meta`` adds every prefill
-    request computing prompt tokens this step (SendStep); ``request_finished`` delays freeing a
-    prefill request's blocks until ``finished_sending`` and tells the worker; ``update_connector_output``
-    clears what the workers reported.
+    claims a decode request's prompt as loaded asynchronously, and holds a prefill request whose decode
+    sends block ids (None: vLLM asks again next step) until the workers reported them in
+    (``update_connector_output`` reads ``KvpushWorkerMeta``) or ``ids_wait_ms`` passed;
+    ``update_state_after_alloc`` turns the allocated blocks into the worker's RecvSpec;
+    ``build_connector_meta`` adds every prefill request computing prompt tokens this step (SendStep);
+    ``request_finished`` delays freeing a prefill request's blocks until ``finished_sending`` and tells
+    the worker; ``update_connector_output`` clears what the workers reported.
 
     worker: ``register_kv_caches`` starts the kvpush engine and registers the layer tensors in
     place; ``bind_connector_metadata`` sends block ids (decode) and prepares this step's layer
     pushers (prefill); ``save_kv_layer`` pushes that layer; ``wait_for_save`` finishes the step's
     pushers (missing layers included) and serves late block ids; ``get_transfer_results`` reports
     landed transfers (finished_recving), failed ones (failed_recving, with their blocks in
-    ``get_block_ids_with_load_errors``) and settled prefill requests (finished_sending).
+    ``get_block_ids_with_load_errors``) and settled prefill requests (finished_sending);
+    ``build_connector_worker_meta`` tells the scheduler which transfers' block ids came before their request.
     """
 
     if _P2P is not None:

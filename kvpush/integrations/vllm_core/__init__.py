@@ -12,8 +12,11 @@ How a request moves (decode first, prefill pushes layer by layer):
    byte landed. Only then is the request reported finished (``take_finished``); a failure, timeout,
    lost link or a prefill's refusal reports its blocks as load errors instead.
 4. Prefill worker: ``ProducerBook`` pushes, in every step that computes part of the prompt, the
-   blocks that step touches, one layer at a time as ``save_kv_layer`` sees it (``SendStep``). Block
-   ids that arrive after the forward pass started are served by a push after it; the prefill
+   blocks that step touches, one layer at a time as ``save_kv_layer`` sees it (``SendStep``). So that
+   the ids are there before the first of those steps, the prefill scheduler holds a request whose
+   decode sends them (``SchedulerBook.matched_tokens`` answers None) until the workers report them in
+   (``ProducerBook.take_ids_in``, carried back in vLLM's worker metadata) or ``ids_wait_ms`` passed.
+   Block ids that arrive after the forward pass started are served by a push after it; the prefill
    scheduler delays freeing the blocks (``request_finished`` returns True) until the worker reports
    the transfer settled (``take_finished_sending``).
 
