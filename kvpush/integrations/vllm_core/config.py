@@ -17,7 +17,7 @@ from typing import Any
 from .messages import MAX_TRANSFER_ID_BYTES
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-IDS_WAIT_MS = 50  # a prefill's hold for its decode's block ids; measured: they come 3-11 ms after it is first asked
+IDS_WAIT_MS = 50  # a prefill's hold for its decode's block ids; measured: they come 8-12 ms (p50) after its request
 
 
 class ParamsError(ValueError):
