@@ -179,6 +179,10 @@ def test_config_defaults_and_validation() -> None:
         ConnectorConfig.from_extra_config({"auth_token": 5})
     with pytest.raises(ParamsError, match="engine_options"):
         ConnectorConfig.from_extra_config({"engine_options": {"a": 1}})
+    assert config.ids_wait_ms == core.IDS_WAIT_MS
+    assert ConnectorConfig.from_extra_config({"ids_wait_ms": 0}).ids_wait_ms == 0  # never held
+    with pytest.raises(ParamsError, match="ids_wait_ms"):
+        ConnectorConfig.from_extra_config({"ids_wait_ms": -1})
 
 
 def test_engine_options_from_config() -> None:
