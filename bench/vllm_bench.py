@@ -881,6 +881,12 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                 prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
                 timings = [timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end)) for s in samples]
                 measured["pushed_during_forward"] = f"{sum(1 for t in timings if t and t.pipelined_pushes)}/{reps}"
+                held = [e for e in prefill_trace if e.get("ev") == "held"
+                        and any(s.t_start <= e["t"] <= s.t_end for s in samples)]
+                if held:  # the prefill's hold for the decode's block ids (KvpushConnector's ids_wait_ms)
+                    measured["held_p50_ms"] = round(median([e["held_ms"] for e in held]), 2)
+                    measured["held_max_ms"] = round(max(e["held_ms"] for e in held), 2)
+                    measured["held_until_ids"] = f"{sum(1 for e in held if e['ids_in'])}/{len(held)}"
             refs = [baseline.reference.get((length, rep), []) for rep in range(reps)]
             record = latency_record(system, length, samples, refs, measured)
             bar.close(record.get("result") or f"TTFT p50 {record['ttft_p50_ms']} ms (single "

@@ -17,6 +17,9 @@ Trace lines (``time.monotonic()``, which is one clock for every process of a Lin
   "mode": "pipelined"|"serial", "sends": n, "pushes_pipelined": d, "pushes_after_forward": d}``
   (``t_bind``: metadata bound, just before the forward; ``t_forward_end``: ``wait_for_save`` entered,
   every layer computed; the push counters are this step's increments of the connector's stats).
+- prefill, scheduler side, one per request it held for its decode's block ids, when it lets it run:
+  ``{"ev": "held", "t": .., "held_ms": .., "ids_in": true|false}`` (``ids_in``: released by the ids,
+  else by the hold's bound).
 - decode: ``{"ev": "ids", "t": ..}`` when a step hands the worker requests to receive, and
   ``{"ev": "landed", "t": .., "reqs": [..]}`` at the first hook call that reports them in
   ``finished_recving`` (the decode engine steps continuously while a request waits, so this is within
@@ -46,6 +49,7 @@ class TimedKvpushConnector(KvpushConnector):
         self._step: dict[str, Any] | None = None
         self._serial = False
         self._before: dict[str, int] = {}
+        self._held: dict[str, float] = {}  # scheduler: request id -> when it was first held
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._trace is not None:
@@ -59,6 +63,18 @@ class TimedKvpushConnector(KvpushConnector):
                 return "serial" if control.read().strip() == "serial" else "pipelined"
         except OSError:
             return "pipelined"
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        released = self._scheduler.stats["held_ids_in"] if self._scheduler is not None else 0
+        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        now = time.monotonic()
+        if answer[0] is None:
+            self._held.setdefault(request.request_id, now)
+        elif request.request_id in self._held and self._scheduler is not None:
+            ids_in = self._scheduler.stats["held_ids_in"] > released
+            self._write({"ev": "held", "t": now, "held_ms": round((now - self._held.pop(request.request_id)) * 1e3, 2),
+                         "ids_in": ids_in})
+        return answer
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         now = time.monotonic()

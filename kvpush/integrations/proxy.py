@@ -12,7 +12,9 @@ endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
    is tried.
 3. The decode gets the client's request: with the accepting prefill's kvpush address in its
    ``kv_transfer_params`` (it allocates the blocks and sends their ids to that prefill, which pushes the
-   KV layer by layer), or - when no prefill accepted - as a plain request that the decode computes alone,
+   KV layer by layer; the prefill holds its copy until those ids came, at most its connector's
+   ``ids_wait_ms``, so it pushes each layer as its forward computes it), or - when no prefill accepted - as
+   a plain request that the decode computes alone,
    whatever its ``kv_load_failure_policy`` says. The response carries ``X-Kvpush-Route: pd`` or
    ``decode-only``, the proxy logs why, and ``/metrics`` counts it. The decode only ever waits for KV
    from a prefill that holds the request, so a prefill that is down or starting up never makes it wait.

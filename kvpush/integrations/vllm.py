@@ -20,6 +20,7 @@ are supported: a CUDA cache is refused with the reason.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
     KVConnectorPromMetrics,
@@ -60,6 +62,23 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
         s = self.step
         return (f"KvpushMetadata(recv={len(s.recv)}, recv_aborted={len(s.recv_aborted)}, send={len(s.send)}, "
                 f"send_finished={len(s.send_finished)})")
+
+
+class KvpushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-ignore]
+    """What the workers tell the scheduler after a step: the transfers whose decode's block ids came
+    before their request ran (transfer id -> worker ranks that said so; vLLM sums the ranks' with
+    ``aggregate``)."""
+
+    def __init__(self, ids_in: dict[str, int]) -> None:
+        self.ids_in = ids_in
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvpushWorkerMeta:
+        for transfer_id, ranks in getattr(other, "ids_in", {}).items():
+            self.ids_in[transfer_id] = self.ids_in.get(transfer_id, 0) + ranks
+        return self
+
+    def __repr__(self) -> str:
+        return f"KvpushWorkerMeta(ids_in={len(self.ids_in)})"
 
 
 def _log_like_vllm() -> None:
@@ -106,7 +125,10 @@ def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
 # counters: what ended since the last step, by (book, its counter) -> the reported key
 _COUNTERS = {("producer", "landed"): "send_landed", ("producer", "failed"): "send_failed",
              ("producer", "blocks_pushed"): "blocks_pushed", ("consumer", "landed"): "receive_landed",
-             ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted"}
+             ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted",
+             ("producer", "pushes_pipelined"): "pushes_in_forward",
+             ("producer", "pushes_after_forward"): "pushes_after_forward"}
+_PUSHES = {"pushes_in_forward": "in_forward", "pushes_after_forward": "after_forward"}
 _GAUGES = ("open", "links", "held_caches")
 
 
@@ -139,7 +161,8 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
     """kvpush's numbers in vLLM's /metrics: ``vllm:kvpush_transfers_open`` (transfers this instance's
     connector tracks), ``vllm:kvpush_links`` (live kvpush links), ``vllm:kvpush_held_caches`` (caches kept
     pinned for links that closed), each as of the engine's last step; counters
-    ``vllm:kvpush_transfers_total{side,outcome}`` and ``vllm:kvpush_blocks_pushed_total``."""
+    ``vllm:kvpush_transfers_total{side,outcome}``, ``vllm:kvpush_blocks_pushed_total`` and
+    ``vllm:kvpush_pushes_total{when}`` (``in_forward``, ``after_forward``)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -160,6 +183,10 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
                                                      "decode) and outcome")
         self._blocks: Any = counter(name="vllm:kvpush_blocks_pushed", labelnames=labelnames,
                                     documentation="KV blocks pushed to decode instances (per layer group)")
+        self._pushes: Any = counter(name="vllm:kvpush_pushes", labelnames=[*labelnames, "when"],
+                                    documentation="pushes of a prefill's KV to decode instances, by when: in_forward "
+                                                  "(each layer as the forward computed it) or after_forward (the "
+                                                  "decode's block ids came too late for that)")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self._values[engine_idx]
@@ -167,7 +194,9 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
             self._gauges[key].labels(*labels).set(transfer_stats_data.get(key, 0))
         for key in _COUNTERS.values():
             value = transfer_stats_data.get(key, 0)
-            if value and key != "blocks_pushed":
+            if value and key in _PUSHES:
+                self._pushes.labels(*labels, _PUSHES[key]).inc(value)
+            elif value and key != "blocks_pushed":
                 side, outcome = key.split("_", 1)
                 self._transfers.labels(*labels, side, outcome).inc(value)
         if transfer_stats_data.get("blocks_pushed"):
@@ -180,18 +209,21 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """kvpush's vLLM KV connector; see the module docstring. Hook by hook:
 
     scheduler: ``on_new_request`` notes ``kv_transfer_params``; ``get_num_new_matched_tokens``
-    claims a decode request's prompt as loaded asynchronously; ``update_state_after_alloc`` turns
-    the allocated blocks into the worker's RecvSpec; ``build_connector_meta`` adds every prefill
-    request computing prompt tokens this step (SendStep); ``request_finished`` delays freeing a
-    prefill request's blocks until ``finished_sending`` and tells the worker; ``update_connector_output``
-    clears what the workers reported.
+    claims a decode request's prompt as loaded asynchronously, and holds a prefill request whose decode
+    sends block ids (None: vLLM asks again next step) until the workers reported them in
+    (``update_connector_output`` reads ``KvpushWorkerMeta``) or ``ids_wait_ms`` passed;
+    ``update_state_after_alloc`` turns the allocated blocks into the worker's RecvSpec;
+    ``build_connector_meta`` adds every prefill request computing prompt tokens this step (SendStep);
+    ``request_finished`` delays freeing a prefill request's blocks until ``finished_sending`` and tells
+    the worker; ``update_connector_output`` clears what the workers reported.
 
     worker: ``register_kv_caches`` starts the kvpush engine and registers the layer tensors in
     place; ``bind_connector_metadata`` sends block ids (decode) and prepares this step's layer
     pushers (prefill); ``save_kv_layer`` pushes that layer; ``wait_for_save`` finishes the step's
     pushers (missing layers included) and serves late block ids; ``get_transfer_results`` reports
     landed transfers (finished_recving), failed ones (failed_recving, with their blocks in
-    ``get_block_ids_with_load_errors``) and settled prefill requests (finished_sending).
+    ``get_block_ids_with_load_errors``) and settled prefill requests (finished_sending);
+    ``build_connector_worker_meta`` tells the scheduler which transfers' block ids came before their request.
     """
 
     if _P2P is not None:
@@ -216,7 +248,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._fleet = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
-                                                 lambda: s.default_remote, s.name)
+                                                 lambda: s.default_remote, s.name,
+                                                 core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size))
             self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:
             self._worker = WorkerSide(s)
@@ -249,6 +282,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output)))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvpushWorkerMeta):
+            self._book().ids_in(meta.ids_in)
         self._book().connector_output(connector_output.finished_sending or (),
                                       connector_output.finished_recving or ())
 
@@ -295,6 +331,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._work().results()
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KvpushWorkerMeta | None:
+        ids_in = self._work().take_ids_in()
+        return KvpushWorkerMeta(dict.fromkeys(ids_in, 1)) if ids_in else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

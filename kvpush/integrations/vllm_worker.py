@@ -142,6 +142,12 @@ class WorkerSide:
             self.load_errors |= received.load_errors
         return sending, recving, failed
 
+    def take_ids_in(self) -> list[str]:
+        """Transfers whose decode's block ids came before their request ran here (each once), for the
+        scheduler that holds such a request until they did."""
+        self.drain()
+        return self.producer.take_ids_in() if self.producer is not None else []
+
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors

@@ -179,6 +179,10 @@ def test_config_defaults_and_validation() -> None:
         ConnectorConfig.from_extra_config({"auth_token": 5})
     with pytest.raises(ParamsError, match="engine_options"):
         ConnectorConfig.from_extra_config({"engine_options": {"a": 1}})
+    assert config.ids_wait_ms == core.IDS_WAIT_MS
+    assert ConnectorConfig.from_extra_config({"ids_wait_ms": 0}).ids_wait_ms == 0  # never held
+    with pytest.raises(ParamsError, match="ids_wait_ms"):
+        ConnectorConfig.from_extra_config({"ids_wait_ms": -1})
 
 
 def test_engine_options_from_config() -> None:
@@ -351,6 +355,51 @@ def test_prefill_request_never_scheduled_is_not_delayed_and_names_its_own_transf
     assert len((book.transfer_id("x" * 300) or "").encode()) <= core.MAX_TRANSFER_ID_BYTES
 
 
+def held_book(ranks: int = 1, wait_s: float = 0.05) -> tuple[SchedulerBook, Clock]:
+    clock = Clock()
+    return SchedulerBook(32, produce=True, consume=False, local=PREFILL, name="prefill",
+                         hold=core.IdsHold(wait_s, clock, ranks)), clock
+
+
+def test_prefill_request_is_held_until_every_rank_has_its_block_ids() -> None:
+    book, clock = held_book(ranks=2)
+    book.on_new_request("p1", core.prefill_request_params("tid"), num_prompt_tokens=100)
+    assert book.matched_tokens("p1", 0) == (None, False)  # held: vLLM asks again next step
+    clock.advance(0.01)
+    book.ids_in({"tid": 1})
+    assert book.matched_tokens("p1", 0) == (None, False)  # one rank of two
+    book.ids_in({"tid": 1, "other": 2})
+    assert book.matched_tokens("p1", 0) == (0, False)
+    assert book.stats == {"held": 1, "held_ids_in": 1}
+    book.build_step([Scheduled("p1", (10, 11, 12, 13), False, 0, 100)])
+    assert book.matched_tokens("p1", 100) == (0, False)  # a preempted request is never held again
+    book.request_finished("p1", ok=True)
+
+
+def test_prefill_request_is_held_at_most_its_bound_and_ids_before_it_hold_nothing() -> None:
+    book, clock = held_book(wait_s=0.05)
+    book.on_new_request("late", core.prefill_request_params("t1"), num_prompt_tokens=40)
+    assert book.matched_tokens("late", 0) == (None, False)
+    clock.advance(0.049)
+    assert book.matched_tokens("late", 0) == (None, False)
+    clock.advance(0.001)
+    assert book.matched_tokens("late", 0) == (0, False)  # the bound: it runs, its push follows the forward
+    book.ids_in({"t1": 1})
+    assert book.matched_tokens("late", 0) == (0, False)
+    book.ids_in({"t2": 1})  # the decode's ids before the request (the decode went first)
+    book.on_new_request("early", core.prefill_request_params("t2"), num_prompt_tokens=40)
+    assert book.matched_tokens("early", 0) == (0, False)
+    book.on_new_request("own", {"do_remote_decode": True}, num_prompt_tokens=40)  # no decode named: none come
+    assert book.matched_tokens("own", 0) == (0, False)
+    assert book.stats == {"held": 1, "held_expired": 1}
+    unheld, _ = held_book(wait_s=0)
+    unheld.on_new_request("p", core.prefill_request_params("t3"), num_prompt_tokens=40)
+    assert unheld.matched_tokens("p", 0) == (0, False)
+    for transfer_id in range(core.IDS_IN_REMEMBERED + 10):  # ids for requests that never come: bounded
+        book.ids_in({f"gone-{transfer_id}": 1})
+    assert len(book._ids_in) == core.IDS_IN_REMEMBERED
+
+
 # -- producer book ---------------------------------------------------------------------------------
 
 @dataclass
@@ -437,6 +486,18 @@ def test_ids_first_then_every_layer_is_pushed_as_it_is_saved() -> None:
     book.on_notified("tid", None)
     assert book.take_finished_sending() == {"p1"} and book.state_of("tid") is None
     assert book.ended("tid") == "landed" and len(book) == 0
+
+
+def test_ids_before_the_request_are_reported_in_once_for_the_scheduler() -> None:
+    book, fx, _ = producer()
+    give_ids(book, blocks=(50, 51, 52, 53))
+    assert book.take_ids_in() == ["tid"] and book.take_ids_in() == []
+    give_ids(book, transfer_id="t2", blocks=(50,), num_tokens=20)
+    run_step(book, [SendStep("p2", "t2", (9,), 0, 20, 20)])  # its request ran before the report was taken
+    run_step(book, [SendStep("p3", "t3", (8,), 0, 20, 20)])
+    give_ids(book, transfer_id="t3", blocks=(40,), num_tokens=20)  # after its request ran: not reported
+    assert book.take_ids_in() == ["t2"]
+    assert [p.pipelined for p in fx.pushes.values()] == [True]  # t2 pipelined; t3 waits for its request to end
 
 
 def test_ids_after_the_forward_pass_are_served_by_one_push_of_every_layer() -> None:

@@ -65,6 +65,9 @@ TRANSFER_TIMEOUT_S = 10.0  # the decode's deadline from allocation to the last b
 IDS_TIMEOUT_S = 10.0  # how long a prefill keeps a finished request's blocks for block ids that do not come
 ABORT_GRACE_S = 3.0  # how long a decode waits for the prefill to confirm an abort
 ACCEPT_TIMEOUT_S = 5.0  # the proxy's default: how long a prefill may take to accept a request
+# how long the prefill holds a request for its decode's block ids (50 ms by default): long here, so a loaded
+# host cannot make the pipelining test depend on timing
+IDS_WAIT_MS = 5000
 TOKEN = {"KVPUSH_AUTH_TOKEN": "a-shared-secret-of-this-test"}
 DECODE_MODEL_LEN = 4096  # the decode's context (the tiny model's whole): long generations for clients that leave
 STARTUP_S = 300.0
@@ -92,12 +95,15 @@ CONCURRENT = [_ids(n) for n in (3, 30, 33, 65, 128, 200, 350, 600)]
 AFTER_ABORT = [_ids(n) for n in (7, 90)]
 AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN = _ids(36), _ids(120), _ids(66), _ids(150), _ids(70)
 NO_HTTP, AFTER_NO_HTTP = _ids(90), _ids(45)
+HELD = [_ids(n) for n in (20, 40, 65, 200)]  # each pushed during its prefill's forward (200: in 4 chunks)
+NO_DECODE = _ids(50)  # a prefill request whose decode never comes
 ABORTED, LEFT_WAITING = _ids(50), _ids(80)  # no reference: never answered
 CHATS = [_chat(n) for n in (1, 6, 25, 60, 150, 300)]
 STREAMED_CHATS = [_chat(n) for n in (10, 120)]
 PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN,
-           NO_HTTP, AFTER_NO_HTTP]
-assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING]}) == len(PROMPTS) + 2  # no shared first block
+           NO_HTTP, AFTER_NO_HTTP, *HELD]
+assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING, NO_DECODE]}) == len(PROMPTS) + 3  # no shared
+# first block
 
 
 @dataclass
@@ -145,7 +151,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
     def start_prefill() -> Server:
         servers["prefill"] = start_vllm(
-            "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S), work,
+            "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S,
+                                                       ids_wait_ms=IDS_WAIT_MS), work,
             "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port, env=TOKEN)
         return servers["prefill"]
 
@@ -237,6 +244,42 @@ def test_completions_through_the_proxy_equal_a_single_instance_and_use_the_pushe
     rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in COMPLETIONS]
     assert log_lines(pd.prefill, "ready over", "authenticated") and not log_lines(pd.prefill, "insecure")
     _check(rows, "/v1/completions through kvpush proxy")
+
+
+def _pushes(server: Server) -> dict[str, float]:
+    """The prefill's pushes so far: each layer during the forward that computed it, or after the forward."""
+    values = metrics(server.url)
+    return {when: metric_sum(values, "vllm:kvpush_pushes_total", f'when="{when}"')
+            for when in ("in_forward", "after_forward")}
+
+
+@pytest.mark.timeout(300)
+def test_every_request_through_the_proxy_is_pushed_during_its_prefills_forward(pd: Stack) -> None:
+    """The proxy sends the decode its copy once the prefill accepted its own; the prefill holds the request
+    (``ids_wait_ms``) until the decode's block ids came, so every layer is pushed as its forward computes it."""
+    before = _pushes(pd.prefill)
+    rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in HELD]
+    _check(rows, "/v1/completions through kvpush proxy, one at a time")
+    # a chunked prompt pushes once per chunk; the counters reach /metrics with the engine's next step
+    assert wait_for(lambda: _pushes(pd.prefill)["in_forward"] - before["in_forward"] >= len(HELD), 15, 0.2)
+    after = _pushes(pd.prefill)
+    print(f"pushes during the forward {after['in_forward'] - before['in_forward']:g}, "
+          f"after it {after['after_forward'] - before['after_forward']:g}")
+    assert after["after_forward"] == before["after_forward"]
+
+
+@pytest.mark.timeout(200)
+def test_a_prefill_request_whose_decode_never_comes_is_held_no_longer_than_its_bound(pd: Stack) -> None:
+    """A prefill's copy whose decode never sends block ids (the proxy lost the decode) runs once the hold
+    ends and answers; its blocks wait for the ids ``ids_timeout_s`` and are freed."""
+    before = _pushes(pd.prefill)
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": uuid.uuid4().hex}
+    status, answer = post(f"{pd.prefill.url}/v1/completions", {**_body(NO_DECODE, max_tokens=1),
+                                                                "kv_transfer_params": params}, timeout=120)
+    assert status == 200, answer
+    assert len(answer["choices"][0]["token_ids"]) == 1
+    assert _pushes(pd.prefill) == before  # nothing to push to
+    assert _wait_idle(pd.prefill, IDS_TIMEOUT_S + 30)["kv_usage"] == 0
 
 
 @pytest.mark.timeout(200)

@@ -12,8 +12,11 @@ How a request moves (decode first, prefill pushes layer by layer):
    byte landed. Only then is the request reported finished (``take_finished``); a failure, timeout,
    lost link or a prefill's refusal reports its blocks as load errors instead.
 4. Prefill worker: ``ProducerBook`` pushes, in every step that computes part of the prompt, the
-   blocks that step touches, one layer at a time as ``save_kv_layer`` sees it (``SendStep``). Block
-   ids that arrive after the forward pass started are served by a push after it; the prefill
+   blocks that step touches, one layer at a time as ``save_kv_layer`` sees it (``SendStep``). So that
+   the ids are there before the first of those steps, the prefill scheduler holds a request whose
+   decode sends them (``SchedulerBook.matched_tokens`` answers None) until the workers report them in
+   (``ProducerBook.take_ids_in``, carried back in vLLM's worker metadata) or ``ids_wait_ms`` passed.
+   Block ids that arrive after the forward pass started are served by a push after it; the prefill
    scheduler delays freeing the blocks (``request_finished`` returns True) until the worker reports
    the transfer settled (``take_finished_sending``).
 
@@ -33,6 +36,7 @@ compatibility). Every name is re-exported here; import from the package.
 from kvpush import MAX_MESSAGE_BYTES
 
 from .config import (
+    IDS_WAIT_MS,
     ROLES,
     ConnectorConfig,
     ConsumerParams,
@@ -67,7 +71,7 @@ from .messages import (
     encode,
 )
 from .producer import TOMBSTONES, ProducerBook, ProducerState
-from .scheduler import Scheduled, SchedulerBook
+from .scheduler import IDS_IN_REMEMBERED, IdsHold, Scheduled, SchedulerBook
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
 from .topology import (
     Geometry,
@@ -83,12 +87,13 @@ from .topology import (
 )
 
 __all__ = [
-    "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook", "ConsumerEffects", "ConsumerParams",
-    "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER",
-    "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES", "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome",
-    "PROTOCOL_VERSION", "ParamsError", "PeerAddress", "ProducerBook", "ProducerEffects", "ProducerParams",
-    "ProducerState", "ROLES", "Received", "RecvSpec", "Scheduled", "SchedulerBook", "SendStep", "Sharding",
-    "StepMeta", "TOMBSTONES", "Target", "TopologyError", "Welcome", "block_id_messages", "blocks_for", "decode",
-    "decode_request_params", "derive_cluster_id", "dst_ids", "encode", "incompatibility", "listen_port",
-    "new_transfer_id", "parse_params", "plan_legs", "prefill_request_params", "targets",
+    "IDS_IN_REMEMBERED", "IDS_WAIT_MS", "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook",
+    "ConsumerEffects", "ConsumerParams", "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "IdsHold",
+    "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER", "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES",
+    "MAX_TRANSFER_ID_BYTES", "Message", "MessageError", "Outcome", "PROTOCOL_VERSION", "ParamsError", "PeerAddress",
+    "ProducerBook", "ProducerEffects", "ProducerParams", "ProducerState", "ROLES", "Received", "RecvSpec",
+    "Scheduled", "SchedulerBook", "SendStep", "Sharding", "StepMeta", "TOMBSTONES", "Target", "TopologyError",
+    "Welcome", "block_id_messages", "blocks_for", "decode", "decode_request_params", "derive_cluster_id", "dst_ids",
+    "encode", "incompatibility", "listen_port", "new_transfer_id", "parse_params", "plan_legs",
+    "prefill_request_params", "targets",
 ]

@@ -56,6 +56,7 @@ class _Request:
     failure: str | None = None  # the request itself failed: every leg, present or late, fails with it
     ids_deadline: float | None = None
     gave_up: str | None = None  # why legs that never came were given up (remembered when it ends)
+    ids_reported: bool = False  # its block ids were reported in (for the scheduler's hold)
 
 
 @dataclass(eq=False)
@@ -111,6 +112,7 @@ class ProducerBook:
         self._step_layers: dict[int, set[int]] = {}
         self._next_push = 1
         self._finished_sending: set[str] = set()
+        self._ids_in: list[str] = []  # transfers whose every leg's ids came before their request ran
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> how it ended
         #: pushes_pipelined / pushes_after_forward / blocks_pushed / landed / failed (legs) / released (requests)
         self.stats: Counter[str] = Counter()
@@ -219,6 +221,7 @@ class ProducerBook:
     def on_message(self, peer: int, message: Message) -> None:
         if isinstance(message, BlockIds):
             self._on_ids(peer, message)
+            self._note_ids_in(message.transfer_id)
         elif isinstance(message, Abort):
             r = self._requests.get(message.transfer_id)
             t = r.legs.get(peer) if r is not None else None
@@ -280,11 +283,23 @@ class ProducerBook:
                 self._fail(t, f"no block ids from a decode within {self.config.ids_timeout_s:g} s", Outcome.FAILED)
             self._release_if_done(r)
 
+    def take_ids_in(self) -> list[str]:
+        """Transfers whose decode's block ids all came (or whose legs ended) before their request's first
+        step here, each once: the scheduler holds such a request until they came (see ``SchedulerBook``)."""
+        ids_in, self._ids_in = self._ids_in, []
+        return ids_in
+
     def take_finished_sending(self) -> set[str]:
         done, self._finished_sending = self._finished_sending, set()
         return done
 
     # -- internals ---------------------------------------------------------------------------------
+    def _note_ids_in(self, transfer_id: str) -> None:
+        r = self._requests.get(transfer_id)
+        if r is not None and r.req_id is None and not r.ids_reported and not self._waiting_ids(r):
+            r.ids_reported = True
+            self._ids_in.append(transfer_id)
+
     def _end_block(self, t: _Outgoing) -> int:
         """One past the last prefill block the decode wants."""
         return t.first_block + len(t.dst_blocks or ())

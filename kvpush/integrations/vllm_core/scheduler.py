@@ -2,21 +2,31 @@
 tracks their block lists, builds each step's ``StepMeta`` from the ``Scheduled`` requests the adapter
 reads off vLLM's SchedulerOutput, and says which finished requests keep their blocks until the worker
 reports them settled. Pure; the adapter calls it from vLLM's scheduler thread.
+
+A prefill request whose decode sends block ids (a proxy named its transfer) is *held* before its first
+forward (``matched_tokens`` answers None, vLLM's "ask again next step") until every worker rank reported
+the decode's ids in (``ids_in``), or ``ids_wait_s`` after it was first asked: so its forward pushes every
+layer as it computes it. A request whose ids do not come in time runs as it would have, and its blocks
+are pushed after the forward once they come: the hold never waits on anything but a clock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConsumerParams, ParamsError, PeerAddress, ProducerParams, decode_request_params, parse_params
+from .effects import Clock
 from .messages import MAX_TRANSFER_ID_BYTES
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
 
 log = logging.getLogger(__name__)
+
+IDS_IN_REMEMBERED = 4096  # transfers whose block ids came before their request (decode first), remembered
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,16 @@ class Scheduled:
     num_scheduled_tokens: int
 
 
+@dataclass(frozen=True)
+class IdsHold:
+    """How a prefill holds a request for its decode's block ids: until ``ranks`` worker ranks (its
+    tensor-parallel size) reported them in, at most ``wait_s`` on ``clock`` after it was first asked."""
+
+    wait_s: float
+    clock: Clock
+    ranks: int = 1
+
+
 @dataclass
 class _SchedRequest:
     req_id: str
@@ -41,6 +61,8 @@ class _SchedRequest:
     issued: bool = False  # consumer: a RecvSpec went to the worker
     blocks: list[int] = field(default_factory=list)  # producer
     handed: bool = False  # producer: a SendStep went to the worker
+    ids_coming: bool = False  # producer: a decode sends block ids (the proxy named the transfer)
+    held_until: float | None = None  # producer: held for those ids until then (None: not held yet)
 
 
 class SchedulerBook:
@@ -48,11 +70,13 @@ class SchedulerBook:
 
     ``produce``/``consume`` follow the instance's kv_role. ``local`` is this instance's own kvpush
     address (returned to the proxy by a prefill in ``request_finished``), ``default_remote`` the
-    prefill a decode uses when the params name none.
+    prefill a decode uses when the params name none. ``hold``: how a prefill request is held for its
+    decode's block ids (None: never).
     """
 
     def __init__(self, block_size: int, produce: bool, consume: bool, local: PeerAddress | None = None,
-                 default_remote: Callable[[], PeerAddress] | None = None, name: str = "kvpush") -> None:
+                 default_remote: Callable[[], PeerAddress] | None = None, name: str = "kvpush",
+                 hold: IdsHold | None = None) -> None:
         if block_size < 1:
             raise ParamsError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -65,6 +89,11 @@ class SchedulerBook:
         self._meta = StepMeta()
         self._pending_send: set[str] = set()  # producer requests whose blocks wait for finished_sending
         self._received: set[str] = set()  # consumer requests reported finished_recving
+        self.hold = hold if hold is not None and hold.wait_s > 0 else None
+        #: transfer id -> worker ranks that reported its block ids in (oldest first, bounded)
+        self._ids_in: OrderedDict[str, int] = OrderedDict()
+        #: held (prefill requests held for block ids), held_ids_in (released by their ids), held_expired
+        self.stats: Counter[str] = Counter()
 
     # -- per request ---------------------------------------------------------------------------------
     def on_new_request(self, req_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int) -> None:
@@ -87,20 +116,56 @@ class SchedulerBook:
                             req_id)
                 return
             transfer_id = parsed.transfer_id or _local_transfer_id(self.name, req_id)
-            self._requests[req_id] = _SchedRequest(req_id, num_prompt_tokens, transfer_id=transfer_id)
+            self._requests[req_id] = _SchedRequest(req_id, num_prompt_tokens, transfer_id=transfer_id,
+                                                   ids_coming=parsed.transfer_id is not None)
 
     def transfer_id(self, req_id: str) -> str | None:
         request = self._requests.get(req_id)
         return request.transfer_id if request is not None else None
 
-    def matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int, bool]:
-        """(tokens to load, asynchronously?) for vLLM's get_num_new_matched_tokens; side-effect free.
-        A decode request claims every prompt token it does not hold, once."""
+    def matched_tokens(self, req_id: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens to load, asynchronously?) for vLLM's get_num_new_matched_tokens. A decode request
+        claims every prompt token it does not hold, once; a prefill request whose block ids are coming
+        answers None (held: vLLM asks again next step) until they came or its hold expired."""
         request = self._requests.get(req_id)
-        if request is None or request.consumer is None or request.issued:
+        if request is None:
+            return 0, False
+        if request.consumer is None:
+            return (None, False) if self._held(request) else (0, False)
+        if request.issued:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _held(self, request: _SchedRequest) -> bool:
+        """Whether the prefill request still waits for its decode's block ids (starting its hold when
+        first asked); once released it is never held again (a preempted request resumes at once)."""
+        hold = self.hold
+        if not request.ids_coming or request.handed or hold is None:
+            return False
+        if self._ids_in.get(request.transfer_id, 0) >= hold.ranks:
+            if request.held_until is not None:
+                self.stats["held_ids_in"] += 1
+            request.ids_coming = False
+            return False
+        now = hold.clock()
+        if request.held_until is None:
+            request.held_until = now + hold.wait_s
+            self.stats["held"] += 1
+        if now < request.held_until:
+            return True
+        request.ids_coming = False
+        self.stats["held_expired"] += 1
+        log.debug("%s: request %s: no block ids within %.0f ms; it runs, pushed after its forward", self.name,
+                  request.req_id, hold.wait_s * 1e3)
+        return False
+
+    def ids_in(self, transfer_ids: Mapping[str, int]) -> None:
+        """Worker ranks reported the decode's block ids of these transfers in (transfer id -> ranks)."""
+        for transfer_id, ranks in transfer_ids.items():
+            self._ids_in[transfer_id] = self._ids_in.pop(transfer_id, 0) + ranks
+        while len(self._ids_in) > IDS_IN_REMEMBERED:
+            self._ids_in.popitem(last=False)
 
     def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) with ``num_external_tokens`` to
@@ -151,6 +216,7 @@ class SchedulerBook:
         request = self._requests.pop(req_id, None)
         if request is None:
             return False, None
+        self._ids_in.pop(request.transfer_id, None)
         if request.consumer is not None:
             if request.issued and req_id not in self._received:
                 self._meta.recv_aborted.append(req_id)  # vLLM keeps the blocks until finished_recving
