@@ -73,6 +73,60 @@ def _layer_plan(work: Workload) -> tuple[list[int], list[int], list[int]]:
     return runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()
 
 
+# -- CPU time: who pays for a transfer ---------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, every thread of it, from ``/proc/<pid>/stat`` (clock
+    ticks, split between user and system by tick sampling). With ``CONFIG_IRQ_TIME_ACCOUNTING`` off (this
+    machine's kernel) the softirqs a process runs itself (loopback's receive-side TCP processing, on the
+    sending side) are its system time."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK  # utime, stime: fields 14 and 15
+
+
+def _softirq_seconds() -> float:
+    """Softirq CPU seconds of the whole machine (what no process was charged for; other work included)."""
+    with open("/proc/stat") as stat:
+        return int(stat.readline().split()[7]) / _TICK
+
+
+class CpuSplit:
+    """User and system CPU of the driver (this process) and the target process over the intervals between
+    ``start`` and ``stop``, as fractions of those intervals' wall time; ``extra`` adds a named CPU time
+    measured by the caller (the compute thread's ``time.thread_time``) as a fraction the same way."""
+
+    def __init__(self, target_pid: int) -> None:
+        self.target_pid = target_pid
+        self.wall = 0.0
+        self.totals = {"driver_user": 0.0, "driver_sys": 0.0, "target_user": 0.0, "target_sys": 0.0,
+                       "softirq": 0.0}
+        self.extra: dict[str, float] = {}
+        self._begin: tuple[float, ...] = ()
+
+    def _now(self) -> tuple[float, ...]:
+        return (time.perf_counter(), *cpu_seconds(os.getpid()), *cpu_seconds(self.target_pid), _softirq_seconds())
+
+    def start(self) -> None:
+        self._begin = self._now()
+
+    def stop(self) -> None:
+        end = self._now()
+        self.wall += end[0] - self._begin[0]
+        for name, before, after in zip(self.totals, self._begin[1:], end[1:]):
+            self.totals[name] += after - before
+
+    def add(self, name: str, seconds: float) -> None:
+        self.extra[name] = self.extra.get(name, 0.0) + seconds
+
+    def record(self) -> dict[str, float]:
+        wall = max(self.wall, 1e-9)
+        shares = {name: round(value / wall, 3) for name, value in (*self.totals.items(), *self.extra.items())}
+        return {"wall_s": round(self.wall, 4), **shares}
+
+
 # -- memcpy --------------------------------------------------------------------------------------
 Progress = Any  # callable(done, total) or None
 
@@ -208,16 +262,20 @@ def case_socket(work: Workload, reps: int, progress: Progress = None) -> dict[st
     try:
         client = SocketClient(work, target)
         times = []
+        cpu = CpuSplit(target.proc.pid)
         for rep in range(reps + 1):
             if rep == 1:
                 target.ask({"op": "zero"})
             start = time.perf_counter()
+            if rep:
+                cpu.start()
             client.push()
             if rep:
+                cpu.stop()
                 times.append(time.perf_counter() - start)
             _tick(progress, rep + 1, reps + 1)
         client.close()
-        return summarize(work, "socket", times, target.ask({"op": "verify"}))
+        return summarize(work, "socket", times, {**target.ask({"op": "verify"}), "cpu": cpu.record()})
     finally:
         target.close()
 
@@ -325,19 +383,24 @@ async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Targ
         key = BlocksCacheKey(2, 0)
         n = work.kv
         times = []
+        cpu = CpuSplit(target.proc.pid)
         for rep in range(reps + 1):
             if rep == 1:
                 await asyncio.to_thread(target.ask, {"op": "zero"})
             start = time.perf_counter()
+            if rep:
+                cpu.start()
             await engine.cache_manager.push_blocks(key, cache, src, dst, tensor_num_per_layer=n)
             if rep:
+                cpu.stop()
                 times.append(time.perf_counter() - start)
             _tick(progress, rep + 1, reps + 1)
         transport_used = engine.links[2].transport
     finally:
         await engine.finalize()
     result = await asyncio.to_thread(target.ask, {"op": "verify"})
-    return summarize(work, f"kvpush-{transport_used}", times, {**result, "transport": transport_used})
+    return summarize(work, f"kvpush-{transport_used}", times,
+                     {**result, "transport": transport_used, "cpu": cpu.record()})
 
 
 def start_target(work: Workload, transport: str) -> Target:
