@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -317,6 +321,168 @@ def case_ucx_perftest(work: Workload, test: str) -> dict[str, Any]:
             "gbps": round(mb_per_s * (1 << 20) / 1e9, 3), "verified": None, "transport": env["UCX_TLS"]}
 
 
+# -- MSG_ZEROCOPY between two network namespaces -------------------------------------------------------
+SO_ZEROCOPY, MSG_ZEROCOPY, SO_EE_ORIGIN_ZEROCOPY, SO_EE_CODE_ZEROCOPY_COPIED = 60, 0x4000000, 5, 1
+_EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
+
+
+def _zerocopy_completions(sock: socket.socket) -> tuple[int, int]:
+    """Drain the socket's error queue: (sends completed, of them the kernel copied after all)."""
+    done = copied = 0
+    while True:
+        try:
+            _, ancillary, _, _ = sock.recvmsg(0, 256, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return done, copied
+        for _, _, data in ancillary:
+            _, origin, _, code, _, first, last = _EXTENDED_ERR.unpack_from(data)
+            if origin == SO_EE_ORIGIN_ZEROCOPY:
+                done += last - first + 1
+                copied += (last - first + 1) if code & SO_EE_CODE_ZEROCOPY_COPIED else 0
+
+
+def _layer_views(views: list[memoryview], work: Workload, blocks: list[int]) -> list[list[memoryview]]:
+    """Each layer's blocks (K then V), as memoryviews in the order they travel."""
+    size = work.block_bytes
+    return [[views[layer * work.kv + t][b * size:(b + 1) * size] for t in range(work.kv) for b in blocks]
+            for layer in range(work.layers)]
+
+
+def zerocopy_sender(work: Workload, host: str, port: int, zerocopy: bool, reps: int) -> None:
+    """Send every layer of ``work`` ``reps`` times (after one unmeasured time): one ``sendmsg`` per layer of
+    its scattered blocks straight from the source, as kvpush writes a layer, each layer acknowledged by the
+    receiver; with ``zerocopy``, MSG_ZEROCOPY, and a repetition ends only once the error queue reported
+    every send complete (the source may be reused from then on). Prints throughput and this process's CPU
+    per GB (per byte, the measure least moved by other work on the machine)."""
+    src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
+    fill_source(src, work.seed)
+    views = [memoryview(a.reshape(-1)) for a in src]
+    blocks = work.block_lists()[0].tolist()
+    sock = socket.create_connection((host, port), timeout=60)
+    sock.settimeout(None)  # blocking: MSG_DONTWAIT reads of the error queue fail at once when it is empty
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if zerocopy:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+    ack = bytearray(1)
+    calls = completed = copied = 0
+    wall = user = system = 0.0
+    for rep in range(reps + 1):
+        start, cpu_start = time.perf_counter(), os.times()
+        for parts in _layer_views(views, work, blocks):
+            index = 0
+            while index < len(parts):  # a partial send resumes inside the layer
+                count = sock.sendmsg(parts[index:index + IOV_MAX], [], MSG_ZEROCOPY if zerocopy else 0)
+                calls += 1
+                while count and index < len(parts):
+                    if count >= len(parts[index]):
+                        count -= len(parts[index])
+                        index += 1
+                    else:
+                        parts[index] = parts[index][count:]
+                        count = 0
+            _recv_into_views(sock, [memoryview(ack)])
+            if zerocopy:
+                done, was_copied = _zerocopy_completions(sock)
+                completed, copied = completed + done, copied + was_copied
+        for _ in range(600):  # the source may be reused only once every send completed (bounded: 60 s)
+            if not zerocopy or completed >= calls:
+                break
+            select.select([sock], [], [], 0.1)
+            done, was_copied = _zerocopy_completions(sock)
+            completed, copied = completed + done, copied + was_copied
+        cpu_end = os.times()
+        if rep:
+            wall += time.perf_counter() - start
+            user += cpu_end.user - cpu_start.user
+            system += cpu_end.system - cpu_start.system
+    sock.close()
+    gigabytes = work.payload_bytes * reps / 1e9
+    emit({"zerocopy": zerocopy, "gbps": round(gigabytes / wall, 3), "wall_s": round(wall, 4),
+          "sender_user_s_per_gb": round(user / gigabytes, 4), "sender_sys_s_per_gb": round(system / gigabytes, 4),
+          "sends": calls, "completions": completed, "completions_copied": copied})
+
+
+def zerocopy_receiver(work: Workload, port: int, reps: int) -> None:
+    """The other end of ``zerocopy_sender``: each layer straight into its destination blocks, a one-byte
+    acknowledgement per layer; at the end, whether the last repetition's bytes are exact, and this
+    process's CPU per GB received over the connection's life."""
+    dst = _alloc(work.tensors, work.dst_blocks, work.block_bytes)
+    views = [memoryview(a.reshape(-1)) for a in dst]
+    blocks = work.block_lists()[1].tolist()
+    listener = socket.create_server(("0.0.0.0", port))
+    listener.settimeout(60)
+    emit_ctl({"port": port})
+    conn, _ = listener.accept()
+    conn.settimeout(60)
+    cpu_start = os.times()
+    layers = 0
+    for _ in range(reps + 1):
+        for parts in _layer_views(views, work, blocks):
+            _recv_into_views(conn, parts)
+            conn.sendall(b"\x01")
+            layers += 1
+    conn.close()
+    cpu_end = os.times()
+    gigabytes = work.payload_bytes * (reps + 1) / 1e9  # every repetition, the unmeasured first one too
+    emit({"receiver_layers": layers, "receiver_user_s_per_gb": round((cpu_end.user - cpu_start.user) / gigabytes, 4),
+          "receiver_sys_s_per_gb": round((cpu_end.system - cpu_start.system) / gigabytes, 4), **verify(work, dst)})
+
+
+@contextlib.contextmanager
+def netns_pair() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, with private addresses that exist only inside them
+    (10.214.x.1 and .2); ((namespace, address) of each side). Always removed, also on failure."""
+    tag = f"{os.getpid() % 4096:03x}"
+    names = [f"kvpb-{tag}-a", f"kvpb-{tag}-b"]
+    veths = [f"kvpb{tag}a", f"kvpb{tag}b"]
+    addresses = [f"10.214.{os.getpid() % 250}.1", f"10.214.{os.getpid() % 250}.2"]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    created: list[str] = []
+    try:
+        for name in names:
+            ip("netns", "add", name)
+            created.append(name)
+        ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        for name, veth, address in zip(names, veths, addresses):
+            ip("link", "set", veth, "netns", name)
+            ip("-n", name, "addr", "add", f"{address}/24", "dev", veth)
+            ip("-n", name, "link", "set", veth, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield (names[0], addresses[0]), (names[1], addresses[1])
+    finally:
+        for name in created:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+def case_zerocopy_netns(work: Workload, reps: int, rounds: int = 2) -> list[dict[str, Any]]:
+    """Plain sockets between two network namespaces over a veth pair (a same-host stand-in for a NIC),
+    each layer sent with and without MSG_ZEROCOPY, alternating for ``rounds`` rounds: throughput, the CPU
+    of both sides, and how many zerocopy sends the kernel reported it copied after all."""
+    records: list[dict[str, Any]] = []
+    with netns_pair() as ((sender_ns, _), (receiver_ns, receiver_address)):
+        for index in range(2 * rounds):
+            zerocopy = index % 2 == 1
+            port = 7300 + index
+            common = [*work.as_args(), "--reps", str(reps), "--port", str(port)]
+            receiver = Target([HERE, "--role", "zc-receiver", *common], prefix=["ip", "netns", "exec", receiver_ns])
+            try:
+                argv = ["ip", "netns", "exec", sender_ns, sys.executable, HERE, "--role", "zc-sender",
+                        "--host", receiver_address, *common] + (["--zerocopy"] if zerocopy else [])
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                sent = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+                    "result": "FAIL", "error": done.stderr[-300:]}
+                assert receiver.proc.stdout is not None
+                received = json.loads(receiver.proc.stdout.read().strip().splitlines()[-1])
+            finally:
+                receiver.close()
+            records.append({"case": "socket-veth-" + ("zerocopy" if zerocopy else "copy"), "workload": work.name,
+                            "round": index // 2, **sent, **received})
+    return records
+
+
 # -- kvpush ------------------------------------------------------------------------------------------
 def _desc(work: Workload, blocks: int) -> CacheDesc:
     return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
@@ -495,8 +661,17 @@ def main() -> int:
     parser.add_argument("--workloads", default="W-KV,W-KV-RUNS", help="comma-separated (driver only)")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--zerocopy", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = workload_from_args(args)
+    if args.role == "zc-sender":
+        zerocopy_sender(work, args.host, args.port, args.zerocopy, args.reps)
+        return 0
+    if args.role == "zc-receiver":
+        zerocopy_receiver(work, args.port, args.reps)
+        return 0
     if args.role == "socket-target":
         socket_target(work)
         return 0
@@ -517,6 +692,10 @@ def run_workload(parser: argparse.ArgumentParser, work: Workload, args: argparse
             record = case_memcpy(work, args.reps)
         elif case == "socket":
             record = case_socket(work, args.reps)
+        elif case == "zerocopy-netns":  # a list of records: emitted here, not compared below
+            for zerocopy_record in case_zerocopy_netns(work, args.reps):
+                emit(zerocopy_record)
+            continue
         elif case.startswith("ucx_perftest-"):
             record = case_ucx_perftest(work, case.removeprefix("ucx_perftest-"))
         elif case.startswith("kvpush-"):
