@@ -480,6 +480,15 @@ def case_zerocopy_netns(work: Workload, reps: int, rounds: int = 2) -> list[dict
                 receiver.close()
             records.append({"case": "socket-veth-" + ("zerocopy" if zerocopy else "copy"), "workload": work.name,
                             "round": index // 2, **sent, **received})
+            if zerocopy:  # kvpush's TCP transport over the same pair, in the same round
+                argv = ["ip", "netns", "exec", sender_ns, sys.executable, HERE, "--role", "kvpush-veth",
+                        "--host", receiver_address, "--receiver-ns", receiver_ns, "--reps", str(reps),
+                        *work.as_args()]
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                pushed = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                    "result": "FAIL", "error": done.stderr[-300:]}
+                records.append({**pushed, "case": "kvpush-tcp-veth", "round": index // 2})
     return records
 
 
@@ -488,14 +497,14 @@ def _desc(work: Workload, blocks: int) -> CacheDesc:
     return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
 
 
-def kvpush_target(work: Workload, transport: str) -> None:
+def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> None:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     state: dict[str, Any] = {}
 
     async def start() -> None:
         engine = LLMDataDist(LLMRole.DECODER, 2)
-        await engine.init({"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": transport,
+        await engine.init({"llm.listenIpInfo": f"{listen}:0", "kvpush.transport": transport,
                            "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS})
         state["engine"] = engine
         state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
@@ -507,7 +516,7 @@ def kvpush_target(work: Workload, transport: str) -> None:
     asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     ready.wait(60)
     engine = state["engine"]
-    emit_ctl({"port": engine.listen_address[1]})
+    emit_ctl({"port": engine.listen_address[1], "host": listen})
     tensors = state["cache"].tensors
     for line in sys.stdin:
         if '"exit"' in line:
@@ -533,7 +542,7 @@ async def linked_prefill(work: Workload, transport: str, target: Target) -> tupl
     fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
     info = LLMClusterInfo()
     info.remote_cluster_id = 2
-    info.append_remote_ip_info("127.0.0.1", target.ready["port"])
+    info.append_remote_ip_info(target.ready.get("host", "127.0.0.1"), target.ready["port"])
     status, _ = await engine.link_clusters([info], timeout=10000)
     if status != 0:
         await engine.finalize()
@@ -569,12 +578,15 @@ async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Targ
                      {**result, "transport": transport_used, "cpu": cpu.record()})
 
 
-def start_target(work: Workload, transport: str) -> Target:
-    return Target([HERE, "--role", "kvpush-target", "--transport", transport, *work.as_args()])
+def start_target(work: Workload, transport: str, listen: str = "127.0.0.1", prefix: list[str] | None = None) -> Target:
+    """The decode side; ``listen``: its address, ``prefix``: the command it runs under (another namespace)."""
+    return Target([HERE, "--role", "kvpush-target", "--transport", transport, "--host", listen, *work.as_args()],
+                  prefix=prefix)
 
 
-def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = None) -> dict[str, Any]:
-    target = start_target(work, transport)
+def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = None, listen: str = "127.0.0.1",
+                prefix: list[str] | None = None) -> dict[str, Any]:
+    target = start_target(work, transport, listen, prefix)
     try:
         return asyncio.run(_kvpush_driver(work, reps, transport, target, progress))
     finally:
@@ -664,6 +676,7 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--zerocopy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--receiver-ns", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = workload_from_args(args)
     if args.role == "zc-sender":
@@ -672,11 +685,14 @@ def main() -> int:
     if args.role == "zc-receiver":
         zerocopy_receiver(work, args.port, args.reps)
         return 0
+    if args.role == "kvpush-veth":  # in the sending namespace: kvpush-tcp to a target in --receiver-ns
+        emit(case_kvpush(work, args.reps, "tcp", listen=args.host, prefix=["ip", "netns", "exec", args.receiver_ns]))
+        return 0
     if args.role == "socket-target":
         socket_target(work)
         return 0
     if args.role == "kvpush-target":
-        kvpush_target(work, args.transport)
+        kvpush_target(work, args.transport, args.host)
         return 0
     ok = True
     for name in args.workloads.split(","):
