@@ -13,6 +13,11 @@ Cases (each prints one JSON line: GB/s median, per-layer ms, verified):
   ucx_perftest-ucp_put_bw, ucx_perftest-tag_bw
               UCX's own C benchmark at the run size on the same UCX transport (needs the ucx extra)
   kvpush-ucx  `await push_blocks(...)` over kvpush's UCX binding (one-sided puts, one flush per layer)
+  zerocopy-netns
+              (root) two network namespaces joined by a veth pair: plain sockets sending each layer with
+              and without MSG_ZEROCOPY, then kvpush-tcp, alternating for two rounds (throughput, CPU per
+              GB of both sides, how many zerocopy sends the kernel copied after all)
+The socket and kvpush throughput cases also record both processes' user and system CPU (``CpuSplit``).
 A last line gives the ratios of kvpush to the baselines measured in this same run.
 """
 
