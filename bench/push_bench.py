@@ -13,6 +13,11 @@ Cases (each prints one JSON line: GB/s median, per-layer ms, verified):
   ucx_perftest-ucp_put_bw, ucx_perftest-tag_bw
               UCX's own C benchmark at the run size on the same UCX transport (needs the ucx extra)
   kvpush-ucx  `await push_blocks(...)` over kvpush's UCX binding (one-sided puts, one flush per layer)
+  zerocopy-netns
+              (root) two network namespaces joined by a veth pair: plain sockets sending each layer with
+              and without MSG_ZEROCOPY, then kvpush-tcp, alternating for two rounds (throughput, CPU per
+              GB of both sides, how many zerocopy sends the kernel copied after all)
+The socket and kvpush throughput cases also record both processes' user and system CPU (``CpuSplit``).
 A last line gives the ratios of kvpush to the baselines measured in this same run.
 """
 
@@ -20,13 +25,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -71,6 +80,60 @@ def _layer_plan(work: Workload) -> tuple[list[int], list[int], list[int]]:
     src, dst = work.block_lists()
     runs = block_runs(src, dst, work.block_bytes)
     return runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()
+
+
+# -- CPU time: who pays for a transfer ---------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, every thread of it, from ``/proc/<pid>/stat`` (clock
+    ticks, split between user and system by tick sampling). With ``CONFIG_IRQ_TIME_ACCOUNTING`` off (this
+    machine's kernel) the softirqs a process runs itself (loopback's receive-side TCP processing, on the
+    sending side) are its system time."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK  # utime, stime: fields 14 and 15
+
+
+def _softirq_seconds() -> float:
+    """Softirq CPU seconds of the whole machine (what no process was charged for; other work included)."""
+    with open("/proc/stat") as stat:
+        return int(stat.readline().split()[7]) / _TICK
+
+
+class CpuSplit:
+    """User and system CPU of the driver (this process) and the target process over the intervals between
+    ``start`` and ``stop``, as fractions of those intervals' wall time; ``extra`` adds a named CPU time
+    measured by the caller (the compute thread's ``time.thread_time``) as a fraction the same way."""
+
+    def __init__(self, target_pid: int) -> None:
+        self.target_pid = target_pid
+        self.wall = 0.0
+        self.totals = {"driver_user": 0.0, "driver_sys": 0.0, "target_user": 0.0, "target_sys": 0.0,
+                       "softirq": 0.0}
+        self.extra: dict[str, float] = {}
+        self._begin: tuple[float, ...] = ()
+
+    def _now(self) -> tuple[float, ...]:
+        return (time.perf_counter(), *cpu_seconds(os.getpid()), *cpu_seconds(self.target_pid), _softirq_seconds())
+
+    def start(self) -> None:
+        self._begin = self._now()
+
+    def stop(self) -> None:
+        end = self._now()
+        self.wall += end[0] - self._begin[0]
+        for name, before, after in zip(self.totals, self._begin[1:], end[1:]):
+            self.totals[name] += after - before
+
+    def add(self, name: str, seconds: float) -> None:
+        self.extra[name] = self.extra.get(name, 0.0) + seconds
+
+    def record(self) -> dict[str, float]:
+        wall = max(self.wall, 1e-9)
+        shares = {name: round(value / wall, 3) for name, value in (*self.totals.items(), *self.extra.items())}
+        return {"wall_s": round(self.wall, 4), **shares}
 
 
 # -- memcpy --------------------------------------------------------------------------------------
@@ -208,16 +271,20 @@ def case_socket(work: Workload, reps: int, progress: Progress = None) -> dict[st
     try:
         client = SocketClient(work, target)
         times = []
+        cpu = CpuSplit(target.proc.pid)
         for rep in range(reps + 1):
             if rep == 1:
                 target.ask({"op": "zero"})
             start = time.perf_counter()
+            if rep:
+                cpu.start()
             client.push()
             if rep:
+                cpu.stop()
                 times.append(time.perf_counter() - start)
             _tick(progress, rep + 1, reps + 1)
         client.close()
-        return summarize(work, "socket", times, target.ask({"op": "verify"}))
+        return summarize(work, "socket", times, {**target.ask({"op": "verify"}), "cpu": cpu.record()})
     finally:
         target.close()
 
@@ -259,19 +326,190 @@ def case_ucx_perftest(work: Workload, test: str) -> dict[str, Any]:
             "gbps": round(mb_per_s * (1 << 20) / 1e9, 3), "verified": None, "transport": env["UCX_TLS"]}
 
 
+# -- MSG_ZEROCOPY between two network namespaces -------------------------------------------------------
+SO_ZEROCOPY, MSG_ZEROCOPY, SO_EE_ORIGIN_ZEROCOPY, SO_EE_CODE_ZEROCOPY_COPIED = 60, 0x4000000, 5, 1
+_EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
+
+
+def _zerocopy_completions(sock: socket.socket) -> tuple[int, int]:
+    """Drain the socket's error queue: (sends completed, of them the kernel copied after all)."""
+    done = copied = 0
+    while True:
+        try:
+            _, ancillary, _, _ = sock.recvmsg(0, 256, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return done, copied
+        for _, _, data in ancillary:
+            _, origin, _, code, _, first, last = _EXTENDED_ERR.unpack_from(data)
+            if origin == SO_EE_ORIGIN_ZEROCOPY:
+                done += last - first + 1
+                copied += (last - first + 1) if code & SO_EE_CODE_ZEROCOPY_COPIED else 0
+
+
+def _layer_views(views: list[memoryview], work: Workload, blocks: list[int]) -> list[list[memoryview]]:
+    """Each layer's blocks (K then V), as memoryviews in the order they travel."""
+    size = work.block_bytes
+    return [[views[layer * work.kv + t][b * size:(b + 1) * size] for t in range(work.kv) for b in blocks]
+            for layer in range(work.layers)]
+
+
+def zerocopy_sender(work: Workload, host: str, port: int, zerocopy: bool, reps: int) -> None:
+    """Send every layer of ``work`` ``reps`` times (after one unmeasured time): one ``sendmsg`` per layer of
+    its scattered blocks straight from the source, as kvpush writes a layer, each layer acknowledged by the
+    receiver; with ``zerocopy``, MSG_ZEROCOPY, and a repetition ends only once the error queue reported
+    every send complete (the source may be reused from then on). Prints throughput and this process's CPU
+    per GB (per byte, the measure least moved by other work on the machine)."""
+    src = _alloc(work.tensors, work.src_blocks, work.block_bytes)
+    fill_source(src, work.seed)
+    views = [memoryview(a.reshape(-1)) for a in src]
+    blocks = work.block_lists()[0].tolist()
+    sock = socket.create_connection((host, port), timeout=60)
+    sock.settimeout(None)  # blocking: MSG_DONTWAIT reads of the error queue fail at once when it is empty
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if zerocopy:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+    ack = bytearray(1)
+    calls = completed = copied = 0
+    wall = user = system = 0.0
+    for rep in range(reps + 1):
+        start, cpu_start = time.perf_counter(), os.times()
+        for parts in _layer_views(views, work, blocks):
+            index = 0
+            while index < len(parts):  # a partial send resumes inside the layer
+                count = sock.sendmsg(parts[index:index + IOV_MAX], [], MSG_ZEROCOPY if zerocopy else 0)
+                calls += 1
+                while count and index < len(parts):
+                    if count >= len(parts[index]):
+                        count -= len(parts[index])
+                        index += 1
+                    else:
+                        parts[index] = parts[index][count:]
+                        count = 0
+            _recv_into_views(sock, [memoryview(ack)])
+            if zerocopy:
+                done, was_copied = _zerocopy_completions(sock)
+                completed, copied = completed + done, copied + was_copied
+        for _ in range(600):  # the source may be reused only once every send completed (bounded: 60 s)
+            if not zerocopy or completed >= calls:
+                break
+            select.select([sock], [], [], 0.1)
+            done, was_copied = _zerocopy_completions(sock)
+            completed, copied = completed + done, copied + was_copied
+        cpu_end = os.times()
+        if rep:
+            wall += time.perf_counter() - start
+            user += cpu_end.user - cpu_start.user
+            system += cpu_end.system - cpu_start.system
+    sock.close()
+    gigabytes = work.payload_bytes * reps / 1e9
+    emit({"zerocopy": zerocopy, "gbps": round(gigabytes / wall, 3), "wall_s": round(wall, 4),
+          "sender_user_s_per_gb": round(user / gigabytes, 4), "sender_sys_s_per_gb": round(system / gigabytes, 4),
+          "sends": calls, "completions": completed, "completions_copied": copied})
+
+
+def zerocopy_receiver(work: Workload, port: int, reps: int) -> None:
+    """The other end of ``zerocopy_sender``: each layer straight into its destination blocks, a one-byte
+    acknowledgement per layer; at the end, whether the last repetition's bytes are exact, and this
+    process's CPU per GB received over the connection's life."""
+    dst = _alloc(work.tensors, work.dst_blocks, work.block_bytes)
+    views = [memoryview(a.reshape(-1)) for a in dst]
+    blocks = work.block_lists()[1].tolist()
+    listener = socket.create_server(("0.0.0.0", port))
+    listener.settimeout(60)
+    emit_ctl({"port": port})
+    conn, _ = listener.accept()
+    conn.settimeout(60)
+    cpu_start = os.times()
+    layers = 0
+    for _ in range(reps + 1):
+        for parts in _layer_views(views, work, blocks):
+            _recv_into_views(conn, parts)
+            conn.sendall(b"\x01")
+            layers += 1
+    conn.close()
+    cpu_end = os.times()
+    gigabytes = work.payload_bytes * (reps + 1) / 1e9  # every repetition, the unmeasured first one too
+    emit({"receiver_layers": layers, "receiver_user_s_per_gb": round((cpu_end.user - cpu_start.user) / gigabytes, 4),
+          "receiver_sys_s_per_gb": round((cpu_end.system - cpu_start.system) / gigabytes, 4), **verify(work, dst)})
+
+
+@contextlib.contextmanager
+def netns_pair() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, with private addresses that exist only inside them
+    (10.214.x.1 and .2); ((namespace, address) of each side). Always removed, also on failure."""
+    tag = f"{os.getpid() % 4096:03x}"
+    names = [f"kvpb-{tag}-a", f"kvpb-{tag}-b"]
+    veths = [f"kvpb{tag}a", f"kvpb{tag}b"]
+    addresses = [f"10.214.{os.getpid() % 250}.1", f"10.214.{os.getpid() % 250}.2"]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+    created: list[str] = []
+    try:
+        for name in names:
+            ip("netns", "add", name)
+            created.append(name)
+        ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        for name, veth, address in zip(names, veths, addresses):
+            ip("link", "set", veth, "netns", name)
+            ip("-n", name, "addr", "add", f"{address}/24", "dev", veth)
+            ip("-n", name, "link", "set", veth, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield (names[0], addresses[0]), (names[1], addresses[1])
+    finally:
+        for name in created:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+def case_zerocopy_netns(work: Workload, reps: int, rounds: int = 2) -> list[dict[str, Any]]:
+    """Plain sockets between two network namespaces over a veth pair (a same-host stand-in for a NIC),
+    each layer sent with and without MSG_ZEROCOPY, alternating for ``rounds`` rounds: throughput, the CPU
+    of both sides, and how many zerocopy sends the kernel reported it copied after all."""
+    records: list[dict[str, Any]] = []
+    with netns_pair() as ((sender_ns, _), (receiver_ns, receiver_address)):
+        for index in range(2 * rounds):
+            zerocopy = index % 2 == 1
+            port = 7300 + index
+            common = [*work.as_args(), "--reps", str(reps), "--port", str(port)]
+            receiver = Target([HERE, "--role", "zc-receiver", *common], prefix=["ip", "netns", "exec", receiver_ns])
+            try:
+                argv = ["ip", "netns", "exec", sender_ns, sys.executable, HERE, "--role", "zc-sender",
+                        "--host", receiver_address, *common] + (["--zerocopy"] if zerocopy else [])
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                sent = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+                    "result": "FAIL", "error": done.stderr[-300:]}
+                assert receiver.proc.stdout is not None
+                received = json.loads(receiver.proc.stdout.read().strip().splitlines()[-1])
+            finally:
+                receiver.close()
+            records.append({"case": "socket-veth-" + ("zerocopy" if zerocopy else "copy"), "workload": work.name,
+                            "round": index // 2, **sent, **received})
+            if zerocopy:  # kvpush's TCP transport over the same pair, in the same round
+                argv = ["ip", "netns", "exec", sender_ns, sys.executable, HERE, "--role", "kvpush-veth",
+                        "--host", receiver_address, "--receiver-ns", receiver_ns, "--reps", str(reps),
+                        *work.as_args()]
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                pushed = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                    "result": "FAIL", "error": done.stderr[-300:]}
+                records.append({**pushed, "case": "kvpush-tcp-veth", "round": index // 2})
+    return records
+
+
 # -- kvpush ------------------------------------------------------------------------------------------
 def _desc(work: Workload, blocks: int) -> CacheDesc:
     return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
 
 
-def kvpush_target(work: Workload, transport: str) -> None:
+def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> None:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     state: dict[str, Any] = {}
 
     async def start() -> None:
         engine = LLMDataDist(LLMRole.DECODER, 2)
-        await engine.init({"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": transport,
+        await engine.init({"llm.listenIpInfo": f"{listen}:0", "kvpush.transport": transport,
                            "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS})
         state["engine"] = engine
         state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
@@ -283,7 +521,7 @@ def kvpush_target(work: Workload, transport: str) -> None:
     asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     ready.wait(60)
     engine = state["engine"]
-    emit_ctl({"port": engine.listen_address[1]})
+    emit_ctl({"port": engine.listen_address[1], "host": listen})
     tensors = state["cache"].tensors
     for line in sys.stdin:
         if '"exit"' in line:
@@ -309,7 +547,7 @@ async def linked_prefill(work: Workload, transport: str, target: Target) -> tupl
     fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
     info = LLMClusterInfo()
     info.remote_cluster_id = 2
-    info.append_remote_ip_info("127.0.0.1", target.ready["port"])
+    info.append_remote_ip_info(target.ready.get("host", "127.0.0.1"), target.ready["port"])
     status, _ = await engine.link_clusters([info], timeout=10000)
     if status != 0:
         await engine.finalize()
@@ -325,27 +563,35 @@ async def _kvpush_driver(work: Workload, reps: int, transport: str, target: Targ
         key = BlocksCacheKey(2, 0)
         n = work.kv
         times = []
+        cpu = CpuSplit(target.proc.pid)
         for rep in range(reps + 1):
             if rep == 1:
                 await asyncio.to_thread(target.ask, {"op": "zero"})
             start = time.perf_counter()
+            if rep:
+                cpu.start()
             await engine.cache_manager.push_blocks(key, cache, src, dst, tensor_num_per_layer=n)
             if rep:
+                cpu.stop()
                 times.append(time.perf_counter() - start)
             _tick(progress, rep + 1, reps + 1)
         transport_used = engine.links[2].transport
     finally:
         await engine.finalize()
     result = await asyncio.to_thread(target.ask, {"op": "verify"})
-    return summarize(work, f"kvpush-{transport_used}", times, {**result, "transport": transport_used})
+    return summarize(work, f"kvpush-{transport_used}", times,
+                     {**result, "transport": transport_used, "cpu": cpu.record()})
 
 
-def start_target(work: Workload, transport: str) -> Target:
-    return Target([HERE, "--role", "kvpush-target", "--transport", transport, *work.as_args()])
+def start_target(work: Workload, transport: str, listen: str = "127.0.0.1", prefix: list[str] | None = None) -> Target:
+    """The decode side; ``listen``: its address, ``prefix``: the command it runs under (another namespace)."""
+    return Target([HERE, "--role", "kvpush-target", "--transport", transport, "--host", listen, *work.as_args()],
+                  prefix=prefix)
 
 
-def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = None) -> dict[str, Any]:
-    target = start_target(work, transport)
+def case_kvpush(work: Workload, reps: int, transport: str, progress: Progress = None, listen: str = "127.0.0.1",
+                prefix: list[str] | None = None) -> dict[str, Any]:
+    target = start_target(work, transport, listen, prefix)
     try:
         return asyncio.run(_kvpush_driver(work, reps, transport, target, progress))
     finally:
@@ -432,13 +678,26 @@ def main() -> int:
     parser.add_argument("--workloads", default="W-KV,W-KV-RUNS", help="comma-separated (driver only)")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--transport", default="tcp", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--zerocopy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--receiver-ns", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = workload_from_args(args)
+    if args.role == "zc-sender":
+        zerocopy_sender(work, args.host, args.port, args.zerocopy, args.reps)
+        return 0
+    if args.role == "zc-receiver":
+        zerocopy_receiver(work, args.port, args.reps)
+        return 0
+    if args.role == "kvpush-veth":  # in the sending namespace: kvpush-tcp to a target in --receiver-ns
+        emit(case_kvpush(work, args.reps, "tcp", listen=args.host, prefix=["ip", "netns", "exec", args.receiver_ns]))
+        return 0
     if args.role == "socket-target":
         socket_target(work)
         return 0
     if args.role == "kvpush-target":
-        kvpush_target(work, args.transport)
+        kvpush_target(work, args.transport, args.host)
         return 0
     ok = True
     for name in args.workloads.split(","):
@@ -454,6 +713,10 @@ def run_workload(parser: argparse.ArgumentParser, work: Workload, args: argparse
             record = case_memcpy(work, args.reps)
         elif case == "socket":
             record = case_socket(work, args.reps)
+        elif case == "zerocopy-netns":  # a list of records: emitted here, not compared below
+            for zerocopy_record in case_zerocopy_netns(work, args.reps):
+                emit(zerocopy_record)
+            continue
         elif case.startswith("ucx_perftest-"):
             record = case_ucx_perftest(work, case.removeprefix("ucx_perftest-"))
         elif case.startswith("kvpush-"):

@@ -118,32 +118,42 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
         push_layer_us: list[float] = []
         start_us: list[float] = []
         samples: list[dict[str, float]] = []  # one per repetition, serial and pipelined measured back to back
+        # CPU of each side (and the machine's softirqs) over the serial and the pipelined runs, as fractions of
+        # their wall time (whole runs: /proc counts clock ticks, too coarse for one layer's push); the compute
+        # thread's own CPU apart, so the prefill's rest is kvpush's Python (user) and the kernel (system)
+        serial_cpu, pipelined_cpu = pb.CpuSplit(target.proc.pid), pb.CpuSplit(target.proc.pid)
 
-        def timed_compute(sink: list[float]) -> None:
-            t0 = time.perf_counter()
+        def timed_compute(sink: list[float], cpu: pb.CpuSplit | None = None) -> None:
+            t0, c0 = time.perf_counter(), time.thread_time()
             compute()
             sink.append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.add("driver_compute", time.thread_time() - c0)
 
         total = 2 * reps
         for rep in range(reps):
             serial_compute: list[float] = []
             serial_push = 0.0
             begin = time.perf_counter()
+            serial_cpu.start()
             for layer in range(work.layers):  # compute, then push, one layer after the other
-                await asyncio.to_thread(timed_compute, serial_compute)
+                await asyncio.to_thread(timed_compute, serial_compute, serial_cpu)
                 t0 = time.perf_counter()
                 await manager.push_blocks(key, cache, src, dst, range(layer, layer + 1), range(layer, layer + 1))
                 serial_push += time.perf_counter() - t0
+            serial_cpu.stop()
             serial = time.perf_counter() - begin
             progress(2 * rep + 1, total)
             pipelined_compute: list[float] = []
             begin = time.perf_counter()
+            pipelined_cpu.start()
             async with manager.layer_pusher(key, cache, src, dst) as pusher:
                 for layer in range(work.layers):  # compute layer l+1 while layer l is on the wire
-                    await asyncio.to_thread(timed_compute, pipelined_compute)
+                    await asyncio.to_thread(timed_compute, pipelined_compute, pipelined_cpu)
                     t0 = time.perf_counter()
                     pusher.push_layer(layer)
                     push_layer_us.append((time.perf_counter() - t0) * 1e6)
+            pipelined_cpu.stop()
             pipelined = time.perf_counter() - begin
             progress(2 * rep + 2, total)
             samples.append({"serial": serial, "pipelined": pipelined, "transfer": serial_push,
@@ -191,6 +201,7 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
         "gbps": round(work.payload_bytes / p / 1e9, 3),
         "push_layer_us": round(float(np.median(push_layer_us)), 1),
         "push_blocks_python_us_per_layer": round(float(np.median(start_us)), 1),
+        "cpu_serial": serial_cpu.record(), "cpu_pipelined": pipelined_cpu.record(),
         **result,
     }
     if result.get("verified") is False:
@@ -267,8 +278,12 @@ def case_peer(work: Workload, system: str, reps: int, env_extra: dict[str, str])
 
 
 # -- the suite --------------------------------------------------------------------------------------------
+ONLY_TRANSPORTS: set[str] = set()  # --transports: the kvpush transports to run (default: every available one)
+
+
 def transports() -> list[str]:
-    return ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
+    available = ["tcp"] + (["cma"] if cma.AVAILABLE else []) + (["ucx"] if ucx.available() is None else [])
+    return [name for name in available if not ONLY_TRANSPORTS or name in ONLY_TRANSPORTS]
 
 
 Case = Callable[[Callable[[int, int], None]], "dict[str, Any] | list[dict[str, Any]] | None"]
@@ -403,11 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions: under two minutes")
     parser.add_argument("--only", default="", help="comma-separated workloads to run (default: all)")
+    parser.add_argument("--transports", default="",
+                        help="comma-separated kvpush transports to run (default: every available one)")
     parser.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS})")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     only = {w for w in args.only.split(",") if w}
+    ONLY_TRANSPORTS.update(t for t in args.transports.split(",") if t)
     records: list[dict[str, Any]] = []
     machine = {"case": "machine", "workload": "-", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "transports": transports(), "quick": args.quick}
@@ -433,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.write(json.dumps(record) + "\n")
     table = ratios(records)
     elapsed = time.monotonic() - started
-    command = "python bench/run.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
     header = [f"# kvpush benchmark {stamp}", "",
               f"`{command}` on {os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}; "
               f"{elapsed:.0f} s. Loopback only. Ratios compare cases of one workload from this same run.", ""]

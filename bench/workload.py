@@ -133,9 +133,10 @@ def emit_ctl(record: dict[str, Any]) -> None:
 class Target:
     """A child process driven over stdin/stdout control lines."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, prefix: list[str] | None = None) -> None:
+        """``prefix``: a command the interpreter runs under (``ip netns exec <name>``)."""
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
         self.ready = self.read()
 
     def read(self) -> dict[str, Any]:

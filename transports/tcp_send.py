@@ -29,7 +29,7 @@ class TcpFrame:
     does not leave whole through the stream's scratch vector at once, and its ``sent`` future only when
     someone asks for it (``left`` says the same without one)."""
 
-    __slots__ = ("head", "payload", "total", "_cursor", "future", "_loop", "left", "started", "abandoned")
+    __slots__ = ("head", "payload", "total", "_cursor", "future", "_loop", "left", "started", "abandoned", "full")
 
     def __init__(self, head: bytes, payload: IoVec | None, loop: asyncio.AbstractEventLoop,
                  nbytes: int | None = None) -> None:
@@ -42,6 +42,7 @@ class TcpFrame:
         self.left = False  # every byte was handed to the kernel
         self.started = False  # some of it was written: it is always finished (or the stream closed)
         self.abandoned = False
+        self.full = False  # the last write was offered the whole rest of the frame and took less
 
     @property
     def sent(self) -> asyncio.Future[None]:
@@ -66,13 +67,20 @@ class TcpFrame:
             self.sent.exception()  # retrieved: callers check the link's state
 
     def write(self, fd: int, scratch: Scratch) -> int:
-        """One ``writev`` of what is left; the bytes written (``BlockingIOError`` when the socket is full)."""
+        """One ``writev`` of what is left; the bytes written (``BlockingIOError`` when the socket is full).
+        ``full`` says whether the call was offered every byte left and took fewer: the socket's buffer is
+        full, and trying again before it drains would only fail (a system call per layer saved)."""
         self.started = True
         if self._cursor is None and self.payload.entries < Scratch.ROWS:  # the first write, few entries
             rows = self.payload.pack_into(scratch.view, (address_of(self.head), len(self.head)))
-            return check(writev(fd, scratch.address, rows))
-        address, count = self.cursor.pointer()
-        return check(writev(fd, address, count))
+            written = check(writev(fd, scratch.address, rows))
+            self.full = written < self.total
+            return written
+        cursor = self.cursor
+        address, count = cursor.pointer()
+        written = check(writev(fd, address, count))
+        self.full = cursor.index + count >= cursor.rows and written < cursor.total - cursor.done
+        return written
 
     @property
     def cursor(self) -> Cursor:
@@ -164,6 +172,9 @@ class FrameSender:
                 return
             self.bytes_out += written
             if not frame.advance(written):
+                if frame.full:  # the kernel took what it had room for: wait until the socket is writable
+                    self._arm_writer()
+                    return
                 continue
             queue.popleft()
             frame.finished()

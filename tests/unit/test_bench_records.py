@@ -27,3 +27,31 @@ def test_workload_sizes() -> None:
     src, dst = WORKLOADS["W-KV-RUNS"].block_lists()
     assert len(src) == len(dst) == 256 and len(set(dst.tolist())) == 256
     assert sum(1 for a, b in zip(src[:-1], src[1:]) if b != a + 1) == 15  # 16 runs of 16
+
+
+def test_the_cpu_split_counts_only_the_measured_intervals_as_shares_of_their_wall_time() -> None:
+    """bench/push_bench.CpuSplit: user and system CPU of this process and a 'target' (here this process
+    too) over start/stop intervals, as fractions of the intervals' wall time; work between intervals is
+    not counted."""
+    import time
+
+    from bench.push_bench import CpuSplit, cpu_seconds
+
+    user, system = cpu_seconds(os.getpid())
+    assert user > 0 and system >= 0
+    split = CpuSplit(os.getpid())
+    split.start()
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:  # busy: about one core's worth of user time
+        pass
+    split.stop()
+    idle_from = time.perf_counter()
+    while time.perf_counter() < idle_from + 0.2:  # outside any interval: not counted
+        pass
+    split.add("driver_compute", 0.05)
+    record = split.record()
+    assert 0.19 <= record["wall_s"] < 1.0  # the 0.2 s interval only (a loaded machine may stretch it)
+    assert set(record) == {"wall_s", "driver_user", "driver_sys", "target_user", "target_sys", "softirq",
+                           "driver_compute"}
+    assert record["driver_user"] == record["target_user"] and record["driver_user"] <= 1.5
+    assert record["driver_compute"] == round(0.05 / split.wall, 3)

@@ -252,3 +252,47 @@ def test_a_cursor_tracks_a_few_entries_as_ints_as_it_tracks_many_with_numpy() ->
                 assert (mine[:, 0] - flat_target.ctypes.data == other[:, 0] - np_target.ctypes.data).all()
                 assert tuple(scratch.table[ours.index + left - 1]) == spill
         assert (flat_target == np_target).all()
+
+
+async def test_a_frame_bigger_than_the_socket_buffer_leaves_in_writes_that_never_fail(monkeypatch: Any) -> None:
+    """A payload larger than the socket's buffer, of many entries (its own vector) or a few (the stream's
+    scratch vector): each ``writev`` takes what the buffer has room for and the rest waits for the socket
+    to be writable, so no call is made that can only fail with EAGAIN (one per buffer fill before); the
+    bytes arrive exact."""
+    from transports import tcp_send
+
+    calls: list[int] = []
+    real = tcp_send.writev
+
+    def counting(fd: int, address: int, count: int) -> int:
+        written = int(real(fd, address, count))
+        calls.append(written if written >= 0 else -ctypes.get_errno())
+        return written
+
+    monkeypatch.setattr(tcp_send, "writev", counting)
+    rng = random.Random(5)
+    loop = asyncio.get_running_loop()
+    for entries in (600, 3):
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        recorder = Recorder(rng)
+        receiver = TcpFrameStream(theirs, recorder, loop)
+        sender = TcpFrameStream(ours, Recorder(rng), loop)
+        calls.clear()
+        try:
+            size = 4 << 20
+            data = np.frombuffer(rng.randbytes(size), np.uint8).copy()
+            bounds = [0, *sorted(rng.sample(range(1, size), entries - 1)), size]
+            vector = np.array([(data.ctypes.data + a, b - a) for a, b in zip(bounds, bounds[1:])], np.uint64)
+            meta = rng.randbytes(24)
+            sender.send(encode_header(Kind.WRITE, 1, len(meta), size) + meta, vector)
+            for _ in range(10_000):
+                if recorder.landed:
+                    break
+                await asyncio.sleep(0.001)
+            assert not recorder.closed, recorder.closed
+            assert recorder.payloads[1].tobytes() == data.tobytes()
+            assert len(calls) > 2 and all(written > 0 for written in calls), calls  # written in parts, none failed
+        finally:
+            sender.close("test over")
+            receiver.close("test over")
