@@ -11,6 +11,7 @@ ints, many as numpy, chosen there).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -79,13 +80,14 @@ class Plan:
     length in each tensor), one ``LayerStep`` per layer, the runs' wire form for the peer's side, and
     the local vectors, laid out once per call."""
 
-    __slots__ = ("api", "kind", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
+    __slots__ = ("api", "kind", "push", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
                  "_span_vector", "_span_first")
 
     def __init__(self, request: Request, local: CacheEntry, remote: RemoteCache, runs: Runs,
-                 steps: list[v.LayerStep], remote_slot: int | None = None) -> None:
+                 steps: Sequence[v.LayerStep], remote_slot: int | None = None) -> None:
         self.api = request.api
         self.kind = request.kind
+        self.push = request.push  # a write (the local cache is the source)
         self.local = local
         self.remote = remote
         self.runs = runs
@@ -115,7 +117,7 @@ class Plan:
 
     def firsts(self, step: v.LayerStep) -> tuple[int, int]:
         """(the first local tensor, the first remote tensor) of ``step``."""
-        return (step.src_first, step.dst_first) if not self._local_column else (step.dst_first, step.src_first)
+        return (step.src_first, step.dst_first) if self.push else (step.dst_first, step.src_first)
 
     def local_vector(self, first: int, count: int) -> IoVec:
         """The local iovec of tensors ``[first, first + count)``. A plan of many steps lays out one vector
@@ -146,7 +148,7 @@ class Plan:
         return group_steps(self.steps, self.runs.bytes_per_tensor, limit)
 
 
-def group_steps(steps: list[v.LayerStep], bytes_per_tensor: int,
+def group_steps(steps: Sequence[v.LayerStep], bytes_per_tensor: int,
                 limit: int) -> list[tuple[v.LayerStep, tuple[int, ...]]]:
     """Consecutive steps whose tensors follow one another on both sides, merged into steps of at most
     ``limit`` bytes (one request moving several layers), each with the destination layers it covers."""
@@ -328,7 +330,7 @@ def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: 
     return plan_blocks(request, local, remote, remote_slot)
 
 
-def _layer_steps(request: Request, local: CacheEntry, remote: RemoteCache) -> list[v.LayerStep]:
+def _layer_steps(request: Request, local: CacheEntry, remote: RemoteCache) -> Sequence[v.LayerStep]:
     """The peer's side of the layer checks, then the steps."""
     api, n = request.api, request.n
     if request.ranges_given:

@@ -8,6 +8,7 @@ types -> the local cache kind -> block list lengths -> tensor_num_per_layer -> l
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,14 +188,14 @@ class LayerStep:
 
 
 def layer_steps(api: str, src_tensors: int, dst_tensors: int, n: int,
-                src_range: range | None, dst_range: range | None) -> list[LayerStep]:
+                src_range: range | None, dst_range: range | None) -> Sequence[LayerStep]:
     """The layers to move. ``None`` means all layers from 0; with both ``None`` every tensor moves,
     grouped N at a time (the last group may be shorter when N does not divide the count)."""
     if src_range is None and dst_range is None:
         if src_tensors != dst_tensors:
             raise param_invalid(f"{api}: local cache has {src_tensors} tensors, remote {dst_tensors}; "
                                 f"give layer ranges to move a subset")
-        return list(_all_layers(src_tensors, n))
+        return _all_layers(src_tensors, n)  # shared and never changed: no copy
     src = src_range if src_range is not None else range(0, src_tensors // n)
     dst = dst_range if dst_range is not None else range(0, dst_tensors // n)
     check_range_lengths(api, src, dst)

@@ -24,18 +24,20 @@ keep running while the kernel copies.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import ctypes
 import errno
 import hmac
 import os
 import select
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from kvpush.layout import IoVec
+from kvpush.layout import FEW, IoVec
 
 from .base import Capabilities, Mover, Offer, PeerWatch, TransportError
 from .iovec import IOV_MAX, LIBC
@@ -152,13 +154,19 @@ class CmaPeer:
         """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. The vectors
         are ``IoVec``s (or what ``IoVec.of`` takes)."""
         local, remote = IoVec.of(local_iov), IoVec.of(remote_iov)
-        if not self.alive():
+        if self._poller.poll(0):  # (``alive``) the pidfd turned readable: the peer exited
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
         if local.entries != remote.entries:
             raise CmaError(errno.EINVAL, f"{name}: {local.entries} local entries for {remote.entries} remote ones")
-        remote_address = remote.native()[0]
+        pieces: Iterable[tuple[int, int, int]]
+        if local.entries <= FEW:  # a few entries: both sides' struct iovecs in one array, one call
+            both = array.array("Q", local.ints() + remote.ints())
+            local_address = both.buffer_info()[0]
+            pieces, remote_address = ((local_address, local.entries, local.nbytes),), local_address + 16 * local.entries
+        else:
+            pieces, remote_address = local.chunks(IOV_MAX), remote.native()[0]
         total = entry = 0
-        for local_address, count, expected in local.chunks(IOV_MAX):
+        for local_address, count, expected in pieces:
             done = function(self.pid, local_address, count, remote_address + 16 * entry, count, 0)
             if done < 0:
                 code = ctypes.get_errno()
