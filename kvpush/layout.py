@@ -72,21 +72,11 @@ class Blocks:
             self._array = np.array(self._ids, U64)
         return self._array
 
-    def all_below(self, limit: int) -> bool:
-        """Every id is ``< limit`` (``first_at_least`` says which is not)."""
-        if self._ids is not None:
-            return not self._ids or max(self._ids) < limit
-        return not self.count or int(self.array().max()) < limit
-
-    def distinct(self) -> bool:
-        """No id appears twice (``repeated`` says which does)."""
-        if self._ids is not None:
-            return len(set(self._ids)) == len(self._ids)
-        return self.repeated() is None
-
     def first_at_least(self, limit: int) -> tuple[int, int] | None:
         """(index, id) of the first id ``>= limit``, or None."""
         if self._ids is not None:
+            if not self._ids or max(self._ids) < limit:  # the common case, at C level
+                return None
             for index, block in enumerate(self._ids):
                 if block >= limit:
                     return index, block
@@ -97,6 +87,8 @@ class Blocks:
     def repeated(self) -> int | None:
         """An id that appears twice, or None."""
         if self._ids is not None:
+            if len(set(self._ids)) == len(self._ids):  # the common case, at C level
+                return None
             seen: set[int] = set()
             for block in self._ids:
                 if block in seen:

@@ -155,7 +155,7 @@ class Outbound:
         """A one-sided request: ask for a grant (intent), or under a lease copy at once and notify."""
         onesided = self.protocol.onesided
         assert onesided is not None
-        remote, remote_first = plan.remote, (step.dst_first if plan.push else step.src_first)
+        remote, remote_first = plan.remote, plan.firsts(step)[1]
         op = self.requests.new(kind)
         op.held = held
         op.local_iov = local

@@ -80,14 +80,13 @@ class Plan:
     length in each tensor), one ``LayerStep`` per layer, the runs' wire form for the peer's side, and
     the local vectors, laid out once per call."""
 
-    __slots__ = ("api", "kind", "push", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
+    __slots__ = ("api", "kind", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
                  "_span_vector", "_span_first")
 
     def __init__(self, request: Request, local: CacheEntry, remote: RemoteCache, runs: Runs,
                  steps: Sequence[v.LayerStep], remote_slot: int | None = None) -> None:
         self.api = request.api
         self.kind = request.kind
-        self.push = request.push  # a write (the local cache is the source)
         self.local = local
         self.remote = remote
         self.runs = runs
@@ -117,7 +116,7 @@ class Plan:
 
     def firsts(self, step: v.LayerStep) -> tuple[int, int]:
         """(the first local tensor, the first remote tensor) of ``step``."""
-        return (step.src_first, step.dst_first) if self.push else (step.dst_first, step.src_first)
+        return (step.src_first, step.dst_first) if not self._local_column else (step.dst_first, step.src_first)
 
     def local_vector(self, first: int, count: int) -> IoVec:
         """The local iovec of tensors ``[first, first + count)``. A plan of many steps lays out one vector
@@ -199,18 +198,16 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     ``remote_cache_id``: the peer's cache is named by id (the status-returning forms), not by the key."""
     push = kind is Kind.WRITE
     local_name, remote_name = _NAMES[kind]
-    if remote_cache_id is None and not isinstance(remote_key, _REMOTE_KEYS[push]):
-        v.check_type(api, remote_name, remote_key, _REMOTE_KEYS[push])  # raises
-    if not isinstance(local_cache, Cache):
-        v.check_type(api, local_name, local_cache, Cache)  # raises
+    if remote_cache_id is None:
+        v.check_type(api, remote_name, remote_key, _REMOTE_KEYS[push])
+    v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache) and isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     slot_index = None if local_slot is None or not push else check_int("src_batch_index", local_slot)
     request = Request(api, kind, push, _BLOCKS, remote_key.cluster_id, local_cache, local_name, None, None,
                       None, v.check_blocks(api, "src_blocks", src_blocks),  # (positional: made on every transfer)
                       v.check_blocks(api, "dst_blocks", dst_blocks),
-                      None if src_range is None else v.check_layer_range(api, "src_layer_range", src_range),
-                      None if dst_range is None else v.check_layer_range(api, "dst_layer_range", dst_range),
-                      n if type(n) is int and n >= 0 else v.check_tensor_num_type(api, n))
+                      v.check_layer_range(api, "src_layer_range", src_range),
+                      v.check_layer_range(api, "dst_layer_range", dst_range), v.check_tensor_num_type(api, n))
     if remote_cache_id is not None:
         request.cache_id = remote_cache_id
     elif isinstance(remote_key, BlocksCacheKey):
@@ -226,10 +223,8 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     if request.shape is Shape.SLOT_BLOCKS:
         _check_slot_blocks(request, remote_key, remote_name)
     else:
-        if not local_cache.is_blocks_cache:
-            v.check_blocks_cache(api, local_name, local_cache)  # raises
-        if not request.dst.count or request.src.count != request.dst.count:
-            v.check_block_counts(api, request.src, request.dst)  # raises
+        v.check_blocks_cache(api, local_name, local_cache)
+        v.check_block_counts(api, request.src, request.dst)
     _check_local_layers(request)
     return request
 
@@ -354,16 +349,11 @@ def plan_blocks(request: Request, local: CacheEntry, remote: RemoteCache, remote
     if not remote.is_blocks_cache:
         raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
     local_blocks, remote_blocks = (request.src, request.dst) if push else (request.dst, request.src)
-    if not local_blocks.all_below(local.num_blocks):
-        v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
-    if not remote_blocks.all_below(remote.num_blocks):
-        v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
-    if local.block_bytes != remote.block_bytes or local.data_type != remote.data_type:
-        v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type,
-                           "block size")  # raises
+    v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
+    v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
+    v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type, "block size")
     steps = _layer_steps(request, local, remote)
-    if not request.dst.distinct():
-        v.check_no_duplicates(api, "dst_blocks", request.dst)  # raises
+    v.check_no_duplicates(api, "dst_blocks", request.dst)
     return Plan(request, local, remote, block_runs(request.src, request.dst, local.block_bytes), steps)
 
 

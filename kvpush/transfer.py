@@ -40,23 +40,34 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
     """Wait for one layer's request (bounded by ``timeout_ms``); raise its failure as an
     ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed)."""
     if not op.ended:
-        # ``op.waiter`` rather than ``asyncio.wait``: the table wakes this task in the pass that ends the
-        # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
-        # request (``drain`` still sees whether the layer's bytes may land)
-        waiter = op.waiter = link.loop.create_future()
-        deadlines = link.requests.deadlines  # one loop timer for every wait of the link, not one per layer
-        deadlines.add(timeout_ms / 1000, waiter)
-        try:
-            await waiter
-        finally:
-            deadlines.finished()
-            op.waiter = None
-        if not op.ended:
-            timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
-                                     completed or ())
-            link.note_failure(timed_out)
-            raise timed_out
-    if op.cancelled:  # abandoned by someone else meanwhile
+        await _wait_layer(api, link, op, layer, timeout_ms, completed)
+    layer_outcome(api, op, layer, completed)
+
+
+async def _wait_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
+                      completed: list[int] | None) -> None:
+    # ``op.waiter`` rather than ``asyncio.wait``: the table wakes this task in the pass that ends the
+    # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
+    # request (``drain`` still sees whether the layer's bytes may land)
+    waiter = op.waiter = link.loop.create_future()
+    deadlines = link.requests.deadlines  # one loop timer for every wait of the link, not one per layer
+    deadlines.add(timeout_ms / 1000, waiter)
+    try:
+        await waiter
+    finally:
+        deadlines.finished()
+        op.waiter = None
+    if not op.ended:
+        timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
+                                 completed or ())
+        link.note_failure(timed_out)
+        raise timed_out
+
+
+def layer_outcome(api: str, op: PendingOp, layer: int, completed: list[int] | None = None) -> None:
+    """An ended layer's request: return if it succeeded, else raise its failure (``CancelledError`` when it
+    was abandoned by someone else meanwhile)."""
+    if op.cancelled:
         raise asyncio.CancelledError()
     error = op.error
     if error is not None:
@@ -98,8 +109,9 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
             if not inflight:
                 break
             layers, op = inflight[0]
-            if not op.ended or op.cancelled or op.error is not None:  # an ended request needs no wait
-                await await_layer(plan.api, link, op, layers[0], timeout_ms, completed)
+            if not op.ended:  # (an ended one, e.g. an inline copy, needs no wait: no coroutine for it)
+                await _wait_layer(plan.api, link, op, layers[0], timeout_ms, completed)
+            layer_outcome(plan.api, op, layers[0], completed)
             inflight.popleft()
             completed.extend(layers)
         if issued < len(groups):  # the local cache was released: layers not issued are never sent

@@ -154,7 +154,7 @@ class CmaPeer:
         """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. The vectors
         are ``IoVec``s (or what ``IoVec.of`` takes)."""
         local, remote = IoVec.of(local_iov), IoVec.of(remote_iov)
-        if self._poller.poll(0):  # (``alive``) the pidfd turned readable: the peer exited
+        if not self.alive():
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
         if local.entries != remote.entries:
             raise CmaError(errno.EINVAL, f"{name}: {local.entries} local entries for {remote.entries} remote ones")
