@@ -83,6 +83,19 @@ class TcpFrameStream(FrameSender):
         self._receiver.trusted()
 
     # -- closing --------------------------------------------------------------------------------
+    def send_failed(self, reason: str) -> None:
+        """A write failed (the peer reset the connection, say): frames the peer sent before that may
+        still wait in this host's kernel, and they are delivered first (a peer's last answer, its BYE,
+        is not lost to a reply that could not be sent). The close follows from the loop, not from
+        inside the write, which may run in the middle of handling a received frame."""
+        self.loop.call_soon(self._close_after_reading, reason)
+
+    def _close_after_reading(self, reason: str) -> None:
+        if not self.closed:
+            self._receiver.on_readable()  # what is left, up to the reset (which closes the stream)
+        if not self.closed:
+            self.close(reason)
+
     def close(self, reason: str, abort: bool = False) -> None:
         """Close now: queued frames fail, a payload being received stops landing. With ``abort``
         the connection is reset (SO_LINGER 0): unsent bytes are dropped, not delivered. Idempotent."""

@@ -105,13 +105,15 @@ class TcpFrame:
 
 class FrameSender:
     """The sending half of a ``TcpFrameStream`` (its base class): ``enqueue(prepare(...))``, in order.
-    A write that fails closes the stream (``close``, the stream's)."""
+    A write that fails stops the sending (later frames fail at once) and hands the error to
+    ``send_failed``, the stream's: it closes the stream once what the peer sent before is delivered."""
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop) -> None:
         self.fd = fd
         self.loop = loop
         self.closed = False
         self.close_reason = ""
+        self.send_error = ""  # set when a write failed: nothing more is sent
         self.bytes_out = 0
         self._queue: collections.deque[TcpFrame] = collections.deque()
         self._writer_armed = False
@@ -120,6 +122,9 @@ class FrameSender:
 
     def close(self, reason: str, abort: bool = False) -> None:
         raise NotImplementedError  # the stream's: it stops sending with ``_stop_sending``
+
+    def send_failed(self, reason: str) -> None:
+        raise NotImplementedError  # the stream's: it closes once the receiving side is drained
 
     def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> TcpFrame:
         """A frame ready to ``enqueue`` (nothing is sent yet). ``payload``: an ``IoVec`` (or what
@@ -130,8 +135,8 @@ class FrameSender:
         """Queue a prepared frame behind everything sent so far. On an idle stream a frame up to
         ``SEND_NOW_BYTES`` leaves from here (its first write, at least); a bigger one from the loop."""
         assert isinstance(frame, TcpFrame)
-        if self.closed:
-            frame.failed(ConnectionError(f"stream closed: {self.close_reason}"))
+        if self.closed or self.send_error:
+            frame.failed(ConnectionError(f"stream closed: {self.close_reason or self.send_error}"))
             return
         self._queue.append(frame)
         if self._writer_armed or self._pump_scheduled:
@@ -155,7 +160,7 @@ class FrameSender:
 
     def _pump(self) -> None:
         queue, scratch = self._queue, self._tx_scratch
-        while queue and not self.closed:
+        while queue and not self.closed and not self.send_error:
             frame = queue[0]
             if frame.abandoned:
                 queue.popleft()
@@ -168,7 +173,9 @@ class FrameSender:
                 self._arm_writer()
                 return
             except OSError as error:
-                self.close(f"send failed: {error.strerror or error}")  # fails the frames still queued
+                self.send_error = f"send failed: {error.strerror or error}"
+                self._disarm_writer()
+                self.send_failed(self.send_error)
                 return
             self.bytes_out += written
             if not frame.advance(written):

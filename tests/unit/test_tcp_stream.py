@@ -13,6 +13,7 @@ import socket
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvpush.layout import IoVec
 from kvpush.protocol import FrameHeader, Kind, encode_header
@@ -296,3 +297,53 @@ async def test_a_frame_bigger_than_the_socket_buffer_leaves_in_writes_that_never
         finally:
             sender.close("test over")
             receiver.close("test over")
+
+
+class Replier(Recorder):
+    """Answers every PING with a PONG, from inside the frame handler (as a link does)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self.stream: TcpFrameStream | None = None
+        self.replies: list[asyncio.Future[None]] = []
+
+    def on_frame(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
+        if header.kind == Kind.PING and self.stream is not None:
+            self.replies.append(self.stream.send(encode_header(Kind.PONG, header.request_id, 0, 0)).sent)
+        return super().on_frame(header, meta, in_hand)
+
+
+async def test_what_a_resetting_peer_sent_before_the_reset_is_delivered() -> None:
+    """The peer sends a PING and then its last word (a BYE) and resets the connection; the PONG this side
+    answers with fails (the reset is already here), and the BYE behind the PING must still be handed
+    over before the stream closes - over TCP, as a link's control stream runs."""
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(listener.getsockname())
+    ours, _ = listener.accept()
+    listener.close()
+    replier = Replier(random.Random(3))
+    stream = TcpFrameStream(ours, replier, loop)
+    replier.stream = stream
+    try:
+        peer.send(encode_header(Kind.PING, 1, 0, 0))  # unread by the peer: its close below is a reset
+        for _ in range(500):
+            if replier.replies:
+                break
+            await asyncio.sleep(0.002)
+        await replier.replies[0]  # the first PONG goes out: the peer has it, unread
+        bye = b'{"ack": true}'
+        peer.send(encode_header(Kind.PING, 2, 0, 0) + encode_header(Kind.BYE, 0, len(bye), 0) + bye)
+        peer.close()  # with the PONG unread: a reset, which lands before this side reads the PING
+        for _ in range(500):
+            if replier.closed:
+                break
+            await asyncio.sleep(0.002)
+        assert [kind for kind, _, _ in replier.frames] == [Kind.PING, Kind.PING, Kind.BYE]
+        assert replier.frames[-1][2] == bye
+        with pytest.raises(ConnectionError):
+            await replier.replies[1]  # the answer to the second PING could not be sent
+        assert len(replier.closed) == 1 and stream.closed
+    finally:
+        stream.close("test over")
+        peer.close()
