@@ -36,14 +36,21 @@ _PACK = [struct.Struct(f"<{count}Q") for count in range(2 * (FEW + 2) + 1)]
 # -- block ids -----------------------------------------------------------------------------------------
 class Blocks:
     """Checked block ids (``kvpush.validate.check_blocks`` makes them): a tuple of ints for a few, a uint64
-    array for more."""
+    array for more. ``top`` is the largest id (-1 for none): a bounds check reads it, and only a failing
+    one looks for the offending id (``first_at_least``)."""
 
-    __slots__ = ("_ids", "_array", "count")
+    __slots__ = ("_ids", "_array", "count", "top")
 
-    def __init__(self, ids: tuple[int, ...] | None, ids_array: np.ndarray[Any, Any] | None) -> None:
+    def __init__(self, ids: tuple[int, ...] | None, ids_array: np.ndarray[Any, Any] | None = None) -> None:
         self._ids = ids
         self._array = ids_array
-        self.count = len(ids) if ids is not None else int(ids_array.shape[0]) if ids_array is not None else 0
+        if ids is not None:
+            self.count = len(ids)
+            self.top = max(ids) if ids else -1
+        else:
+            assert ids_array is not None
+            self.count = int(ids_array.shape[0])
+            self.top = int(ids_array.max()) if self.count else -1
 
     @classmethod
     def of(cls, ids: Blocks | Sequence[int] | np.ndarray[Any, Any]) -> Blocks:
@@ -51,7 +58,7 @@ class Blocks:
         if isinstance(ids, Blocks):
             return ids
         if len(ids) <= FEW:
-            return cls(tuple([int(block) for block in ids]), None)
+            return cls(tuple([int(block) for block in ids]))
         return cls(None, np.asarray(ids).astype(U64))
 
     def __len__(self) -> int:
@@ -74,15 +81,12 @@ class Blocks:
 
     def first_at_least(self, limit: int) -> tuple[int, int] | None:
         """(index, id) of the first id ``>= limit``, or None."""
-        if self._ids is not None:
-            if not self._ids or max(self._ids) < limit:  # the common case, at C level
-                return None
-            for index, block in enumerate(self._ids):
-                if block >= limit:
-                    return index, block
+        if self.top < limit:
             return None
-        bad = np.flatnonzero(self.array() >= limit)
-        return None if not bad.shape[0] else (int(bad[0]), int(self.array()[bad[0]]))
+        if self._ids is not None:
+            return next((index, block) for index, block in enumerate(self._ids) if block >= limit)
+        index = int(np.flatnonzero(self.array() >= limit)[0])
+        return index, int(self.array()[index])
 
     def repeated(self) -> int | None:
         """An id that appears twice, or None."""
@@ -168,20 +172,22 @@ class Runs:
             return _PACK[2 * self.count].pack(*[value for row in rows for value in (row[column], row[-1])])
         return pack_runs(self.column(column), self.length)
 
-    def vector(self, bases: Sequence[int] | np.ndarray[Any, Any], column: int) -> IoVec:
-        """The iovec of these runs in every tensor at ``bases``, tensor-major (the wire order)."""
-        entries = len(bases) * self.count
-        if entries == 1 and self._rows is not None:  # one run of one tensor (a decode-time push)
-            row = self._rows[0]
-            return IoVec((int(bases[0]) + row[column], row[-1]), None, 1, self.bytes_per_tensor)
+    def vector(self, addrs: Sequence[int] | np.ndarray[Any, Any], first: int, count: int, column: int) -> IoVec:
+        """The iovec of these runs in tensors ``[first, first + count)`` of ``addrs`` (their base addresses),
+        tensor-major (the wire order)."""
+        entries = count * self.count
         if entries <= FEW and self._rows is not None:
+            if entries == 1:  # one run of one tensor (a decode-time push)
+                row = self._rows[0]
+                return IoVec((int(addrs[first]) + row[column], row[-1]), None, 1, self.bytes_per_tensor)
             flat: list[int] = []
-            for base in (bases.tolist() if isinstance(bases, np.ndarray) else bases):
+            for base in (addrs[first:first + count].tolist() if isinstance(addrs, np.ndarray)
+                         else addrs[first:first + count]):
                 for row in self._rows:
                     flat += (base + row[column], row[-1])
-            return IoVec(tuple(flat), None, entries, len(bases) * self.bytes_per_tensor)
-        return IoVec.of_array(scatter_vector(bases, self.column(column), self.length),
-                              len(bases) * self.bytes_per_tensor)
+            return IoVec(tuple(flat), None, entries, count * self.bytes_per_tensor)
+        return IoVec.of_array(scatter_vector(addrs[first:first + count], self.column(column), self.length),
+                              count * self.bytes_per_tensor)
 
     def within(self, limit: int) -> bool:
         """Every run lies inside ``[0, limit)`` of column 0, is not empty and does not overflow."""
@@ -198,11 +204,10 @@ def block_runs(src_blocks: Blocks | Sequence[int] | np.ndarray[Any, Any],
     """Pairs ``(src_blocks[i], dst_blocks[i])`` -> runs ``(src offset, dst offset, length)``, ordered by
     source (the pairs are independent: the order of writes to distinct destination blocks does not
     matter) and merged where both ids step by one."""
-    src = src_blocks if type(src_blocks) is Blocks else Blocks.of(src_blocks)
-    dst = dst_blocks if type(dst_blocks) is Blocks else Blocks.of(dst_blocks)
-    if src.count <= FEW:
-        ids = src.ints()
-        if len(ids) == 1:  # one block (decode-time pushes): one run, nothing to sort or merge
+    src, dst = Blocks.of(src_blocks), Blocks.of(dst_blocks)
+    ids = src._ids
+    if ids is not None:
+        if src.count == 1:  # one block (decode-time pushes): one run, nothing to sort or merge
             return Runs(((ids[0] * block_bytes, dst.ints()[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
         pairs = sorted(zip(ids, dst.ints()))
         merged: list[list[int]] = []

@@ -24,7 +24,7 @@ from .protocol import Kind
 from .status import param_invalid
 from .types import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, KeyName, KvCacheExtParam, check_int
 
-_NO_BLOCKS = Blocks((), None)
+_NO_BLOCKS = Blocks(())
 
 
 class Shape(Enum):
@@ -122,12 +122,12 @@ class Plan:
         """The local iovec of tensors ``[first, first + count)``. A plan of many steps lays out one vector
         for every tensor its steps touch, once, and hands out slices of it (a layer then costs no layout)."""
         if len(self.steps) == 1:
-            return self.runs.vector(self.local.cache.tensor_addrs[first:first + count], self._local_column)
+            return self.runs.vector(self.local.cache.tensor_addrs, first, count, self._local_column)
         if self._span_vector is None:
             local_firsts = [self.firsts(step)[0] for step in self.steps]
             low = min(local_firsts)
             high = max(first + step.count for first, step in zip(local_firsts, self.steps))
-            self._span_vector = self.runs.vector(self.local.addrs[low:high], self._local_column)
+            self._span_vector = self.runs.vector(self.local.addrs, low, high - low, self._local_column)
             self._span_first = low
         runs = self.runs.count
         start = (first - self._span_first) * runs
@@ -136,7 +136,7 @@ class Plan:
     def remote_vector(self, first: int, count: int) -> IoVec:
         """The peer's iovec of tensors ``[first, first + count)`` (one-sided paths: its addresses are known)."""
         assert self.remote.addrs is not None
-        return self.runs.vector(self.remote.addrs[first:first + count], 1 - self._local_column)
+        return self.runs.vector(self.remote.addrs, first, count, 1 - self._local_column)
 
     def groups(self, limit: int) -> list[tuple[v.LayerStep, tuple[int, ...]]]:
         """The steps as requests of at most ``limit`` bytes (``group_steps``; 0: one request per step)."""
@@ -317,14 +317,6 @@ def check_kv_block_args(api: str, kind: Kind, local_cache: object, remote_index:
 
 
 # -- planning against the peer's cache -------------------------------------------------------------------
-def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
-    """The checks against the peer's cache (SPEC §6 checks 8-10), then the layout. ``remote_slot``: the
-    peer's batch slot its table gives for the request's cache key."""
-    if request.shape is Shape.SLOTS:
-        return plan_cache(request, local, remote, remote_slot)
-    return plan_blocks(request, local, remote, remote_slot)
-
-
 def _layer_steps(request: Request, local: CacheEntry, remote: RemoteCache) -> Sequence[v.LayerStep]:
     """The peer's side of the layer checks, then the steps."""
     api, n = request.api, request.n
@@ -341,9 +333,13 @@ def _layer_steps(request: Request, local: CacheEntry, remote: RemoteCache) -> Se
     return v.layer_steps(api, src_tensors, dst_tensors, n, request.src_range, request.dst_range)
 
 
-def plan_blocks(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
-    """A blocks request (or a slot into blocks) against the peer's cache: SPEC §6 checks 8-10, the layout."""
-    if request.shape is Shape.SLOT_BLOCKS:
+def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
+    """The checks against the peer's cache (SPEC §6 checks 8-10), then the layout. ``remote_slot``: the
+    peer's batch slot its table gives for the request's cache key."""
+    shape = request.shape
+    if shape is not _BLOCKS:
+        if shape is Shape.SLOTS:
+            return _plan_cache(request, local, remote, remote_slot)
         return _plan_slot(request, local, remote, request.remote_slot if remote_slot is None else remote_slot)
     api, push = request.api, request.push
     if not remote.is_blocks_cache:
@@ -386,14 +382,14 @@ def _plan_slot(request: Request, local: CacheEntry, remote: RemoteCache, remote_
                             f"{slot_bytes} bytes ({fits} blocks)")
     steps = _layer_steps(request, local, remote)
     v.check_no_duplicates(api, "dst_blocks", request.dst)
-    runs = block_runs(tuple(range(count)), request.dst, block_bytes)  # in slot order, merged
+    runs = block_runs(range(count), request.dst, block_bytes)  # in slot order, merged
     length = runs.length.copy()
     length[-1] -= U64(count * block_bytes - min(count * block_bytes, slot_bytes))  # a partial last block
     runs = Runs.of_columns(runs.src_offset + U64(slot * slot_bytes), runs.dst_offset, length)
     return Plan(request, local, remote, runs, steps, None if push else slot)
 
 
-def plan_cache(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
+def _plan_cache(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: int | None = None) -> Plan:
     """A slot to slot request against the peer's cache: one run per tensor. ``remote_slot``: the peer's batch
     slot its table gives for the request's cache key."""
     api, push = request.api, request.push

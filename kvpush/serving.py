@@ -85,7 +85,7 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     if not transfer.runs.within(entry.tensor_bytes):
         raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
     _check_grants(entry, transfer, peer, write)
-    return entry, transfer.runs.vector(entry.cache.tensor_addrs[first:first + count], 0)
+    return entry, transfer.runs.vector(entry.cache.tensor_addrs, first, count, 0)
 
 
 def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, write: bool) -> None:

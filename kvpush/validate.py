@@ -52,7 +52,7 @@ def check_blocks(api: str, name: str, blocks: object) -> Blocks:
             if type(item) is not int or not 0 <= item <= U64_MAX:
                 break
         else:
-            return Blocks(items, None)
+            return Blocks(items)
     return Blocks.of(_checked_array(api, name, blocks))
 
 
@@ -157,8 +157,9 @@ def check_range_lengths(api: str, src: range | None, dst: range | None) -> None:
 
 
 def check_block_bounds(api: str, name: str, blocks: Blocks, num_blocks: int, whose: str) -> None:
-    bad = blocks.first_at_least(num_blocks)
-    if bad is not None:
+    if blocks.top >= num_blocks:
+        bad = blocks.first_at_least(num_blocks)
+        assert bad is not None
         raise param_invalid(f"{api}: {name}[{bad[0]}]={bad[1]} is out of range: {whose} cache has {num_blocks} blocks")
 
 

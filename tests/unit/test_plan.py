@@ -10,7 +10,8 @@ import pytest
 from kvpush import validate as v
 from kvpush.memory import CacheRegistry, allocate_regions
 from kvpush.peer import RemoteCache
-from kvpush.plan import check_block_args, check_cache_args, group_steps, plan_blocks, plan_cache
+from kvpush.plan import check_block_args, check_cache_args, group_steps
+from kvpush.plan import plan as plan_of
 from kvpush.protocol import Kind
 from kvpush.status import LLMException, LLMStatusCode
 from kvpush.types import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType
@@ -36,7 +37,7 @@ def test_a_push_plan_merges_runs_and_has_one_step_per_layer() -> None:
     args = check_block_args("push_blocks", Kind.WRITE, BlocksCacheKey(2, 0), cache, [0, 1, 2, 7], [4, 5, 6, 1],
                             None, None, 2)
     assert (args.cluster_id, args.model_id) == (2, 0)
-    plan = plan_blocks(args, entry, remote())  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote())  # type: ignore[arg-type]
     assert plan.length.tolist() == [192, 64]  # blocks 0-2 -> 4-6 merged; 7 -> 1 alone
     assert plan.local_offset.tolist() == [0, 7 * 64] and plan.remote_offset.tolist() == [4 * 64, 64]
     assert [(s.dst_layer, s.src_first, s.count) for s in plan.steps] == [(0, 0, 2), (1, 2, 2)]
@@ -46,7 +47,7 @@ def test_layer_ranges_map_source_to_destination_layers() -> None:
     cache, entry = local_cache()
     args = check_block_args("push_blocks", Kind.WRITE, BlocksCacheKey(2, 0), cache, [0], [0], range(1, 2),
                             range(0, 1), 2)
-    plan = plan_blocks(args, entry, remote(tensors=2))  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote(tensors=2))  # type: ignore[arg-type]
     assert [(s.dst_layer, s.src_first, s.dst_first) for s in plan.steps] == [(0, 2, 0)]
 
 
@@ -82,7 +83,7 @@ def test_checks_against_the_peers_cache(peer: RemoteCache, words: str) -> None:
     cache, entry = local_cache()
     args = check_block_args("push_blocks", Kind.WRITE, BlocksCacheKey(2, 0), cache, [0, 1], [3, 5], None, None, 2)
     with pytest.raises(LLMException, match=words) as caught:
-        plan_blocks(args, entry, peer)  # type: ignore[arg-type]
+        plan_of(args, entry, peer)  # type: ignore[arg-type]
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
@@ -90,24 +91,24 @@ def test_a_destination_block_twice_is_refused_after_the_bounds() -> None:
     cache, entry = local_cache()
     args = check_block_args("push_blocks", Kind.WRITE, BlocksCacheKey(2, 0), cache, [0, 1], [3, 3], None, None, 2)
     with pytest.raises(LLMException, match="repeats block 3"):
-        plan_blocks(args, entry, remote())  # type: ignore[arg-type]
+        plan_of(args, entry, remote())  # type: ignore[arg-type]
 
 
 def test_a_pull_plan_reads_remote_runs_into_local_blocks() -> None:
     cache, entry = local_cache()
     args = check_block_args("pull_blocks", Kind.READ, BlocksCacheKey(2, 0), cache, [8, 9], [0, 1], None, None, 2)
-    plan = plan_blocks(args, entry, remote())  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote())  # type: ignore[arg-type]
     assert plan.kind == Kind.READ and plan.remote_offset.tolist() == [8 * 64] and plan.local_offset.tolist() == [0]
 
 
 def test_a_cache_plan_moves_one_slot_per_tensor() -> None:
     cache, entry = local_cache()
     args = check_cache_args("push_cache", Kind.WRITE, CacheKeyByIdAndIndex(2, 9, 3), cache, 1, None, None, -1, 2)
-    plan = plan_cache(args, entry, remote())  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote())  # type: ignore[arg-type]
     assert plan.local_offset.tolist() == [64] and plan.remote_offset.tolist() == [3 * 64] and len(plan.steps) == 2
     too_big = check_cache_args("push_cache", Kind.WRITE, CacheKeyByIdAndIndex(2, 9, 0), cache, 0, None, None, 65, 2)
     with pytest.raises(LLMException, match="exceeds a slot"):
-        plan_cache(too_big, entry, remote())  # type: ignore[arg-type]
+        plan_of(too_big, entry, remote())  # type: ignore[arg-type]
 
 
 def test_validate_layer_steps_and_ext_param_ranges() -> None:
@@ -139,7 +140,7 @@ def test_a_peer_slot_is_pulled_into_blocks_of_the_local_block_size() -> None:
     args = check_block_args("pull_blocks", Kind.READ, CacheKeyByIdAndIndex(2, 9, 2), cache, [], [5, 6, 1, 9], None,
                             None, 2)
     assert args.from_slot and (args.cache_id, args.remote_slot, args.slot_key) == (9, 2, None)
-    plan = plan_blocks(args, entry, remote(num_blocks=3, row=100, blocks=False))  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote(num_blocks=3, row=100, blocks=False))  # type: ignore[arg-type]
     # slot 2 starts at 2 * 200 bytes; its blocks 0, 1 -> 5, 6 (merged), 2 -> 1, 3 -> 9 (8 of 64 bytes)
     assert plan.remote_offset.tolist() == [400, 528, 592] and plan.local_offset.tolist() == [320, 64, 576]
     assert plan.length.tolist() == [128, 64, 8] and plan.bytes_per_tensor == 200
@@ -150,7 +151,7 @@ def test_a_slot_named_by_a_cache_key_is_planned_at_the_slot_the_table_gives() ->
     cache, entry = local_cache()
     args = check_block_args("pull_blocks", Kind.READ, CacheKey(2, 70), cache, [], [3], None, None, 2)
     assert args.slot_key == (0, 70, 0) and args.cache_id is None and args.remote_slot is None
-    plan = plan_blocks(args, entry, remote(num_blocks=3, row=32, blocks=False), remote_slot=1)  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote(num_blocks=3, row=32, blocks=False), remote_slot=1)  # type: ignore[arg-type]
     assert plan.remote_offset.tolist() == [64] and plan.local_offset.tolist() == [192]
 
 
@@ -158,7 +159,7 @@ def test_a_local_slot_is_pushed_into_blocks_of_the_peer_block_size() -> None:
     cache, entry = contiguous_cache()
     args = check_block_args("push_blocks", Kind.WRITE, BlocksCacheKey(2, 0), cache, [], [7, 8, 2, 3, 4, 5, 6], None,
                             None, 2, local_slot=1)
-    plan = plan_blocks(args, entry, remote())  # type: ignore[arg-type]  # 64-byte blocks
+    plan = plan_of(args, entry, remote())  # type: ignore[arg-type]  # 64-byte blocks
     assert plan.local_offset.tolist() == [400, 528] and plan.remote_offset.tolist() == [448, 128]
     assert plan.length.tolist() == [128, 272]  # 7 blocks: the last holds 400 - 6 * 64 = 16 bytes
 
@@ -205,7 +206,7 @@ def test_a_slot_pull_is_checked_against_the_peers_cache(peer: RemoteCache, dst: 
     args = check_block_args("pull_blocks", Kind.READ, CacheKeyByIdAndIndex(2, 9, slot), cache, [], dst, None, None,
                             2)
     with pytest.raises(LLMException, match=words) as caught:
-        plan_blocks(args, entry, peer)  # type: ignore[arg-type]
+        plan_of(args, entry, peer)  # type: ignore[arg-type]
     assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
@@ -214,7 +215,7 @@ def test_pull_cache_by_key_and_the_batch_dimension_check() -> None:
     args = check_cache_args("pull_cache", Kind.READ, CacheKey(2, prefix_id=4, model_id=1), cache, 0, None, None, -1,
                             2)
     assert args.key == (1, 4, 1) and args.cache_id is None
-    plan = plan_cache(args, entry, remote(num_blocks=3, row=200, blocks=False), remote_slot=2)  # type: ignore[arg-type]
+    plan = plan_of(args, entry, remote(num_blocks=3, row=200, blocks=False), remote_slot=2)  # type: ignore[arg-type]
     assert plan.remote_offset.tolist() == [800] and plan.local_offset.tolist() == [0]
     with pytest.raises(LLMException, match="exactly one"):
         check_cache_args("pull_cache", Kind.READ, CacheKey(2), cache, 0, None, None, -1, 2)
