@@ -61,7 +61,7 @@ from kvpush import (  # noqa: E402
     LLMDataDist,
     LLMRole,
 )
-from kvpush.layout import block_runs  # noqa: E402
+from kvpush.layout import Blocks, block_runs  # noqa: E402
 
 IOV_MAX = 1024
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX over tcp stays on loopback in benchmarks
@@ -78,7 +78,7 @@ def _alloc(count: int, blocks: int, block_bytes: int) -> list[np.ndarray[Any, An
 
 def _layer_plan(work: Workload) -> tuple[list[int], list[int], list[int]]:
     src, dst = work.block_lists()
-    runs = block_runs(src, dst, work.block_bytes)
+    runs = block_runs(Blocks.of(src), Blocks.of(dst), work.block_bytes)
     return runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()
 
 

@@ -41,16 +41,12 @@ class Blocks:
 
     __slots__ = ("_ids", "_array", "count", "top")
 
-    def __init__(self, ids: tuple[int, ...] | None, ids_array: np.ndarray[Any, Any] | None = None) -> None:
+    def __init__(self, ids: tuple[int, ...] | None, ids_array: np.ndarray[Any, Any] | None, count: int,
+                 top: int) -> None:
         self._ids = ids
         self._array = ids_array
-        if ids is not None:
-            self.count = len(ids)
-            self.top = max(ids) if ids else -1
-        else:
-            assert ids_array is not None
-            self.count = int(ids_array.shape[0])
-            self.top = int(ids_array.max()) if self.count else -1
+        self.count = count
+        self.top = top
 
     @classmethod
     def of(cls, ids: Blocks | Sequence[int] | np.ndarray[Any, Any]) -> Blocks:
@@ -58,8 +54,10 @@ class Blocks:
         if isinstance(ids, Blocks):
             return ids
         if len(ids) <= FEW:
-            return cls(tuple([int(block) for block in ids]))
-        return cls(None, np.asarray(ids).astype(U64))
+            few = tuple([int(block) for block in ids])
+            return cls(few, None, len(few), max(few) if few else -1)
+        array = np.asarray(ids).astype(U64)
+        return cls(None, array, int(array.shape[0]), int(array.max()) if array.shape[0] else -1)
 
     def __len__(self) -> int:
         return self.count
@@ -199,12 +197,10 @@ class Runs:
         return runs_in_bounds(self.column(0), self.length, limit)
 
 
-def block_runs(src_blocks: Blocks | Sequence[int] | np.ndarray[Any, Any],
-               dst_blocks: Blocks | Sequence[int] | np.ndarray[Any, Any], block_bytes: int) -> Runs:
-    """Pairs ``(src_blocks[i], dst_blocks[i])`` -> runs ``(src offset, dst offset, length)``, ordered by
-    source (the pairs are independent: the order of writes to distinct destination blocks does not
-    matter) and merged where both ids step by one."""
-    src, dst = Blocks.of(src_blocks), Blocks.of(dst_blocks)
+def block_runs(src: Blocks, dst: Blocks, block_bytes: int) -> Runs:
+    """Pairs ``(src[i], dst[i])`` -> runs ``(src offset, dst offset, length)``, ordered by source (the pairs
+    are independent: the order of writes to distinct destination blocks does not matter) and merged where
+    both ids step by one."""
     ids = src._ids
     if ids is not None:
         if src.count == 1:  # one block (decode-time pushes): one run, nothing to sort or merge

@@ -24,7 +24,7 @@ from .protocol import Kind
 from .status import param_invalid
 from .types import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, KeyName, KvCacheExtParam, check_int
 
-_NO_BLOCKS = Blocks(())
+_NO_BLOCKS = Blocks((), None, 0, -1)
 
 
 class Shape(Enum):
@@ -382,7 +382,7 @@ def _plan_slot(request: Request, local: CacheEntry, remote: RemoteCache, remote_
                             f"{slot_bytes} bytes ({fits} blocks)")
     steps = _layer_steps(request, local, remote)
     v.check_no_duplicates(api, "dst_blocks", request.dst)
-    runs = block_runs(range(count), request.dst, block_bytes)  # in slot order, merged
+    runs = block_runs(Blocks.of(range(count)), request.dst, block_bytes)  # in slot order, merged
     length = runs.length.copy()
     length[-1] -= U64(count * block_bytes - min(count * block_bytes, slot_bytes))  # a partial last block
     runs = Runs.of_columns(runs.src_offset + U64(slot * slot_bytes), runs.dst_offset, length)

@@ -52,7 +52,7 @@ def check_blocks(api: str, name: str, blocks: object) -> Blocks:
             if type(item) is not int or not 0 <= item <= U64_MAX:
                 break
         else:
-            return Blocks(items)
+            return Blocks(items, None, len(items), max(items) if items else -1)
     return Blocks.of(_checked_array(api, name, blocks))
 
 

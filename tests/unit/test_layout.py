@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush.layout import block_runs, merge_block_runs, pack_runs, runs_in_bounds, scatter_vector, unpack_runs
+from kvpush.layout import Blocks, block_runs, merge_block_runs, pack_runs, runs_in_bounds, scatter_vector, unpack_runs
 
 
 def test_consecutive_pairs_merge_into_runs() -> None:
@@ -28,7 +28,7 @@ def test_merged_runs_cover_exactly_the_pairs() -> None:
     rng = np.random.default_rng(5)
     src = rng.permutation(300)[:200]
     dst = rng.permutation(400)[:200]
-    runs = block_runs(src, dst, 64)
+    runs = block_runs(Blocks.of(src), Blocks.of(dst), 64)
     covered_src = np.concatenate([np.arange(s, s + n) for s, n in zip(runs.src_offset // 64, runs.length // 64)])
     covered_dst = np.concatenate([np.arange(d, d + n) for d, n in zip(runs.dst_offset // 64, runs.length // 64)])
     assert sorted(zip(covered_src.tolist(), covered_dst.tolist())) == sorted(zip(src.tolist(), dst.tolist()))
