@@ -41,6 +41,9 @@ from .types import (
 
 log = logging.getLogger(__name__)
 
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_WRITE, _READ = Kind.WRITE, Kind.READ
+
 
 class EngineServices(Protocol):
     """What a CacheManager needs of its engine (``kvpush.datadist.LLMDataDist`` provides it)."""
@@ -242,7 +245,7 @@ class CacheManager:
         if notify is not None:
             check_notify(api, notify)
         self._engine.require_init(api)
-        request = planning.check_block_args(api, Kind.WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
+        request = planning.check_block_args(api, _WRITE, dst_cache_key, src_cache, src_blocks, dst_blocks,
                                             src_layer_range, dst_layer_range, tensor_num_per_layer,
                                             local_slot=src_batch_index)
         if notify is not None:
@@ -266,7 +269,7 @@ class CacheManager:
         """
         api = "pull_blocks"
         self._engine.require_init(api)
-        await self._move(planning.check_block_args(api, Kind.READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
+        await self._move(planning.check_block_args(api, _READ, src_cache_key, dst_cache, src_blocks, dst_blocks,
                                                    src_layer_range, dst_layer_range, tensor_num_per_layer))
 
     async def _move(self, request: planning.Request) -> None:

@@ -37,6 +37,9 @@ from .status import LLMException, LLMStatusCode
 
 log = logging.getLogger(__name__)
 
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_READY = LinkState.READY
+
 __all__ = ["Link", "LinkOwner", "LinkState"]
 
 
@@ -99,7 +102,7 @@ class Link:
 
     @property
     def ready(self) -> bool:
-        return self.protocol.state is LinkState.READY
+        return self.protocol.state is _READY
 
     @property
     def onesided(self) -> OneSidedSender | None:

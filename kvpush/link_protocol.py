@@ -53,6 +53,11 @@ class LinkState(Enum):
     CLOSED = "closed"
 
 
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_READY = LinkState.READY
+_WRITE, _READ = Kind.WRITE, Kind.READ
+
+
 class LinkDriver(Protocol):
     """What the protocol core needs done (``kvpush.link.Link`` does it)."""
 
@@ -126,7 +131,7 @@ class LinkProtocol:
 
     @property
     def ready(self) -> bool:
-        return self.state is LinkState.READY
+        return self.state is _READY
 
     def become_ready(self) -> None:
         """The handshake is over (from either side's view): frames go through the table from now on."""
@@ -145,8 +150,8 @@ class LinkProtocol:
     def on_frame(self, header: FrameHeader, meta: bytes, in_hand: bool = False) -> PayloadSink | None:
         """A frame from the peer: where its payload goes (None: discarded)."""
         state = self.state
-        if state is LinkState.READY:
-            if in_hand and header.kind == Kind.WRITE:  # a small write, its bytes already here
+        if state is _READY:
+            if in_hand and header.kind == _WRITE:  # a small write, its bytes already here
                 return self.inbound.serve_write(header, meta, True)
             handler = self.handlers.get(header.kind)
             if handler is None:
@@ -187,7 +192,7 @@ class LinkProtocol:
         status, message = decode_status(header, meta)
         if self.onesided is not None and self.onesided.on_taken(header.request_id, status, message):
             return  # the answer to a READ_OFFER: the peer copied the bytes
-        op = self.requests.get(header.request_id, Kind.WRITE)
+        op = self.requests.get(header.request_id, _WRITE)
         if op is None:
             log.debug("ignoring DONE for request %d (abandoned or unknown)", header.request_id)
             return
@@ -196,7 +201,7 @@ class LinkProtocol:
 
     def _on_read_data(self, header: FrameHeader, meta: bytes) -> PayloadSink | None:
         status, message = decode_status(header, meta)
-        op = self.requests.get(header.request_id, Kind.READ)
+        op = self.requests.get(header.request_id, _READ)
         if op is None or op.sink is None:
             return None  # abandoned: the payload is discarded
         if status != 0:

@@ -53,7 +53,9 @@ class LeaseState(StrEnum):
     DONE = "done"            # ended (revocation confirmed, or the link is unlinking)
 
 
-_ACTIVE = LeaseState.ACTIVE  # read on every leased write: a module global, not the enum class's attribute
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_ACTIVE = LeaseState.ACTIVE
+_WRITE_INTENT, _READ_INTENT, _LANDED = Kind.WRITE_INTENT, Kind.READ_INTENT, Kind.LANDED
 
 
 class OneSidedSender:
@@ -223,7 +225,7 @@ class OneSidedSender:
     # -- per-request grants -----------------------------------------------------------------------
     def on_grant(self, header: FrameHeader, meta: bytes) -> None:
         status, message = decode_status(header, meta)
-        op = self._requests.get(header.request_id, Kind.WRITE_INTENT, Kind.READ_INTENT)
+        op = self._requests.get(header.request_id, _WRITE_INTENT, _READ_INTENT)
         if op is None:
             if status == 0:  # abandoned before the grant came: nothing was moved, let the peer unpin
                 self._send(encode_status(Kind.LANDED, header.request_id, LANDED_ABORTED))
@@ -241,7 +243,7 @@ class OneSidedSender:
         assert op.local_iov is not None and op.remote_iov is not None
         op.granted = False
         try:
-            op.copy = self.mover.start(op.kind == Kind.READ_INTENT, op.local_iov, op.remote_iov, *op.move_args)
+            op.copy = self.mover.start(op.kind == _READ_INTENT, op.local_iov, op.remote_iov, *op.move_args)
         except Exception as error:  # e.g. a UCX call refused before anything was posted
             op.release()
             self._send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED))
@@ -280,7 +282,7 @@ class OneSidedSender:
                     self._loop.call_soon(self.flush_notices)
                 self._notices.append((op.notice, cache_id))
         else:
-            self._send(encode_status(Kind.LANDED, op.request_id, LANDED_ABORTED if failed else 0))
+            self._send(encode_status(_LANDED, op.request_id, LANDED_ABORTED if failed else 0))
         if not failed:
             return
         if isinstance(error, TransportError) and error.peer_gone:

@@ -26,6 +26,10 @@ from .serving import LANDED_ABORTED
 from .status import LLMException, LLMStatusCode
 from .validate import LayerStep
 
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_WRITE, _WRITE_INTENT, _WRITE_NOTICE = Kind.WRITE, Kind.WRITE_INTENT, Kind.WRITE_NOTICE
+_READ, _READ_INTENT = Kind.READ, Kind.READ_INTENT
+
 
 class OutboundLink(Protocol):
     """What the outbound side uses of its link (``kvpush.link.Link``)."""
@@ -70,16 +74,16 @@ class Outbound:
             leased = onesided.lease_active(remote.cache_id)
             if held and source.entries <= MAX_OFFER_ENTRIES and onesided.reader_copies(remote.cache_id):
                 return self._prepare_read_offer(plan, step, source, budget_ms)
-            return self._start_onesided(Kind.WRITE_INTENT, plan, step, source, budget_ms, held, leased)
+            return self._start_onesided(_WRITE_INTENT, plan, step, source, budget_ms, held, leased)
         # The frame goes first and the request is booked behind it: a small frame on an idle stream leaves
         # within ``enqueue``, the bookkeeping off the round trip's path. Nothing can answer it in between:
         # replies are handled by this loop, after this call returns.
         request_id = self.requests.reserve()
-        frame = self.stream.prepare(encode_transfer(Kind.WRITE, request_id, remote.cache_id, remote_first, step.count,
+        frame = self.stream.prepare(encode_transfer(_WRITE, request_id, remote.cache_id, remote_first, step.count,
                                                     plan.wire, payload_len, budget_ms), source, payload_len)
         if not held:
             self.stream.enqueue(frame)
-        op = self.requests.new(Kind.WRITE, request_id)
+        op = self.requests.new(_WRITE, request_id)
         op.frame = frame
         source_entry = plan.local
         if held:  # pinned until its frame leaves (``release_held``) or it is abandoned
@@ -104,14 +108,14 @@ class Outbound:
         self.counters["bytes_pulled"] += destination.nbytes
         remote = plan.remote
         if self.protocol.onesided is not None and self._onesided_reaches(remote):
-            return self._start_onesided(Kind.READ_INTENT, plan, step, destination, budget_ms)
-        op = self.requests.new(Kind.READ)
+            return self._start_onesided(_READ_INTENT, plan, step, destination, budget_ms)
+        op = self.requests.new(_READ)
         op.expected = destination.nbytes
         entry = plan.local
         entry.pin()
         op.future.add_done_callback(lambda _: entry.unpin())
         op.sink = PayloadSink(destination, lambda: self.requests.complete(op, None))
-        op.frame = self.stream.send(encode_transfer(Kind.READ, op.request_id, remote.cache_id, remote_first,
+        op.frame = self.stream.send(encode_transfer(_READ, op.request_id, remote.cache_id, remote_first,
                                                     step.count, plan.wire, 0, budget_ms))
         return op
 
@@ -164,7 +168,7 @@ class Outbound:
         plan.local.pin()
         op.hold(plan.local.unpin)
         if leased:
-            op.notice = encode_transfer(Kind.WRITE_NOTICE, op.request_id, remote.cache_id, remote_first, step.count,
+            op.notice = encode_transfer(_WRITE_NOTICE, op.request_id, remote.cache_id, remote_first, step.count,
                                         plan.wire, 0, budget_ms)
             if not held:
                 onesided.begin_leased(op)

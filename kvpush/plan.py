@@ -80,13 +80,14 @@ class Plan:
     length in each tensor), one ``LayerStep`` per layer, the runs' wire form for the peer's side, and
     the local vectors, laid out once per call."""
 
-    __slots__ = ("api", "kind", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
+    __slots__ = ("api", "kind", "push", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
                  "_span_vector", "_span_first")
 
     def __init__(self, request: Request, local: CacheEntry, remote: RemoteCache, runs: Runs,
                  steps: Sequence[v.LayerStep], remote_slot: int | None = None) -> None:
         self.api = request.api
         self.kind = request.kind
+        self.push = request.push
         self.local = local
         self.remote = remote
         self.runs = runs
@@ -168,7 +169,8 @@ def group_steps(steps: Sequence[v.LayerStep], bytes_per_tensor: int,
 _NAMES = {Kind.WRITE: ("src_cache", "dst_cache_key"), Kind.READ: ("dst_cache", "src_cache_key")}
 _REMOTE_KEYS: dict[bool, type | tuple[type, ...]] = {  # by push
     True: BlocksCacheKey, False: (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)}
-_BLOCKS = Shape.BLOCKS
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_BLOCKS, _SLOT_BLOCKS, _WRITE = Shape.BLOCKS, Shape.SLOT_BLOCKS, Kind.WRITE
 
 
 def _check_local_layers(request: Request) -> None:
@@ -196,7 +198,7 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     ``CacheKeyByIdAndIndex``), a push's a slot of the local contiguous cache (``local_slot``, the call's
     ``src_batch_index``); ``src_blocks`` is then empty and the slot is read as consecutive blocks.
     ``remote_cache_id``: the peer's cache is named by id (the status-returning forms), not by the key."""
-    push = kind is Kind.WRITE
+    push = kind is _WRITE
     local_name, remote_name = _NAMES[kind]
     if remote_cache_id is None:
         v.check_type(api, remote_name, remote_key, _REMOTE_KEYS[push])
@@ -220,7 +222,7 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     if slot_index is not None:
         request.shape = Shape.SLOT_BLOCKS
         request.local_slot = slot_index
-    if request.shape is Shape.SLOT_BLOCKS:
+    if request.shape is _SLOT_BLOCKS:
         _check_slot_blocks(request, remote_key, remote_name)
     else:
         v.check_blocks_cache(api, local_name, local_cache)

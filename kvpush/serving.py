@@ -55,6 +55,9 @@ Send = Callable[..., OutgoingFrame]
 # grants not yet landed); past it a request is refused with LLM_LINK_BUSY. Far above what the engine's
 # own senders use (two layers per transfer), it bounds what one peer can pin.
 MAX_INCOMING_IN_FLIGHT = 1024
+# bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
+_WRITES = frozenset({Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER})  # requests that write this side's memory
+_DONE = Kind.DONE
 DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against their deadlines
 
 
@@ -231,7 +234,7 @@ class Inbound:
             if len(self._writes) + len(self._granted) + len(self._reading) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
-            write = header.kind in (Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER)
+            write = header.kind in _WRITES
             entry, iov = resolve(self._registry, self._options.enable_remote_cache_accessible, transfer,
                                  self._peer_id, write)
         except Refusal as refusal:
@@ -279,7 +282,7 @@ class Inbound:
         request_id = header.request_id
 
         def answer() -> None:
-            self._send(encode_status(Kind.DONE, request_id, 0))  # first: the writer waits for it
+            self._send(encode_status(_DONE, request_id, 0))  # first: the writer waits for it
             self._counters["bytes_received"] += header.payload_len
 
         if in_hand:

@@ -16,7 +16,6 @@ import collections
 from .link import Link
 from .options import EngineOptions
 from .plan import Plan
-from .protocol import Kind
 from .requests import PendingOp
 from .status import LLMException, LLMStatusCode
 from .validate import LayerStep
@@ -30,7 +29,7 @@ GROUP_BYTES = 16 << 20
 
 def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
     """Start (or, ``held``, prepare) one layer's request."""
-    if plan.kind == Kind.WRITE:
+    if plan.push:
         return link.outbound.start_write(plan, step, budget_ms, held)
     return link.outbound.start_read(plan, step, budget_ms)
 
@@ -85,7 +84,7 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
     propagates once no byte of the request can still land."""
     timeout_ms = options.sync_kv_timeout_ms
     merge_bytes = options.layer_merge_bytes
-    if len(plan.steps) > 1 and merge_bytes > 0 and plan.kind == Kind.WRITE and link.outbound.writes_alone(plan.remote):
+    if len(plan.steps) > 1 and merge_bytes > 0 and plan.push and link.outbound.writes_alone(plan.remote):
         merge_bytes = max(merge_bytes, GROUP_BYTES)
     groups = plan.groups(merge_bytes)
     local = plan.local

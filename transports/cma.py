@@ -150,10 +150,8 @@ class CmaPeer:
         """False once the peer process has exited (its pidfd turns readable)."""
         return not self._poller.poll(0)
 
-    def _copy(self, function: Any, name: str, local_iov: IoVec | Any, remote_iov: IoVec | Any) -> int:
-        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one. The vectors
-        are ``IoVec``s (or what ``IoVec.of`` takes)."""
-        local, remote = IoVec.of(local_iov), IoVec.of(remote_iov)
+    def _copy(self, function: Any, name: str, local: IoVec, remote: IoVec) -> int:
+        """One kernel copy per IOV_MAX entries; local and remote entries pair up one to one."""
         if not self.alive():
             raise CmaError(errno.ESRCH, f"peer process {self.pid} has exited")
         if local.entries != remote.entries:
@@ -177,11 +175,11 @@ class CmaPeer:
             entry += count
         return total
 
-    def write(self, local: IoVec | Any, remote: IoVec | Any) -> int:
+    def write(self, local: IoVec, remote: IoVec) -> int:
         """Copy local -> peer (blocking; call from a worker thread for big copies)."""
         return self._copy(_writev, "process_vm_writev", local, remote)
 
-    def read(self, local: IoVec | Any, remote: IoVec | Any) -> int:
+    def read(self, local: IoVec, remote: IoVec) -> int:
         """Copy peer -> local (blocking)."""
         return self._copy(_readv, "process_vm_readv", local, remote)
 

@@ -27,14 +27,15 @@ writev.restype = ctypes.c_ssize_t
 _ENTRY = struct.Struct("<QQ")
 
 
+SCRATCH_ROWS = FEW + 1  # the rows of a ``Scratch``
+
+
 class Scratch:
     """A stream's own ``struct iovec`` array for a vector of a few entries and one more (a frame's head
     before them, or a spill buffer behind them): a short frame or payload needs no vector of its own."""
 
-    ROWS = FEW + 1
-
     def __init__(self) -> None:
-        self.table = np.zeros((self.ROWS, 2), np.uint64)
+        self.table = np.zeros((SCRATCH_ROWS, 2), np.uint64)
         self.address = int(self.table.ctypes.data)
         self.view = self.table.data.cast("B")
 
@@ -60,7 +61,7 @@ class Cursor:
         self.done = 0
         self.index = 0
         self._entries = self.rows + (spill is not None)  # in the kernel's vector
-        if scratch is not None and self._entries <= Scratch.ROWS:
+        if scratch is not None and self._entries <= SCRATCH_ROWS:
             iov.pack_into(scratch.view, first, tail)
             self.vec, self.base, self._view = scratch.table, scratch.address, scratch.view
             self._ints: list[int] | None = [*first, *iov.ints()]

@@ -15,7 +15,7 @@ import collections
 from kvpush.layout import IoVec
 
 from .base import OutgoingFrame
-from .iovec import Cursor, Scratch, address_of, check, writev
+from .iovec import SCRATCH_ROWS, Cursor, Scratch, address_of, check, writev
 
 # Frames up to this size are written by the call that queues them: deferring a write of a few hundred
 # microseconds to the next loop pass costs a layer more than the write itself. Bigger ones leave from the
@@ -71,7 +71,7 @@ class TcpFrame:
         ``full`` says whether the call was offered every byte left and took fewer: the socket's buffer is
         full, and trying again before it drains would only fail (a system call per layer saved)."""
         self.started = True
-        if self._cursor is None and self.payload.entries < Scratch.ROWS:  # the first write, few entries
+        if self._cursor is None and self.payload.entries < SCRATCH_ROWS:  # the first write, few entries
             rows = self.payload.pack_into(scratch.view, (address_of(self.head), len(self.head)))
             written = check(writev(fd, scratch.address, rows))
             self.full = written < self.total

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpush.layout import IoVec
 from transports import cma
 
 pytestmark = pytest.mark.skipif(not cma.AVAILABLE, reason="cross-memory attach needs Linux with pidfd_open")
@@ -38,8 +39,8 @@ def child() -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     proc.wait(10)
 
 
-def one(address: int, length: int) -> np.ndarray[Any, Any]:
-    return np.array([[address, length]], np.uint64)
+def one(address: int, length: int) -> IoVec:
+    return IoVec.of_ints((address, length))
 
 
 def test_write_lands_in_the_peer(child: tuple[subprocess.Popen[str], dict[str, Any]]) -> None:
