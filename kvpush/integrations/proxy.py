@@ -62,13 +62,23 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from .fleet import Membership, parse_discovery
+from .proxy_http import (
+    Hop,
+    PrefillRun,
+    Unanswered,
+    describe,
+    error_response,
+    healthy,
+    relay,
+    render_metrics,
+    target_url,
+)
 from .routing import (
     DEFAULT_KV_PORT,
     Pool,
@@ -97,8 +107,7 @@ MAX_BODY_BYTES = 32 << 20  # far above a 128k-token prompt as JSON (~1 MB); imag
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-                         "proxy-authenticate", "proxy-authorization", "date", "server"})
+
 
 
 @dataclass(frozen=True)
@@ -132,69 +141,11 @@ class ProxyConfig:
             raise SpecError(f"max body size {self.max_body_bytes} must be >= 1 byte")
 
 
-def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
-    """An OpenAI-style error body."""
-    return web.json_response({"error": {"message": message, "type": HTTPStatus(status).phrase, "code": status}},
-                             status=status, headers=headers)
+class _Refused(Exception):
+    def __init__(self, message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.client_error = client_error
 
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return str(error) or type(error).__name__
-
-
-@dataclass(frozen=True)
-class _Hop:
-    """One request to an upstream: ``method`` on ``upstream`` + the client's path; ``route`` goes back to
-    the client as X-Kvpush-Route; ``resend``: a connection closed before any answer raises _Unanswered."""
-
-    method: str
-    upstream: str
-    json: Any = None
-    headers: Mapping[str, str] | None = None
-    route: str | None = None
-    resend: bool = False
-
-
-class _Unanswered(Exception):
-    """The decode refused the connection or closed it before any byte of its answer: nothing reached the
-    client, so the request may go again."""
-
-
-class _PrefillRun:
-    """A prefill's accepted copy of one request: its response is drained by a task until ``end``."""
-
-    def __init__(self, proxy: Proxy, prefill: Prefill, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
-        self.prefill = prefill
-        self._pool = proxy.prefills
-        self._task = asyncio.get_running_loop().create_task(self._drain(reply, transfer_id))
-
-    async def _drain(self, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
-        """Read the prefill's stream to its end; an error event in it is logged (the decode learns of a
-        failed prefill from kvpush itself)."""
-        try:
-            async for line in reply.content:
-                if line.startswith(b"data:") and b'"error"' in line:
-                    log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
-                                line[5:505].decode("utf-8", "replace").strip())
-            reply.release()  # read to its end: the connection goes back to the pool
-        except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
-                        _describe(error))
-        finally:
-            if not reply.closed:
-                reply.close()  # before its end: drops the connection, which makes vLLM abort the request
-
-    async def end(self, grace: float) -> None:
-        """Give the prefill up to ``grace`` seconds to finish, then cancel it; returns once it ended."""
-        try:
-            if grace > 0:
-                await asyncio.wait([self._task], timeout=grace)
-        finally:
-            self._task.cancel()
-            await asyncio.wait([self._task])
-            self._pool.release(self.prefill)
 
 
 class Proxy:
@@ -285,9 +236,9 @@ class Proxy:
         for role, pool, targets in (("prefill", self.prefills, prefills), ("decode", self.decodes, decodes)):
             added, removed = pool.update(targets)  # type: ignore[arg-type]
             for target in added:
-                log.info("fleet: %s %s joined", role, _url(target))
+                log.info("fleet: %s %s joined", role, target_url(target))
             for target in removed:
-                log.info("fleet: %s %s left (or is draining)", role, _url(target))
+                log.info("fleet: %s %s left (or is draining)", role, target_url(target))
         loads = {i.url: i.load.requests for i in self.membership.instances.values()}
         self.prefills.load = {p: loads.get(p.url, 0) for p in self.prefills.targets}
         self.decodes.load = {d: loads.get(d, 0) for d in self.decodes.targets}
@@ -321,13 +272,13 @@ class Proxy:
                 if isinstance(decode, web.Response):
                     return decode
                 if self.decodes.probing(decode):  # back after failing? (no prefill works for a decode that is not)
-                    problem = await self._healthy(decode, deadline)
+                    problem = await healthy(self.session, decode, deadline)
                     if problem is not None:
                         self.decodes.failed(decode, problem)
                         continue
                 try:
                     return await self._attempt(request, body, headers, decode, deadline)
-                except _Unanswered as error:
+                except Unanswered as error:
                     backoff = self.decodes.failed(decode, str(error))
                     resends += 1
                     self.counters["resent"] += 1
@@ -372,7 +323,7 @@ class Proxy:
 
     async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str], decode: str,
                        deadline: float) -> web.StreamResponse:
-        """One try: a prefill (if any accepts), then the decode's answer relayed. Raises _Unanswered."""
+        """One try: a prefill (if any accepts), then the decode's answer relayed. Raises Unanswered."""
         transfer_id = new_transfer_id()
         prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
                                            self._incompatible(decode))
@@ -385,8 +336,8 @@ class Proxy:
                 log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.prefill.url, decode)
             self.decodes.acquire(decode)
             try:
-                response = await self._relay(request, _Hop("POST", decode, json=copy, headers=headers, route=route,
-                                                            resend=True), deadline)
+                hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True)
+                response = await relay(self.session, request, hop, deadline, self._fail)
             finally:
                 self.decodes.release(decode)
             answered = True
@@ -398,7 +349,7 @@ class Proxy:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
     async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], transfer_id: str,
-                            deadline: float, skip: Sequence[Prefill] = ()) -> _PrefillRun | None:
+                            deadline: float, skip: Sequence[Prefill] = ()) -> PrefillRun | None:
         """The first prefill (in the pool's order, ``skip`` aside) that accepts its copy of the request, or
         None: then the decode computes the request alone."""
         loop = asyncio.get_running_loop()
@@ -422,7 +373,7 @@ class Proxy:
                 self.prefills.release(prefill)
                 if reply is not None:
                     reply.close()
-                reason = _describe(error)
+                reason = describe(error)
                 reasons.append(f"{prefill.url}: {reason}")
                 if isinstance(error, _Refused) and error.client_error:
                     break  # the request itself was refused: the decode answers it (and says what is wrong)
@@ -436,7 +387,7 @@ class Proxy:
                     reply.close()
                 raise
             self.prefills.accepted(prefill)
-            return _PrefillRun(self, prefill, reply, transfer_id)
+            return PrefillRun(self.prefills, prefill, reply, transfer_id)
         if reasons:
             log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone", transfer_id,
                         "; ".join(reasons))
@@ -445,52 +396,16 @@ class Proxy:
                       self._down(self.prefills))
         return None
 
-    async def _relay(self, request: web.Request, hop: _Hop, deadline: float) -> web.StreamResponse:
-        """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
-        status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
-        upstream a 502, or with ``hop.resend`` _Unanswered (when a connection error says nothing was
-        answered)."""
-        response: web.StreamResponse | None = None
-        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        upstream = hop.upstream
-        try:
-            async with self.session.request(hop.method, upstream + request.path, json=hop.json, headers=hop.headers,
-                                            timeout=aiohttp.ClientTimeout(total=remaining)) as reply:
-                passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
-                if hop.route is not None:
-                    passed["X-Kvpush-Route"] = hop.route
-                response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
-                await response.prepare(request)
-                async for chunk in reply.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as error:
-            what = _describe(error)
-            if response is None:
-                timed_out = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
-                if hop.resend and not timed_out and isinstance(error, (aiohttp.ClientConnectionError, ConnectionError)):
-                    raise _Unanswered(what) from None
-                log.warning("%s%s: %s", upstream, request.path, what)
-                return self._fail(504 if timed_out else 502, f"upstream {upstream}: {what}")
-            if request.transport is None or request.transport.is_closing():
-                log.info("%s%s: the client left (%s)", upstream, request.path, what)
-            else:
-                log.warning("%s%s: cut after the response started (%s); closing the client's connection",
-                            upstream, request.path, what)
-                request.transport.abort()
-            return response
-
     def _fail(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
         self.counters[f"error_{status}"] += 1
         if status >= 500:
             log.warning("answered %d: %s", status, message)
-        return _error(status, message, headers)
+        return error_response(status, message, headers)
 
     @staticmethod
     def _down(pool: Pool[Any]) -> str:
         """Each member of ``pool`` and why it was last skipped."""
-        return "; ".join(f"{_url(state['target'])}: {state['reason'] or 'up'}" for state in pool.state())
+        return "; ".join(f"{target_url(state['target'])}: {state['reason'] or 'up'}" for state in pool.state())
 
     # -- the rest ----------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -498,72 +413,24 @@ class Proxy:
         if decode is None:
             return self._fail(503, f"no decode instance is up: {self._down(self.decodes)}")
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        return await self._relay(request, _Hop("GET", decode, headers=self._upstream_headers(request)), deadline)
+        hop = Hop("GET", decode, headers=self._upstream_headers(request))
+        return await relay(self.session, request, hop, deadline, self._fail)
 
     async def health(self, request: web.Request) -> web.Response:
         urls = [prefill.url for prefill in self.prefills.targets] + list(self.decodes.targets)
         if not urls:
-            return _error(503, "unhealthy: no prefill and no decode instance (is the fleet registry reachable?)")
+            return error_response(503, "unhealthy: no prefill and no decode instance (is the fleet registry "
+                                  "reachable?)")
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        answers = await asyncio.gather(*(self._healthy(url, deadline) for url in urls))
+        answers = await asyncio.gather(*(healthy(self.session, url, deadline) for url in urls))
         failing = {url: answer for url, answer in zip(urls, answers) if answer is not None}
         if failing:
-            return _error(503, "unhealthy: " + "; ".join(f"{url}: {answer}" for url, answer in failing.items()))
+            return error_response(503, "unhealthy: " + "; ".join(f"{url}: {answer}" for url, answer in failing.items()))
         return web.json_response({"status": "ok", "upstreams": urls})
-
-    async def _healthy(self, url: str, deadline: float) -> str | None:
-        """None when ``url``'s /health answers 200 before ``deadline`` (loop time), else why not."""
-        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        try:
-            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=remaining)) as r:
-                return None if r.status == 200 else f"status {r.status}"
-        except (aiohttp.ClientError, TimeoutError) as error:
-            return _describe(error)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes),
                             content_type="text/plain", charset="utf-8")
-
-
-def _url(target: str | Prefill) -> str:
-    return target if isinstance(target, str) else target.url
-
-
-class _Refused(Exception):
-    def __init__(self, message: str, client_error: bool) -> None:
-        super().__init__(message)
-        self.client_error = client_error
-
-
-def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str]) -> str:
-    """The proxy's counters and upstream states in Prometheus' text exposition format."""
-    def label(text: str) -> str:
-        return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-    lines = ["# HELP kvpush_proxy_requests_total Requests answered by a decode, by route (pd: with a prefill's KV).",
-             "# TYPE kvpush_proxy_requests_total counter"]
-    lines += [f'kvpush_proxy_requests_total{{route="{route}"}} {counters.get(f"route_{route}", 0)}'
-              for route in ("pd", "decode_only")]
-    lines += ["# HELP kvpush_proxy_errors_total Requests the proxy answered with an error itself, by status.",
-              "# TYPE kvpush_proxy_errors_total counter"]
-    lines += [f'kvpush_proxy_errors_total{{status="{key[6:]}"}} {value}'
-              for key, value in sorted(counters.items()) if key.startswith("error_")]
-    lines += ["# HELP kvpush_proxy_resent_total Requests sent again after a decode closed the connection unanswered.",
-              "# TYPE kvpush_proxy_resent_total counter", f"kvpush_proxy_resent_total {counters.get('resent', 0)}",
-              "# HELP kvpush_proxy_clients_left_total Clients that disconnected before their answer ended.",
-              "# TYPE kvpush_proxy_clients_left_total counter",
-              f"kvpush_proxy_clients_left_total {counters.get('client_left', 0)}",
-              "# HELP kvpush_proxy_upstream_in_flight Requests in flight per upstream.",
-              "# TYPE kvpush_proxy_upstream_in_flight gauge",
-              "# HELP kvpush_proxy_upstream_up 1 unless the upstream is skipped after refusing a request.",
-              "# TYPE kvpush_proxy_upstream_up gauge"]
-    for role, pool in (("prefill", prefills), ("decode", decodes)):
-        for state in pool.state():
-            target = state["target"]
-            url = label(_url(target))
-            lines.append(f'kvpush_proxy_upstream_in_flight{{role="{role}",url="{url}"}} {state["in_flight"]}')
-            lines.append(f'kvpush_proxy_upstream_up{{role="{role}",url="{url}"}} {int(state["up"])}')
-    return "\n".join(lines) + "\n"
 
 
 async def start(config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:
