@@ -82,6 +82,12 @@ transfer), and ``net saved`` = (L - S)_serial - (L - S)_pipelined, which counts 
 bench/run.py defines its "hidden" that way). vLLM's own connectors move KV after the prefill finished
 (the decode pulls or reads after ``request_finished``): nothing of their transfer is hidden, by design.
 
+Where the time to first token goes (kvpush cases, from the same traces and the client's clock, per request,
+medians in ``phases_p50_ms`` and a table): ``to_prefill`` (the request sent -> the prefill's scheduler saw it),
+``held`` (its hold for the decode's block ids), ``to_forward`` (-> the forward started), ``forward``,
+``tail`` (the forward's end -> the decode reported the KV landed) and ``to_first_token`` (-> the client had
+the first token: the decode's step for it and the stream); see ``phases_of``.
+
 Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
 ratios to the single instance and to every other connector of the same run) and ``.png``, and
 prints the table. Every process it starts is ended (its process group), also on errors and Ctrl-C.
@@ -241,6 +247,41 @@ def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
                   sum(e.get("pushes_after_forward", 0) for e in steps))
 
 
+PHASES = ("to_prefill", "held", "to_forward", "forward", "tail", "to_first_token")
+
+
+def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
+              sample: Sample) -> dict[str, float] | None:
+    """Where one P/D request's time to first token went (ms, on the shared clock; requests run one at a
+    time), or None when its trace is incomplete:
+    ``to_prefill``  the request sent -> the prefill's scheduler first saw it (HTTP, vLLM's front end);
+    ``held``        the prefill's hold for the decode's block ids (the decode's request and first step);
+    ``to_forward``  the hold released -> the forward pass started (the scheduler hands the step out);
+    ``forward``     the prefill's forward pass (S -> F);
+    ``tail``        the forward's end -> the decode reported the KV landed (what was left of the push,
+                    its notice, the decode's next hook call);
+    ``to_first_token`` landed -> the client had the first token (the decode's step for it, the stream)."""
+    begin, end = sample.t_start, sample.t_end
+    first = begin + sample.ttft_s
+    steps = [e for e in trace_prefill if e.get("ev") == "step" and begin <= e["t_bind"] <= end]
+    held = [e for e in trace_prefill if e.get("ev") == "held" and begin <= e["t"] <= end]
+    landed = [e["t"] for e in trace_decode if e.get("ev") == "landed" and begin <= e["t"] <= end]
+    if not steps or not landed or sample.error:
+        return None
+    start = min(e["t_bind"] for e in steps)
+    forward_end = max(e["t_forward_end"] for e in steps)
+    released = held[0]["t"] if held else start
+    seen = released - held[0]["held_ms"] / 1e3 if held else start
+    marks = (begin, seen, released, start, forward_end, min(landed), first)
+    return {name: round((b - a) * 1e3, 2) for name, a, b in zip(PHASES, marks, marks[1:])}
+
+
+def phases_p50(phases: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """The median of each phase over the requests whose trace was complete."""
+    complete = [p for p in phases if p is not None]
+    return {name: round(median([p[name] for p in complete]), 1) for name in PHASES} if complete else {}
+
+
 def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None, Timing | None]],
                   ttft_pairs: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The hidden share of the transfer (see the module docstring) from (pipelined, serial) pairs."""
@@ -327,6 +368,14 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
             lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['hidden'] * 100:.0f}% | {r['transfer_serial_ms']} "
                          f"| {r['exposed_pipelined_ms']} | {r['compute_inflation'] * 100:+.0f}% | {r['net_saved_ms']} "
                          f"| {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} |")
+    phased = [r for r in records if r.get("phases_p50_ms")]
+    if phased:  # where a P/D request's time to first token went (``phases_of``), beside the single instance's
+        lines += ["", "| prompt | case | " + " | ".join(name.replace("_", " ") for name in PHASES)
+                  + " | TTFT p50 ms | single TTFT p50 ms |", "|---|---|" + "---|" * (len(PHASES) + 2)]
+        for r in sorted(phased, key=lambda r: (r["prompt_tokens"], r["case"])):
+            cells = [str(r["phases_p50_ms"].get(name, "")) for name in PHASES]
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | " + " | ".join(cells)
+                         + f" | {r.get('ttft_p50_ms', '')} | {r.get('single_ttft_p50_ms', '')} |")
     skipped = [r for r in records if r["workload"] == "VLLM"]
     if skipped:
         lines += [""] + [f"- **{r['case']}**: {r['result']}" for r in skipped]
@@ -881,6 +930,9 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                 prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
                 timings = [timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end)) for s in samples]
                 measured["pushed_during_forward"] = f"{sum(1 for t in timings if t and t.pipelined_pushes)}/{reps}"
+                phases = phases_p50([phases_of(prefill_trace, decode_trace, s) for s in samples])
+                if phases:  # where the time to first token went (see phases_of)
+                    measured["phases_p50_ms"] = phases
                 held = [e for e in prefill_trace if e.get("ev") == "held"
                         and any(s.t_start <= e["t"] <= s.t_end for s in samples)]
                 if held:  # the prefill's hold for the decode's block ids (KvpushConnector's ids_wait_ms)

@@ -18,6 +18,8 @@ from bench.vllm_bench import (  # noqa: E402
     latency_record,
     not_run_record,
     percentile,
+    phases_of,
+    phases_p50,
     plan,
     prompt,
     tables,
@@ -99,6 +101,27 @@ def test_timing_of_picks_the_request_of_its_window() -> None:
     assert timing_of(prefill, decode, (30.0, 40.0)) is None
 
 
+def test_phases_of_a_request_add_up_to_its_time_to_first_token() -> None:
+    """A request sent at 9.0 s, first token at 9.0 + 2.5 s: held 50 ms by the prefill from 9.1 s, its forward
+    10.0-11.0 s, landed at 11.02 s. The phases follow one another and sum to the TTFT; a request without a
+    landed report (or a failed one) has none; the p50 is per phase over the complete ones."""
+    prefill = [{"ev": "held", "t": 9.15, "held_ms": 50.0, "ids_in": True},
+               {"ev": "step", "t_bind": 10.0, "t_forward_end": 11.0}]
+    decode = [{"ev": "ids", "t": 9.12}, {"ev": "landed", "t": 11.02}]
+    sample = Sample(2.5, 3.0, [1, 2], 64, t_start=9.0, t_end=12.0)
+    phases = phases_of(prefill, decode, sample)
+    assert phases == {"to_prefill": 100.0, "held": 50.0, "to_forward": 850.0, "forward": 1000.0, "tail": 20.0,
+                      "to_first_token": 480.0}
+    assert sum(phases.values()) == pytest.approx(2500.0)
+    assert phases_of(prefill, [], sample) is None
+    assert phases_of(prefill, decode, Sample(0.0, 0.0, [], None, t_start=9.0, t_end=12.0, error="boom")) is None
+    unheld = phases_of([{"ev": "step", "t_bind": 10.0, "t_forward_end": 11.0}], decode, sample)
+    assert unheld is not None and unheld["held"] == 0.0 and unheld["to_prefill"] == 1000.0
+    assert phases_p50([phases, None, unheld]) == {"to_prefill": 550.0, "held": 25.0, "to_forward": 425.0,
+                                                  "forward": 1000.0, "tail": 20.0, "to_first_token": 480.0}
+    assert phases_p50([None]) == {}
+
+
 def test_hidden_share_from_pipelined_and_serial_pairs() -> None:
     # serial: forward 1.0 s, then the whole transfer (0.1 s); pipelined: forward 1.01 s (slowed by the
     # pushes), and only 0.01 s of transfer left after it
@@ -149,3 +172,10 @@ def test_table_ratios_are_to_the_single_instance_and_the_other_connectors_of_the
     nixl = next(line for line in lines if line.startswith("| 32 | nixl |"))
     assert "FAIL" in nixl and "200.0" not in nixl
     assert any("kvpush-cma" in line and "not run: no cma here" in line for line in lines)
+    phases = {"to_prefill": 5.0, "held": 10.0, "to_forward": 1.0, "forward": 100.0, "tail": 2.0, "to_first_token": 30.0}
+    records[1]["phases_p50_ms"] = phases
+    lines = tables(records)
+    header = next(line for line in lines if line.startswith("| prompt | case | to prefill |"))
+    row = next(line for line in lines if line.startswith("| 32 | kvpush-tcp | 5.0 |"))
+    at = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    assert at["held"] == "10.0" and at["to first token"] == "30.0" and at["TTFT p50 ms"] == "150.0"
