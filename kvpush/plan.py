@@ -80,21 +80,19 @@ class Plan:
     length in each tensor), one ``LayerStep`` per layer, the runs' wire form for the peer's side, and
     the local vectors, laid out once per call."""
 
-    __slots__ = ("api", "kind", "push", "local", "remote", "runs", "steps", "wire", "remote_slot", "_local_column",
+    __slots__ = ("api", "push", "local", "remote", "runs", "steps", "wire", "remote_slot",
                  "_span_vector", "_span_first")
 
     def __init__(self, request: Request, local: CacheEntry, remote: RemoteCache, runs: Runs,
                  steps: Sequence[v.LayerStep], remote_slot: int | None = None) -> None:
         self.api = request.api
-        self.kind = request.kind
-        self.push = request.push
+        self.push = request.push  # a write (push) or a read (pull)
         self.local = local
         self.remote = remote
         self.runs = runs
         self.steps = steps
         self.remote_slot = remote_slot  # the peer's batch slot a pull reads (its cache key may be released)
-        self._local_column = 0 if request.push else 1
-        self.wire = runs.wire(1 - self._local_column)  # the peer's offsets and the lengths, sent per request
+        self.wire = runs.wire(1 if self.push else 0)  # the peer's offsets and the lengths, sent per request
         self._span_vector: IoVec | None = None
         self._span_first = 0
 
@@ -105,11 +103,11 @@ class Plan:
 
     @property
     def local_offset(self) -> Any:
-        return self.runs.column(self._local_column)
+        return self.runs.column(0 if self.push else 1)
 
     @property
     def remote_offset(self) -> Any:
-        return self.runs.column(1 - self._local_column)
+        return self.runs.column(1 if self.push else 0)
 
     @property
     def length(self) -> Any:
@@ -117,18 +115,18 @@ class Plan:
 
     def firsts(self, step: v.LayerStep) -> tuple[int, int]:
         """(the first local tensor, the first remote tensor) of ``step``."""
-        return (step.src_first, step.dst_first) if not self._local_column else (step.dst_first, step.src_first)
+        return (step.src_first, step.dst_first) if self.push else (step.dst_first, step.src_first)
 
     def local_vector(self, first: int, count: int) -> IoVec:
         """The local iovec of tensors ``[first, first + count)``. A plan of many steps lays out one vector
         for every tensor its steps touch, once, and hands out slices of it (a layer then costs no layout)."""
         if len(self.steps) == 1:
-            return self.runs.vector(self.local.cache.tensor_addrs, first, count, self._local_column)
+            return self.runs.vector(self.local.cache.tensor_addrs, first, count, 0 if self.push else 1)
         if self._span_vector is None:
             local_firsts = [self.firsts(step)[0] for step in self.steps]
             low = min(local_firsts)
             high = max(first + step.count for first, step in zip(local_firsts, self.steps))
-            self._span_vector = self.runs.vector(self.local.addrs, low, high - low, self._local_column)
+            self._span_vector = self.runs.vector(self.local.addrs, low, high - low, 0 if self.push else 1)
             self._span_first = low
         runs = self.runs.count
         start = (first - self._span_first) * runs
@@ -137,7 +135,7 @@ class Plan:
     def remote_vector(self, first: int, count: int) -> IoVec:
         """The peer's iovec of tensors ``[first, first + count)`` (one-sided paths: its addresses are known)."""
         assert self.remote.addrs is not None
-        return self.runs.vector(self.remote.addrs, first, count, 1 - self._local_column)
+        return self.runs.vector(self.remote.addrs, first, count, 1 if self.push else 0)
 
     def groups(self, limit: int) -> list[tuple[v.LayerStep, tuple[int, ...]]]:
         """The steps as requests of at most ``limit`` bytes (``group_steps``; 0: one request per step)."""

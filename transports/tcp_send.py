@@ -124,7 +124,8 @@ class FrameSender:
         raise NotImplementedError  # the stream's: it stops sending with ``_stop_sending``
 
     def send_failed(self, reason: str) -> None:
-        raise NotImplementedError  # the stream's: it closes once the receiving side is drained
+        """A write failed: close (a stream that also receives first hands over what it already has)."""
+        self.close(reason)
 
     def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> TcpFrame:
         """A frame ready to ``enqueue`` (nothing is sent yet). ``payload``: an ``IoVec`` (or what

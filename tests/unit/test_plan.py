@@ -98,7 +98,7 @@ def test_a_pull_plan_reads_remote_runs_into_local_blocks() -> None:
     cache, entry = local_cache()
     args = check_block_args("pull_blocks", Kind.READ, BlocksCacheKey(2, 0), cache, [8, 9], [0, 1], None, None, 2)
     plan = plan_of(args, entry, remote())  # type: ignore[arg-type]
-    assert plan.kind == Kind.READ and plan.remote_offset.tolist() == [8 * 64] and plan.local_offset.tolist() == [0]
+    assert not plan.push and plan.remote_offset.tolist() == [8 * 64] and plan.local_offset.tolist() == [0]
 
 
 def test_a_cache_plan_moves_one_slot_per_tensor() -> None:
