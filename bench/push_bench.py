@@ -165,32 +165,32 @@ def case_memcpy(work: Workload, reps: int, progress: Progress = None) -> dict[st
 
 
 # -- raw socket ------------------------------------------------------------------------------------
+def _advance(views: list[Any], index: int, count: int) -> int:
+    """``count`` bytes of ``views[index:]`` went through: drop them (a view partly through is cut where it
+    resumes); the index of the first view with bytes left."""
+    while count and index < len(views):
+        if count >= len(views[index]):
+            count -= len(views[index])
+            index += 1
+        else:
+            views[index] = memoryview(views[index])[count:]
+            count = 0
+    return index
+
+
 def _recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
     index = 0
     while index < len(views):
         count = sock.recvmsg_into(views[index:index + IOV_MAX])[0]
         if count == 0:
             raise EOFError
-        while count and index < len(views):
-            if count >= len(views[index]):
-                count -= len(views[index])
-                index += 1
-            else:
-                views[index] = views[index][count:]
-                count = 0
+        index = _advance(views, index, count)
 
 
 def _send_views(sock: socket.socket, views: list[Any]) -> None:
     index = 0
     while index < len(views):
-        count = sock.sendmsg(views[index:index + IOV_MAX])
-        while count and index < len(views):
-            if count >= len(views[index]):
-                count -= len(views[index])
-                index += 1
-            else:
-                views[index] = memoryview(views[index])[count:]
-                count = 0
+        index = _advance(views, index, sock.sendmsg(views[index:index + IOV_MAX]))
 
 
 def socket_target(work: Workload) -> None:
@@ -378,13 +378,7 @@ def zerocopy_sender(work: Workload, host: str, port: int, zerocopy: bool, reps: 
             while index < len(parts):  # a partial send resumes inside the layer
                 count = sock.sendmsg(parts[index:index + IOV_MAX], [], MSG_ZEROCOPY if zerocopy else 0)
                 calls += 1
-                while count and index < len(parts):
-                    if count >= len(parts[index]):
-                        count -= len(parts[index])
-                        index += 1
-                    else:
-                        parts[index] = parts[index][count:]
-                        count = 0
+                index = _advance(parts, index, count)
             _recv_into_views(sock, [memoryview(ack)])
             if zerocopy:
                 done, was_copied = _zerocopy_completions(sock)
