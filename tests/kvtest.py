@@ -90,6 +90,22 @@ async def prefill(make_engine: EngineFactory, peer: Peer, transport: str = "auto
     return engine, cache
 
 
+async def push_interleaved(engine: LLMDataDist, src: Cache, requests: list[tuple[list[int], list[int]]],
+                           layers: int, before: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """One layer pusher per (src_blocks, dst_blocks) request to cluster 2's model 0, their layers started
+    interleaved (layer 0 of each, then layer 1, ...), all waited for; returns what the peer's cache, ``before``
+    until then, must hold now."""
+    pushers = [engine.cache_manager.layer_pusher(BlocksCacheKey(2, 0), src, s, d) for s, d in requests]
+    for layer in range(layers):
+        for pusher in pushers:
+            pusher.push_layer(layer)
+    await asyncio.gather(*(pusher.wait() for pusher in pushers))
+    expected = before
+    for s, d in requests:
+        expected = expected_after(expected, raw(src), s, d, 2)
+    return expected
+
+
 async def wait_for(predicate: Any, seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():

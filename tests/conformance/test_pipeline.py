@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import DST_BLOCKS, TENSORS, EngineFactory, expected_after, prefill, raw
+from kvtest import DST_BLOCKS, TENSORS, EngineFactory, expected_after, prefill, push_interleaved, raw
 from peer import Peer
 
 from kvpush import BlocksCacheKey, LLMException, LLMStatusCode
@@ -37,14 +37,7 @@ async def test_several_requests_on_one_link_at_once(transport: str, make_engine:
     engine, src = await prefill(make_engine, decode_peer, transport)
     before = await decode_peer.asnapshot("kv", tmp_path)
     requests = [([0, 1], [0, 1]), ([2, 3, 4], [20, 30, 40]), ([5], [63])]
-    pushers = [engine.cache_manager.layer_pusher(KEY, src, s, d) for s, d in requests]
-    for layer in range(TENSORS // 2):  # interleave the requests layer by layer
-        for pusher in pushers:
-            pusher.push_layer(layer)
-    await asyncio.gather(*(pusher.wait() for pusher in pushers))
-    expected = before
-    for s, d in requests:
-        expected = expected_after(expected, raw(src), s, d, 2)
+    expected = await push_interleaved(engine, src, requests, TENSORS // 2, before)
     assert np.array_equal(await decode_peer.asnapshot("kv", tmp_path), expected)
 
 

@@ -21,6 +21,7 @@ from kvtest import (
     decode_peer_with_kv,
     expected_after,
     prefill,
+    push_interleaved,
     raw,
     wait_for,
 )
@@ -80,15 +81,7 @@ async def test_many_blocks_and_requests_at_once(make_engine: EngineFactory, deco
     engine, src = await leased(make_engine, decode_peer_cma)
     before = await decode_peer_cma.asnapshot("kv", tmp_path)
     scattered = list(range(0, SRC_BLOCKS, 2)), list(range(63, 63 - SRC_BLOCKS, -2))  # 16 runs of one block
-    requests = [scattered, ([1, 3], [0, 2])]
-    pushers = [engine.cache_manager.layer_pusher(KEY, src, s, d) for s, d in requests]
-    for layer in range(LAYERS):
-        for pusher in pushers:
-            pusher.push_layer(layer)
-    await asyncio.gather(*(pusher.wait() for pusher in pushers))
-    expected = before
-    for s, d in requests:
-        expected = expected_after(expected, raw(src), s, d, 2)
+    expected = await push_interleaved(engine, src, [scattered, ([1, 3], [0, 2])], LAYERS, before)
     assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path), expected)
 
 
