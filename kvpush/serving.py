@@ -276,7 +276,7 @@ class Inbound:
         anything else): no pin and no deadline are needed, nothing can release the cache meanwhile."""
         resolved = self._resolve(header, meta, "write")
         if isinstance(resolved, Refusal):
-            self._send(encode_status(Kind.DONE, header.request_id, int(resolved.status), resolved.reason))
+            self._send(encode_status(_DONE, header.request_id, int(resolved.status), resolved.reason))
             return None
         entry, iov, budget_ms = resolved
         request_id = header.request_id
@@ -350,7 +350,7 @@ class Inbound:
         if reader is None and not isinstance(resolved, Refusal):
             resolved = Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "this side cannot read the sender's memory")
         if isinstance(resolved, Refusal):
-            self._send(encode_status(Kind.DONE, request_id, int(resolved.status), resolved.reason))
+            self._send(encode_status(_DONE, request_id, int(resolved.status), resolved.reason))
             return
         assert reader is not None
         entry, iov, budget_ms = resolved
@@ -374,13 +374,13 @@ class Inbound:
         error = None if copy.cancelled() else copy.exception()
         if error is None and not copy.cancelled():
             self._counters["bytes_received"] += nbytes
-            self._send(encode_status(Kind.DONE, request_id, 0))
+            self._send(encode_status(_DONE, request_id, 0))
             return
         if isinstance(error, TransportError) and error.peer_gone:
             self._link.close(f"peer process exited: {error}")
             return
         log.error("copying read offer %d from cluster %s failed: %s", request_id, self._peer, error)
-        self._send(encode_status(Kind.DONE, request_id, int(LLMStatusCode.LLM_FAILED),
+        self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED),
                                  f"the receiver's copy failed: {error}"))
 
     # -- standing grants (same host, UCX) -------------------------------------------------------------
