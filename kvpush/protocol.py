@@ -214,9 +214,9 @@ def encode_read_offer(request_id: int, cache_id: int, first_tensor: int, num_ten
     """A READ_OFFER: a transfer's meta (where the bytes go in the receiver's cache, as for a WRITE) followed
     by ``source``, the packed ``(address, length)`` entries in the sender's memory to read them from, one
     per destination entry (tensor-major, like the destination's)."""
-    n_runs = len(runs_wire) // 16
-    meta = TRANSFER_META.pack(cache_id, first_tensor, num_tensors, n_runs, budget_ms) + runs_wire + source
-    return encode_header(Kind.READ_OFFER, request_id, len(meta), 0) + meta
+    return _TRANSFER_HEAD.pack(MAGIC, Kind.READ_OFFER, 0, TRANSFER_META.size + len(runs_wire) + len(source),
+                               request_id, 0, cache_id, first_tensor, num_tensors, len(runs_wire) >> 4,
+                               budget_ms) + runs_wire + source
 
 
 def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> tuple[TransferMeta, IoVec]:
