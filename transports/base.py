@@ -149,7 +149,8 @@ class FrameStream(Protocol):
         before this returns)."""
 
     def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
-        """``enqueue(prepare(head, payload))``."""
+        """``enqueue(prepare(head, payload))``. Without a payload, ``head`` may hold several frames back
+        to back: they leave in order, as one frame does."""
 
     def close(self, reason: str, abort: bool = False) -> None:
         """Close; ``abort`` discards bytes still queued in this host's kernel. Idempotent."""

@@ -103,7 +103,7 @@ async def test_a_leased_write_copies_then_notifies_and_unlinking_stops_new_ones(
 
 async def test_notices_of_finished_leased_writes_go_out_in_order_when_flushed() -> None:
     """The caller of a leased write resumes before its notice leaves; a message the link sends
-    meanwhile (a push's notification) first flushes the notices, in order, each exactly once."""
+    meanwhile (a push's notification) first flushes the notices, in order, each exactly once, in one write."""
     one, requests, sent, _ = sender()
     one.lease_active(1)
     one.on_lease({"op": "grant", "cache": 1})
@@ -117,10 +117,10 @@ async def test_notices_of_finished_leased_writes_go_out_in_order_when_flushed() 
         assert op.future.done() and op.future.exception() is None
     assert sent[before:] == [] and not one.leases_idle()  # nothing sent yet: the callers go first
     one.flush_notices()  # what Link.send_message does before a message
-    assert sent[before:] == [(Kind.WRITE_NOTICE, b"first"), (Kind.WRITE_NOTICE, b"second")]
+    assert sent[before:] == [(Kind.WRITE_NOTICE, b"firstsecond")]  # frames back to back, one write
     assert one.leases_idle()
     await asyncio.sleep(0)  # the scheduled flush finds nothing left: no notice twice
-    assert len(sent) == before + 2
+    assert len(sent) == before + 1
 
 
 async def test_a_grant_moves_the_bytes_and_landed_follows_an_abandoned_grant_is_answered() -> None:
