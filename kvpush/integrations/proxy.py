@@ -21,6 +21,11 @@ endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
 4. The client gets the decode's response as it comes (status, body, usage), chunk by chunk, so a
    ``stream`` request is streamed. The prefill's stream is drained meanwhile; once the decode answered,
    a prefill still running gets ``prefill_grace_s`` and is then cancelled.
+   A streamed greedy ``/v1/completions`` request (``first_token.leads`` says which) gets the prefill's
+   first token as soon as the prefill streams it, once the decode answered its head, instead of waiting
+   for the decode to compute the same token again; the decode's copy of it is dropped and checked (a
+   different one cuts the client's connection: ``first_token_mismatch`` in ``/metrics``). The client
+   receives what the decode alone would have streamed, earlier by the transfer's tail and a decode step.
 
 Bounds: a request is answered or cut within ``timeout_s`` of arriving, streamed ones included. A decode
 that refuses the connection, or closes it before any byte of its answer, is skipped for a back-off and
@@ -67,9 +72,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .first_token import leads
 from .fleet import Membership, parse_discovery
 from .proxy_http import (
     Hop,
+    Leading,
     PrefillRun,
     Unanswered,
     describe,
@@ -325,21 +332,27 @@ class Proxy:
                        deadline: float) -> web.StreamResponse:
         """One try: a prefill (if any accepts), then the decode's answer relayed. Raises Unanswered."""
         transfer_id = new_transfer_id()
+        leading = None
+        if leads(request.path, body):
+            leading = Leading(asyncio.get_running_loop().create_future(), body.get("return_token_ids") is True)
         prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
-                                           self._incompatible(decode))
+                                           self._incompatible(decode), leading)
         answered = False
         try:
             if prefill is None:
-                copy, route = plain_body(body), "decode-only"
+                copy, route, leading = plain_body(body), "decode-only", None
             else:
                 copy, route = decode_body(body, transfer_id, prefill.prefill), "pd"
                 log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.prefill.url, decode)
             self.decodes.acquire(decode)
             try:
                 hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True)
-                response = await relay(self.session, request, hop, deadline, self._fail)
+                response = await relay(self.session, request, hop, deadline, self._fail, leading)
             finally:
                 self.decodes.release(decode)
+            if leading is not None:
+                self.counters["first_token_prefill"] += leading.led
+                self.counters["first_token_mismatch"] += leading.mismatched
             answered = True
             self.decodes.accepted(decode)
             self.counters[f"route_{route.replace('-', '_')}"] += 1
@@ -348,10 +361,12 @@ class Proxy:
             if prefill is not None:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
-    async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], transfer_id: str,
-                            deadline: float, skip: Sequence[Prefill] = ()) -> PrefillRun | None:
+    async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str],  # noqa: PLR0913
+                            transfer_id: str, deadline: float, skip: Sequence[Prefill] = (),
+                            leading: Leading | None = None) -> PrefillRun | None:
         """The first prefill (in the pool's order, ``skip`` aside) that accepts its copy of the request, or
-        None: then the decode computes the request alone."""
+        None: then the decode computes the request alone. ``leading``: the prefill's first token is
+        asked for (with its token id) and handed to it."""
         loop = asyncio.get_running_loop()
         tried: list[Prefill] = list(skip)
         reasons: list[str] = []
@@ -364,7 +379,8 @@ class Proxy:
             reply: aiohttp.ClientResponse | None = None
             try:
                 async with asyncio.timeout(min(self.config.accept_timeout_s, remaining)):
-                    reply = await self.session.post(prefill.url + path, json=prefill_body(body, transfer_id),
+                    reply = await self.session.post(prefill.url + path,
+                                                    json=prefill_body(body, transfer_id, leading is not None),
                                                     headers=headers, timeout=aiohttp.ClientTimeout(total=remaining))
                     if reply.status != 200:
                         text = (await reply.content.read(500)).decode("utf-8", "replace")
@@ -387,7 +403,7 @@ class Proxy:
                     reply.close()
                 raise
             self.prefills.accepted(prefill)
-            return PrefillRun(self.prefills, prefill, reply, transfer_id)
+            return PrefillRun(self.prefills, prefill, reply, transfer_id, leading)
         if reasons:
             log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone", transfer_id,
                         "; ".join(reasons))

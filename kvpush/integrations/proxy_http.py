@@ -1,10 +1,12 @@
 """The HTTP side of ``kvpush proxy`` that holds no routing policy: relaying an upstream's answer to the
-client as it arrives (``relay``), a prefill's accepted copy drained in the background (``PrefillRun``), an
-upstream's health probe, OpenAI-style error bodies, and the counters in Prometheus' text format."""
+client as it arrives (``relay``, which may lead with the prefill's first token: ``first_token``), a
+prefill's accepted copy drained in the background (``PrefillRun``), an upstream's health probe,
+OpenAI-style error bodies, and the counters in Prometheus' text format."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .first_token import Follow, Lead, Mismatch, is_content, lead_of
 from .routing import Pool, Prefill
 
 log = logging.getLogger(__name__)
@@ -52,27 +55,50 @@ class Unanswered(Exception):
     client, so the request may go again."""
 
 
-class PrefillRun:
-    """A prefill's accepted copy of one request: its response is drained by a task until ``end``."""
+@dataclass
+class Leading:
+    """A request the client may get the prefill's first token of (``first_token.leads``): ``first``
+    resolves to it (None: the prefill's answer cannot lead). ``relay`` says what came of it."""
 
-    def __init__(self, pool: Pool[Prefill], prefill: Prefill, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
+    first: asyncio.Future[Lead | None]
+    client_wants_ids: bool = False
+    led: bool = False  # the client got the prefill's first token
+    mismatched: bool = False  # ... and the decode's differed: the client's connection was cut
+
+
+class PrefillRun:
+    """A prefill's accepted copy of one request: its response is drained by a task until ``end``; with
+    ``leading``, its first token is handed to ``leading.first``."""
+
+    def __init__(self, pool: Pool[Prefill], prefill: Prefill, reply: aiohttp.ClientResponse, transfer_id: str,
+                 leading: Leading | None = None) -> None:
         self.prefill = prefill
+        self.leading = leading
         self._pool = pool
         self._task = asyncio.get_running_loop().create_task(self._drain(reply, transfer_id))
 
     async def _drain(self, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
         """Read the prefill's stream to its end; an error event in it is logged (the decode learns of a
         failed prefill from kvpush itself)."""
+        first = None if self.leading is None else self.leading.first
         try:
             async for line in reply.content:
                 if line.startswith(b"data:") and b'"error"' in line:
                     log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
                                 line[5:505].decode("utf-8", "replace").strip())
+                elif first is not None and not first.done() and line.startswith(b"data: {"):
+                    assert self.leading is not None
+                    try:
+                        first.set_result(lead_of(json.loads(line[5:]), self.leading.client_wants_ids))
+                    except ValueError:
+                        first.set_result(None)
             reply.release()  # read to its end: the connection goes back to the pool
         except (aiohttp.ClientError, TimeoutError) as error:
             log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
                         describe(error))
         finally:
+            if first is not None and not first.done():
+                first.set_result(None)
             if not reply.closed:
                 reply.close()  # before its end: drops the connection, which makes vLLM abort the request
 
@@ -87,12 +113,13 @@ class PrefillRun:
             self._pool.release(self.prefill)
 
 
-async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, deadline: float,
-            fail: Callable[[int, str], web.Response]) -> web.StreamResponse:
+async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, deadline: float,  # noqa: PLR0913
+                fail: Callable[[int, str], web.Response], leading: Leading | None = None) -> web.StreamResponse:
     """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
     status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
     upstream a 502 (the answers ``fail`` makes), or with ``hop.resend`` Unanswered (when a connection error
-    says nothing was answered)."""
+    says nothing was answered). ``leading``: once the upstream answered a stream, the prefill's first token
+    goes to the client as soon as it is there, unless the upstream's came first (``_follow``)."""
     response: web.StreamResponse | None = None
     remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
     upstream = hop.upstream
@@ -104,10 +131,21 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
                 passed["X-Kvpush-Route"] = hop.route
             response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
             await response.prepare(request)
-            async for chunk in reply.content.iter_any():
-                await response.write(chunk)
+            if leading is not None and reply.status == 200 and reply.content_type == "text/event-stream":
+                await _follow(reply, response, leading)
+            else:
+                async for chunk in reply.content.iter_any():
+                    await response.write(chunk)
             await response.write_eof()
             return response
+    except Mismatch as error:
+        assert leading is not None
+        leading.mismatched = True
+        log.error("%s%s: %s; closing the client's connection", upstream, request.path, error)
+        if request.transport is not None:
+            request.transport.abort()
+        assert response is not None
+        return response
     except (aiohttp.ClientError, TimeoutError, ConnectionError) as error:
         what = describe(error)
         if response is None:
@@ -123,6 +161,48 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
                         upstream, request.path, what)
             request.transport.abort()
         return response
+
+
+async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, leading: Leading) -> None:
+    """The decode's stream, led by the prefill's first token when that comes before the decode's own: the
+    lines before either are passed on; then the lead goes and ``Follow`` rewrites the rest, or (the decode
+    was first, or the prefill's answer cannot lead) the rest is passed on as it came. A line being read is
+    never dropped: a cancelled ``readline`` would lose what it already took."""
+    line_read: asyncio.Future[bytes] = asyncio.ensure_future(reply.content.readline())
+    follow: Follow | None = None
+    try:
+        while follow is None:
+            either: list[asyncio.Future[Any]] = [line_read, leading.first]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if line_read.done():  # the decode's line first (both at once: the decode's is older)
+                line = line_read.result()
+                if not line:
+                    return
+                await response.write(line)
+                if is_content(line):  # the decode's own first token came first: the rest as it comes
+                    async for chunk in reply.content.iter_any():
+                        await response.write(chunk)
+                    return
+                line_read = asyncio.ensure_future(reply.content.readline())
+            elif (lead := leading.first.result()) is not None:
+                await response.write(lead.event)
+                leading.led = True
+                follow = Follow(lead)
+            else:  # the prefill's answer cannot lead: the decode's as it comes
+                line = await line_read
+                await response.write(line)
+                async for chunk in reply.content.iter_any():
+                    await response.write(chunk)
+                return
+        line = await line_read
+        while line:
+            out = follow.line(line)
+            if out is not None:
+                await response.write(out)
+            line = await reply.content.readline()
+    finally:
+        if not line_read.done():
+            line_read.cancel()
 
 
 async def healthy(session: aiohttp.ClientSession, url: str, deadline: float) -> str | None:
@@ -157,6 +237,13 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "# HELP kvpush_proxy_clients_left_total Clients that disconnected before their answer ended.",
               "# TYPE kvpush_proxy_clients_left_total counter",
               f"kvpush_proxy_clients_left_total {counters.get('client_left', 0)}",
+              "# HELP kvpush_proxy_first_token_prefill_total Streams whose first token was the prefill's.",
+              "# TYPE kvpush_proxy_first_token_prefill_total counter",
+              f"kvpush_proxy_first_token_prefill_total {counters.get('first_token_prefill', 0)}",
+              "# HELP kvpush_proxy_first_token_mismatch_total Streams cut: the decode's first token was not the "
+              "prefill's.",
+              "# TYPE kvpush_proxy_first_token_mismatch_total counter",
+              f"kvpush_proxy_first_token_mismatch_total {counters.get('first_token_mismatch', 0)}",
               "# HELP kvpush_proxy_upstream_in_flight Requests in flight per upstream.",
               "# TYPE kvpush_proxy_upstream_in_flight gauge",
               "# HELP kvpush_proxy_upstream_up 1 unless the upstream is skipped after refusing a request.",

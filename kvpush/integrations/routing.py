@@ -212,12 +212,15 @@ class Pool(Generic[T]):
 
 # -- the copies of a request -------------------------------------------------------------------------
 
-def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, Any], transfer_id: str, first_token: bool = False) -> dict[str, Any]:
     """The prefill instance's copy: one token (``max_tokens``, and ``max_completion_tokens`` if set),
     streamed (the response's head says the prefill accepted it: only then does the decode get its copy),
-    no ``stream_options`` or ``min_tokens``, the prefill's kv_transfer_params."""
+    no ``stream_options`` or ``min_tokens``, the prefill's kv_transfer_params. ``first_token``: the client
+    gets the prefill's first token (``first_token.leads``), asked for with its id."""
     copy = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
     copy.update(kv_transfer_params=prefill_request_params(transfer_id), max_tokens=1, stream=True)
+    if first_token:
+        copy["return_token_ids"] = True
     if "max_completion_tokens" in copy:
         copy["max_completion_tokens"] = 1
     return copy

@@ -154,6 +154,118 @@ async def test_streaming_passes_each_chunk_through_as_it_comes_usage_included(
     assert prefill_body["stream"] is True and "stream_options" not in prefill_body and prefill_body["max_tokens"] == 1
 
 
+# -- the first token from the prefill ------------------------------------------------------------------
+
+def _vllm_event(completion_id: str, text: str, finish: str | None, **extra: Any) -> bytes:
+    chunk = {"id": completion_id, "object": "text_completion", "created": 1, "model": "tiny",
+             "choices": [{"index": 0, "text": text, "finish_reason": finish, "stop_reason": None, **extra}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _first_token_prefill(token: str) -> Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]:
+    """A prefill streaming its one token as vLLM does for ``max_tokens=1`` with ``return_token_ids``."""
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        ids = {"prompt_token_ids": [1, 2], "token_ids": [7]} if body.get("return_token_ids") else {}
+        await response.write(_vllm_event("cmpl-p", token, "length", **ids) + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    return answer
+
+
+def _decode_stream(tokens: list[str], go: asyncio.Event) -> Callable[[web.Request, dict[str, Any]],
+                                                                       Awaitable[web.StreamResponse]]:
+    """A decode that answers its head at once and streams ``tokens`` once ``go`` is set."""
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await go.wait()
+        for index, token in enumerate(tokens):
+            await response.write(_vllm_event("cmpl-d", token, "length" if index == len(tokens) - 1 else None))
+        await response.write(b'data: {"id": "cmpl-d", "choices": [], "usage": {"completion_tokens": 3}}\n\n'
+                             b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    return answer
+
+
+async def _events(reply: aiohttp.ClientResponse) -> list[Any]:
+    """The data of each event of a stream to its end."""
+    out = []
+    for line in (await reply.read()).split(b"\n"):
+        if line.startswith(b"data: "):
+            out.append(line[6:].decode() if line == b"data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+async def test_a_greedy_stream_gets_the_prefill_first_token_before_the_decode_streams_anything(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    go = asyncio.Event()
+    fakes["prefill"].behaviour = _first_token_prefill(" the")
+    fakes["decode"].behaviour = _decode_stream([" the", " cat", " sat"], go)
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    request = {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0, "stream": True}
+    async with client.post(url + "/v1/completions", json=request) as reply:
+        assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
+        first = await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5)  # the decode has streamed nothing
+        assert json.loads(first[6:])["choices"] == [{"index": 0, "text": " the", "finish_reason": None,
+                                                    "stop_reason": None}]
+        go.set()
+        rest = await _events(reply)
+    assert [event["choices"][0]["text"] for event in rest[:-2]] == [" cat", " sat"]  # the decode's " the" went
+    assert rest[1]["choices"][0]["finish_reason"] == "length" and rest[2]["usage"] == {"completion_tokens": 3}
+    assert {event["id"] for event in rest[:-1]} == {json.loads(first[6:])["id"]} and rest[-1] == "[DONE]"
+    assert fakes["prefill"].bodies[0]["return_token_ids"] is True
+    assert "return_token_ids" not in fakes["decode"].bodies[0]  # the decode's copy is the client's request
+    async with client.get(url + "/metrics") as reply:
+        text = await reply.text()
+    assert "kvpush_proxy_first_token_prefill_total 1" in text
+    assert "kvpush_proxy_first_token_mismatch_total 0" in text
+
+
+async def test_a_decode_whose_first_token_differs_from_the_prefill_cuts_the_client(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    go = asyncio.Event()
+    fakes["prefill"].behaviour = _first_token_prefill(" the")
+    fakes["decode"].behaviour = _decode_stream([" a", " cat"], go)
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
+    request = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0, "stream": True}
+    async with client.post(url + "/v1/completions", json=request) as reply:
+        await asyncio.wait_for(reply.content.readuntil(b"\n\n"), 5)
+        go.set()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await reply.read()  # never " a" after " the": the stream is cut
+    async with client.get(url + "/metrics") as reply:
+        assert "kvpush_proxy_first_token_mismatch_total 1" in await reply.text()
+
+
+async def test_a_decode_that_streams_first_or_a_request_that_does_not_lead_is_relayed_as_it_came(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    go = asyncio.Event()
+    go.set()
+    prefill_done = asyncio.Event()
+
+    async def late_prefill(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)  # accepted at once, its token only after the decode answered
+        await prefill_done.wait()
+        return await _first_token_prefill(" the")(request, body)
+
+    fakes["prefill"].behaviour = late_prefill
+    fakes["decode"].behaviour = _decode_stream([" the", " cat"], go)
+    url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], prefill_grace_s=0.2)
+    for request in ({"prompt": "x", "max_tokens": 2, "temperature": 0, "stream": True},  # the decode first
+                    {"prompt": "x", "max_tokens": 2, "temperature": 0.8, "stream": True}):  # sampled: no lead
+        async with client.post(url + "/v1/completions", json=request) as reply:
+            events = await _events(reply)
+        assert [event["choices"][0]["text"] for event in events[:2]] == [" the", " cat"]
+        assert {event["id"] for event in events[:-1]} == {"cmpl-d"}
+    assert "return_token_ids" not in fakes["prefill"].bodies[1]
+    async with client.get(url + "/metrics") as reply:
+        assert "kvpush_proxy_first_token_prefill_total 0" in await reply.text()
+
+
 async def test_the_decode_gets_its_copy_only_once_the_prefill_accepted(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
     accept = asyncio.Event()

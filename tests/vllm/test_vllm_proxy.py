@@ -298,13 +298,27 @@ def test_a_prefill_listening_where_other_hosts_reach_it_without_a_token_does_not
 
 @pytest.mark.timeout(200)
 def test_streamed_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -> None:
+    """Greedy streams: the client gets the prefill's first token (when it comes before the decode's, as it
+    does unless the host stalls the prefill after its forward) and then the decode's stream without its copy
+    of that token; every stream equals a single instance's, token for token, whichever came first."""
+    def first_tokens() -> dict[str, float]:
+        values = metrics(pd.proxy.url)
+        return {what: metric_sum(values, f"kvpush_proxy_first_token_{what}_total") for what in ("prefill", "mismatch")}
+
+    before = first_tokens()
     rows = [(len(p), pd.ref(p), _stream(pd.proxy.url, "/v1/completions", _body(p))) for p in STREAMED]
     _check(rows, "/v1/completions, stream, through kvpush proxy")
     chunks = [got["chunks"] for _, _, got in rows]
-    print(f"events per stream: {chunks}")
+    after = first_tokens()
+    print(f"events per stream: {chunks}; first token from the prefill: {after['prefill'] - before['prefill']:g} "
+          f"of {len(rows)}")
     # streamed, not one final chunk: a server that fell behind may hand a stream's 12 tokens over in one
     # event, but never every stream's
     assert sum(chunks) > len(rows), chunks
+    assert after["mismatch"] == before["mismatch"]
+    # the decode's first token needs the last layer landed and then a step of its own, so the prefill's
+    # comes first for (almost) every stream; all six losing that race would mean leading never happens
+    assert after["prefill"] > before["prefill"]
 
 
 @pytest.mark.timeout(200)
