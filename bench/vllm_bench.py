@@ -18,7 +18,8 @@ off; one request at a time; the client does the routing a proxy would, so no pro
   subclass, bench/vllm_timed_connector.py) and ``kv_connector_extra_config={"transport": ...}``.
   Each request goes as ``kvpush proxy`` sends it: the prefill's copy first (``max_tokens=1``, streamed),
   and once the prefill accepted it (the head of its answer came) the decode's; the client streams the
-  decode's. "pushed in forward" counts the requests whose
+  decode's, led by the prefill's first token when that came first (the proxy's ``first_token``: the
+  decode's copy of it is checked). "pushed in forward" counts the requests whose
   block ids reached the prefill before its forward started (the others are pushed after it).
 - ``kvpush-tp2``: as ``kvpush-cma``, with tensor parallelism: the prefill runs TP 2 (its two ranks on
   cores 0 and 1, each pushing its KV heads), the decode TP 1 on core 0; its TTFT is read beside
@@ -84,9 +85,11 @@ bench/run.py defines its "hidden" that way). vLLM's own connectors move KV after
 
 Where the time to first token goes (kvpush cases, from the same traces and the client's clock, per request,
 medians in ``phases_p50_ms`` and a table): ``to_prefill`` (the request sent -> the prefill's scheduler saw it),
-``held`` (its hold for the decode's block ids), ``to_forward`` (-> the forward started), ``forward``,
-``tail`` (the forward's end -> the decode reported the KV landed) and ``to_first_token`` (-> the client had
-the first token: the decode's step for it and the stream); see ``phases_of``.
+``held`` (its hold for the decode's block ids), ``to_forward`` (-> the forward started), ``forward`` and
+``to_first_token`` (-> the client had the first token: the prefill's when it came first, as ``kvpush proxy``
+leads a greedy stream with it (``first_token_from_prefill`` counts those), else the decode's step for it and
+the stream), and beside them ``tail`` (the forward's end -> the decode reported the KV landed); see
+``phases_of``.
 
 Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
 ratios to the single instance and to every other connector of the same run) and ``.png``, and
@@ -185,6 +188,7 @@ class Sample:
     t_start: float = 0.0
     t_end: float = 0.0
     error: str | None = None
+    led: bool = False  # the first token was the prefill's (it came before the decode's)
 
 
 def latency_record(system: str, length: int, samples: Sequence[Sample], reference: Sequence[list[int]] | None,
@@ -247,7 +251,7 @@ def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
                   sum(e.get("pushes_after_forward", 0) for e in steps))
 
 
-PHASES = ("to_prefill", "held", "to_forward", "forward", "tail", "to_first_token")
+PHASES = ("to_prefill", "held", "to_forward", "forward", "to_first_token", "tail")
 
 
 def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
@@ -258,9 +262,11 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
     ``held``        the prefill's hold for the decode's block ids (the decode's request and first step);
     ``to_forward``  the hold released -> the forward pass started (the scheduler hands the step out);
     ``forward``     the prefill's forward pass (S -> F);
-    ``tail``        the forward's end -> the decode reported the KV landed (what was left of the push,
-                    its notice, the decode's next hook call);
-    ``to_first_token`` landed -> the client had the first token (the decode's step for it, the stream)."""
+    ``to_first_token`` the forward's end -> the client had the first token: the prefill's (its sampling and
+                    stream, when it came first, as ``kvpush proxy`` leads with it), else the decode's (the tail
+                    of the push, the landed report, the decode's step for the token, its stream);
+    these five follow one another and sum to the TTFT. Beside them, ``tail``: the forward's end -> the decode
+    reported the KV landed (what was left of the push, its notice, the decode's next hook call)."""
     begin, end = sample.t_start, sample.t_end
     first = begin + sample.ttft_s
     steps = [e for e in trace_prefill if e.get("ev") == "step" and begin <= e["t_bind"] <= end]
@@ -272,8 +278,10 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
     forward_end = max(e["t_forward_end"] for e in steps)
     released = held[0]["t"] if held else start
     seen = released - held[0]["held_ms"] / 1e3 if held else start
-    marks = (begin, seen, released, start, forward_end, min(landed), first)
-    return {name: round((b - a) * 1e3, 2) for name, a, b in zip(PHASES, marks, marks[1:])}
+    marks = (begin, seen, released, start, forward_end, first)
+    phases = {name: round((b - a) * 1e3, 2) for name, a, b in zip(PHASES, marks, marks[1:])}
+    phases["tail"] = round((min(landed) - forward_end) * 1e3, 2)
+    return phases
 
 
 def phases_p50(phases: Sequence[dict[str, float] | None]) -> dict[str, float]:
@@ -616,12 +624,20 @@ def accept(server: Server, ids: list[int], params: dict[str, Any], timeout_s: fl
     return response
 
 
-def drain(response: http.client.HTTPResponse) -> None:
-    """Read an accepted prefill's stream to its end."""
+def drain(response: http.client.HTTPResponse) -> tuple[float | None, list[int]]:
+    """Read an accepted prefill's stream to its end: when its token came (time.monotonic) and its id."""
+    when: float | None = None
+    ids: list[int] = []
     try:
-        response.read()
+        for raw in response:
+            line = raw.strip()
+            if when is None and line.startswith(b"data: {"):
+                choices = json.loads(line[5:]).get("choices") or [{}]
+                if choices[0].get("token_ids") and choices[0].get("finish_reason") == "length":
+                    when, ids = time.monotonic(), list(choices[0]["token_ids"])
     finally:
         response.close()
+    return when, ids
 
 
 def stream(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any] | None, started: float,
@@ -694,7 +710,14 @@ class Route:
                     prefilling = accept(prefill, ids, to_prefill)
                     prefilled = pool.submit(drain, prefilling)
                     sample = stream(decode, ids, max_tokens, to_decode, started)
-                    prefilled.result()
+                    lead_at, lead = prefilled.result()
+                    # the proxy's lead (kvpush.integrations.first_token): a greedy stream's first token is the
+                    # prefill's when that comes first; the decode's copy of it must be the same token
+                    if lead_at is not None and lead_at < started + sample.ttft_s:
+                        if sample.tokens[:1] != lead:
+                            raise RuntimeError(f"the decode's first token {sample.tokens[:1]} is not the "
+                                               f"prefill's {lead}")
+                        sample.ttft_s, sample.led = lead_at - started, True
                     return sample
                 seen = _count_ids(decode.trace)
                 decoded = pool.submit(stream, decode, ids, max_tokens, to_decode, started)
@@ -930,6 +953,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                 prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)
                 timings = [timing_of(prefill_trace, decode_trace, (s.t_start, s.t_end)) for s in samples]
                 measured["pushed_during_forward"] = f"{sum(1 for t in timings if t and t.pipelined_pushes)}/{reps}"
+                measured["first_token_from_prefill"] = f"{sum(1 for s in samples if s.led)}/{reps}"
                 phases = phases_p50([phases_of(prefill_trace, decode_trace, s) for s in samples])
                 if phases:  # where the time to first token went (see phases_of)
                     measured["phases_p50_ms"] = phases
