@@ -295,9 +295,10 @@ def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
     kv, runs = replace(WORKLOADS["W-KV"], layers=layers), replace(WORKLOADS["W-KV-RUNS"], layers=layers)
     contig = WORKLOADS["W-CONTIG"] if not quick else replace(WORKLOADS["W-CONTIG"], block_bytes=16 << 20)
     small = WORKLOADS["W-SMALL"]
-    small_reps = 300 if quick else 1000
+    # p99 is the (reps/100)th slowest push: over 1000 one hiccup of the host moves it, so more samples
+    small_reps = 300 if quick else 5000
     short = WORKLOADS["W-SHORT"]
-    short_reps = 200 if quick else 400
+    short_reps = 200 if quick else 1000
     layer = replace(WORKLOADS["W-LAYER"], layers=layers)
     have_ucx = ucx.available() is None
     cases: list[tuple[Workload, str, Case]] = []
