@@ -62,10 +62,11 @@ requests (``single_ttft_p50_ms``), so both were measured seconds apart on this s
 load drifts over minutes. Its own rows pool all of its requests. Ratios between connectors divide
 their p50s directly (cases run minutes apart: read them with their "vs single").
 
-Hidden share (``VLLM-HIDDEN``, kvpush cases, on the same servers after the latency pass): pairs of
-requests of one prompt, back to back, both sent decode first (the prefill's copy once the decode's
-block ids are out, so the pipelined one really pipelines). One is ``pipelined`` (KvpushConnector as
-it is: each layer pushed from ``save_kv_layer`` while the forward computes the next), one ``serial``
+Hidden share (``VLLM-HIDDEN``, kvpush cases, on the same servers after the latency pass): six pairs of
+requests of one prompt, back to back (each mode first in every other pair), both sent decode first (the
+prefill's copy once the decode's block ids are out, so the pipelined one really pipelines). One is
+``pipelined`` (KvpushConnector as it is: each layer pushed from ``save_kv_layer`` while the forward computes
+the next), one ``serial``
 (the timed connector's control file stops ``save_kv_layer`` from pushing, so the connector pushes
 every layer from ``wait_for_save``, after the forward: the same bytes, no overlap). From the trace,
 on one clock (``time.monotonic``, shared by every process of the host), per request:
@@ -152,7 +153,7 @@ class Plan:
 def plan(quick: bool) -> Plan:
     if quick:
         return Plan((32, 512), {32: 3, 512: 3}, 8, (512,), 2)
-    return Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 3)
+    return Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 6)
 
 
 def prompt(length: int, rep: int, vocab: int) -> list[int]:
@@ -987,12 +988,14 @@ def measure_hidden(system: str, route: Route, servers: Sequence[Server], control
     windows: list[tuple[Sample, Sample]] = []
     for rep in range(pairs):
         ids = prompt(length, rep, vocab)
-        pair_samples = []
-        for index, mode in enumerate(("pipelined", "serial")):
+        pair_samples: dict[str, Sample] = {}
+        # each mode first in every other pair: what the first of two back-to-back requests pays (or gains)
+        # is not charged to one mode
+        for index, mode in enumerate(("pipelined", "serial") if rep % 2 == 0 else ("serial", "pipelined")):
             control.write_text(mode)
-            pair_samples.append(route(ids, 1))
+            pair_samples[mode] = route(ids, 1)
             bar.draw(2 * rep + index + 1)
-        windows.append((pair_samples[0], pair_samples[1]))
+        windows.append((pair_samples["pipelined"], pair_samples["serial"]))
     control.write_text("pipelined")
     time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
     prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)

@@ -15,11 +15,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .first_token import Follow, Lead, Mismatch, is_content, lead_of
 from .routing import Pool, Prefill
 
 log = logging.getLogger(__name__)
+
+# the longest line of an upstream's event stream read here (a chunk that carries a long prompt's token ids
+# is one line: ~6 bytes a token); aiohttp's own line limit is 512 KiB
+MAX_LINE_BYTES = 16 << 20
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                          "proxy-authenticate", "proxy-authorization", "date", "server"})
@@ -82,7 +87,7 @@ class PrefillRun:
         failed prefill from kvpush itself)."""
         first = None if self.leading is None else self.leading.first
         try:
-            async for line in reply.content:
+            while line := await _line(reply):
                 if line.startswith(b"data:") and b'"error"' in line:
                     log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
                                 line[5:505].decode("utf-8", "replace").strip())
@@ -93,7 +98,7 @@ class PrefillRun:
                     except ValueError:
                         first.set_result(None)
             reply.release()  # read to its end: the connection goes back to the pool
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except (aiohttp.ClientError, HttpProcessingError, TimeoutError) as error:
             log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
                         describe(error))
         finally:
@@ -146,7 +151,7 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
             request.transport.abort()
         assert response is not None
         return response
-    except (aiohttp.ClientError, TimeoutError, ConnectionError) as error:
+    except (aiohttp.ClientError, HttpProcessingError, TimeoutError, ConnectionError) as error:
         what = describe(error)
         if response is None:
             timed_out = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
@@ -163,12 +168,17 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
         return response
 
 
+async def _line(reply: aiohttp.ClientResponse) -> bytes:
+    """The next line of ``reply`` (b"" at its end), up to ``MAX_LINE_BYTES``."""
+    return await reply.content.readuntil(b"\n", max_size=MAX_LINE_BYTES)
+
+
 async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, leading: Leading) -> None:
     """The decode's stream, led by the prefill's first token when that comes before the decode's own: the
     lines before either are passed on; then the lead goes and ``Follow`` rewrites the rest, or (the decode
     was first, or the prefill's answer cannot lead) the rest is passed on as it came. A line being read is
     never dropped: a cancelled ``readline`` would lose what it already took."""
-    line_read: asyncio.Future[bytes] = asyncio.ensure_future(reply.content.readline())
+    line_read: asyncio.Future[bytes] = asyncio.ensure_future(_line(reply))
     follow: Follow | None = None
     try:
         while follow is None:
@@ -183,7 +193,7 @@ async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, l
                     async for chunk in reply.content.iter_any():
                         await response.write(chunk)
                     return
-                line_read = asyncio.ensure_future(reply.content.readline())
+                line_read = asyncio.ensure_future(_line(reply))
             elif (lead := leading.first.result()) is not None:
                 await response.write(lead.event)
                 leading.led = True
@@ -199,7 +209,7 @@ async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, l
             out = follow.line(line)
             if out is not None:
                 await response.write(out)
-            line = await reply.content.readline()
+            line = await _line(reply)
     finally:
         if not line_read.done():
             line_read.cancel()

@@ -167,7 +167,8 @@ def _first_token_prefill(token: str) -> Callable[[web.Request, dict[str, Any]], 
     async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        ids = {"prompt_token_ids": [1, 2], "token_ids": [7]} if body.get("return_token_ids") else {}
+        # a long prompt's ids: one line of ~800 KB, past aiohttp's own line limit (512 KiB)
+        ids = {"prompt_token_ids": list(range(120_000)), "token_ids": [7]} if body.get("return_token_ids") else {}
         await response.write(_vllm_event("cmpl-p", token, "length", **ids) + b"data: [DONE]\n\n")
         await response.write_eof()
         return response
