@@ -109,7 +109,8 @@ class Follow:
         chunk = _chunk(line)
         if chunk is None:
             return line  # blank separators, ``data: [DONE]``
-        chunk["id"] = self.lead.completion_id
+        if "id" in chunk:  # (an error event has none)
+            chunk["id"] = self.lead.completion_id
         if not self._first_seen and is_content(line):
             self._first_seen = True
             choice = chunk["choices"][0]

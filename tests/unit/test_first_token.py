@@ -83,6 +83,8 @@ def test_the_decode_copy_of_the_first_token_is_dropped_and_every_event_gets_the_
     usage = follow.line(event({"id": "cmpl-d", "choices": [], "usage": {"completion_tokens": 8}}))
     assert usage is not None and json.loads(usage[6:])["id"] == "cmpl-p"
     assert follow.line(b"data: [DONE]\n") == b"data: [DONE]\n"
+    error = follow.line(b'data: {"error": {"message": "boom"}}\n')
+    assert error is not None and json.loads(error[6:]) == {"error": {"message": "boom"}}
 
 
 def test_a_request_that_ends_at_its_first_token_keeps_its_end() -> None:
