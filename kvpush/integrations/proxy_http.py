@@ -15,7 +15,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from .first_token import Follow, Lead, Mismatch, is_content, lead_of
 from .routing import Pool, Prefill
@@ -23,7 +22,7 @@ from .routing import Pool, Prefill
 log = logging.getLogger(__name__)
 
 # the longest line of an upstream's event stream read here (a chunk that carries a long prompt's token ids
-# is one line: ~6 bytes a token); aiohttp's own line limit is 512 KiB
+# is one line: ~6 bytes a token)
 MAX_LINE_BYTES = 16 << 20
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -87,7 +86,8 @@ class PrefillRun:
         failed prefill from kvpush itself)."""
         first = None if self.leading is None else self.leading.first
         try:
-            while line := await _line(reply):
+            lines = _Lines(reply)
+            while line := await lines.next():
                 if line.startswith(b"data:") and b'"error"' in line:
                     log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
                                 line[5:505].decode("utf-8", "replace").strip())
@@ -98,7 +98,7 @@ class PrefillRun:
                     except ValueError:
                         first.set_result(None)
             reply.release()  # read to its end: the connection goes back to the pool
-        except (aiohttp.ClientError, HttpProcessingError, TimeoutError) as error:
+        except (aiohttp.ClientError, TimeoutError) as error:
             log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
                         describe(error))
         finally:
@@ -151,7 +151,7 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
             request.transport.abort()
         assert response is not None
         return response
-    except (aiohttp.ClientError, HttpProcessingError, TimeoutError, ConnectionError) as error:
+    except (aiohttp.ClientError, TimeoutError, ConnectionError) as error:
         what = describe(error)
         if response is None:
             timed_out = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
@@ -168,51 +168,73 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
         return response
 
 
-async def _line(reply: aiohttp.ClientResponse) -> bytes:
-    """The next line of ``reply`` (b"" at its end), up to ``MAX_LINE_BYTES``."""
-    return await reply.content.readuntil(b"\n", max_size=MAX_LINE_BYTES)
+class _Lines:
+    """An upstream's event stream, line by line, up to ``MAX_LINE_BYTES`` a line (aiohttp's own readline
+    stops at 512 KiB, and before 3.13 takes no bound). Cancelling ``next`` loses nothing: bytes are kept
+    here until a whole line is handed out."""
+
+    def __init__(self, reply: aiohttp.ClientResponse) -> None:
+        self._content = reply.content
+        self._buffer = bytearray()
+
+    async def next(self) -> bytes:
+        """The next line with its newline (at the end, what is left; b"" once nothing is)."""
+        while (end := self._buffer.find(b"\n")) < 0:
+            if len(self._buffer) > MAX_LINE_BYTES:
+                raise aiohttp.ClientPayloadError(f"an event line longer than {MAX_LINE_BYTES} bytes")
+            chunk = await self._content.readany()
+            if not chunk:
+                line = bytes(self._buffer)
+                self._buffer.clear()
+                return line
+            self._buffer += chunk
+        line = bytes(self._buffer[:end + 1])
+        del self._buffer[:end + 1]
+        return line
+
+    async def pass_on(self, response: web.StreamResponse) -> None:
+        """Everything left, as it comes (what is buffered here first)."""
+        if self._buffer:
+            await response.write(bytes(self._buffer))
+            self._buffer.clear()
+        async for chunk in self._content.iter_any():
+            await response.write(chunk)
 
 
 async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, leading: Leading) -> None:
     """The decode's stream, led by the prefill's first token when that comes before the decode's own: the
     lines before either are passed on; then the lead goes and ``Follow`` rewrites the rest, or (the decode
-    was first, or the prefill's answer cannot lead) the rest is passed on as it came. A line being read is
-    never dropped: a cancelled ``readline`` would lose what it already took."""
-    line_read: asyncio.Future[bytes] = asyncio.ensure_future(_line(reply))
+    was first, or the prefill's answer cannot lead) the rest is passed on as it came."""
+    lines = _Lines(reply)
     follow: Follow | None = None
-    try:
-        while follow is None:
+    while follow is None:
+        line_read = asyncio.ensure_future(lines.next())
+        try:
             either: list[asyncio.Future[Any]] = [line_read, leading.first]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if line_read.done():  # the decode's line first (both at once: the decode's is older)
-                line = line_read.result()
-                if not line:
-                    return
-                await response.write(line)
-                if is_content(line):  # the decode's own first token came first: the rest as it comes
-                    async for chunk in reply.content.iter_any():
-                        await response.write(chunk)
-                    return
-                line_read = asyncio.ensure_future(_line(reply))
-            elif (lead := leading.first.result()) is not None:
-                await response.write(lead.event)
-                leading.led = True
-                follow = Follow(lead)
-            else:  # the prefill's answer cannot lead: the decode's as it comes
-                line = await line_read
-                await response.write(line)
-                async for chunk in reply.content.iter_any():
-                    await response.write(chunk)
+        finally:
+            if not line_read.done():  # nothing is lost: the bytes stay in ``lines``
+                line_read.cancel()
+                await asyncio.wait([line_read])  # its wait on the stream ends before the next read
+        if line_read.done() and not line_read.cancelled():  # the decode's line first (both: the decode's)
+            line = line_read.result()
+            if not line:
                 return
-        line = await line_read
-        while line:
-            out = follow.line(line)
-            if out is not None:
-                await response.write(out)
-            line = await _line(reply)
-    finally:
-        if not line_read.done():
-            line_read.cancel()
+            await response.write(line)
+            if is_content(line):  # the decode's own first token came first: the rest as it comes
+                await lines.pass_on(response)
+                return
+        elif (lead := leading.first.result()) is not None:
+            await response.write(lead.event)
+            leading.led = True
+            follow = Follow(lead)
+        else:  # the prefill's answer cannot lead: the decode's as it comes
+            await lines.pass_on(response)
+            return
+    while line := await lines.next():
+        out = follow.line(line)
+        if out is not None:
+            await response.write(out)
 
 
 async def healthy(session: aiohttp.ClientSession, url: str, deadline: float) -> str | None:
