@@ -170,8 +170,8 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
 
 class _Lines:
     """An upstream's event stream, line by line, up to ``MAX_LINE_BYTES`` a line (aiohttp's own readline
-    stops at 512 KiB, and before 3.13 takes no bound). Cancelling ``next`` loses nothing: bytes are kept
-    here until a whole line is handed out."""
+    stops at twice its read buffer, 512 KiB by default, and older versions take no bound of the caller's).
+    Cancelling ``next`` loses nothing: bytes are kept here until a whole line is handed out."""
 
     def __init__(self, reply: aiohttp.ClientResponse) -> None:
         self._content = reply.content
