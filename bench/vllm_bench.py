@@ -125,6 +125,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the servers get it on PYTHONPATH too
+
+from kvpush.integrations.first_token import event_of, lead_of  # noqa: E402 (pure: json only)
+
 RESULTS = HERE / "results"
 NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
 NIXL_SITE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush-bench" / "nixl-1.5.1"
@@ -630,12 +634,9 @@ def drain(response: http.client.HTTPResponse) -> tuple[float | None, list[int]]:
     when: float | None = None
     ids: list[int] = []
     try:
-        for raw in response:
-            line = raw.strip()
-            if when is None and line.startswith(b"data: {"):
-                choices = json.loads(line[5:]).get("choices") or [{}]
-                if choices[0].get("token_ids") and choices[0].get("finish_reason") == "length":
-                    when, ids = time.monotonic(), list(choices[0]["token_ids"])
+        for line in response:
+            if when is None and (lead := lead_of(event_of(line), True)) is not None:  # the proxy's rule
+                when, ids = time.monotonic(), [lead.token_id]
     finally:
         response.close()
     return when, ids

@@ -126,21 +126,19 @@ class OneSidedSender:
         # one write for all of them (they are frames without payload, back to back): a loop pass that
         # ends many small pushes costs one system call, not one each
         self._send(b"".join([notice for notice, _ in notices]))
-        inflight = self._leased_inflight
-        for _, cache_id in notices:
-            inflight[cache_id] -= 1
-        self._maybe_idle()
-        for cache_id in {cache_id for _, cache_id in notices}:
-            self._maybe_revoked(cache_id)
+        self._leased_done(*[cache_id for _, cache_id in notices])
 
     def _leased_started(self, cache_id: int) -> None:
         self._leased_inflight[cache_id] += 1
         self._idle.clear()
 
-    def _leased_done(self, cache_id: int) -> None:
-        self._leased_inflight[cache_id] -= 1
+    def _leased_done(self, *cache_ids: int) -> None:
+        """Leased copies to these caches (one id per copy) are over, their notices out if they moved."""
+        for cache_id in cache_ids:
+            self._leased_inflight[cache_id] -= 1
         self._maybe_idle()
-        self._maybe_revoked(cache_id)
+        for cache_id in set(cache_ids):
+            self._maybe_revoked(cache_id)
 
     def _maybe_idle(self) -> None:
         if not self._lent and not any(self._leased_inflight.values()):

@@ -9,6 +9,7 @@ never holds half a frame.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 
@@ -103,7 +104,7 @@ class TcpFrame:
         return True
 
 
-class FrameSender:
+class FrameSender(abc.ABC):
     """The sending half of a ``TcpFrameStream`` (its base class): ``enqueue(prepare(...))``, in order.
     A write that fails stops the sending (later frames fail at once) and hands the error to
     ``send_failed``, the stream's: it closes the stream once what the peer sent before is delivered."""
@@ -120,8 +121,9 @@ class FrameSender:
         self._pump_scheduled = False
         self._tx_scratch = Scratch()
 
+    @abc.abstractmethod
     def close(self, reason: str, abort: bool = False) -> None:
-        raise NotImplementedError  # the stream's: it stops sending with ``_stop_sending``
+        """The stream's: it stops the sending with ``_stop_sending``."""
 
     def send_failed(self, reason: str) -> None:
         """A write failed: close (a stream that also receives first hands over what it already has)."""

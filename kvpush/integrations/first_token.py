@@ -88,7 +88,7 @@ def lead_of(chunk: Any, client_wants_ids: bool) -> Lead | None:
 
 def is_content(line: bytes) -> bool:
     """True for a decode's event that carries generated text or tokens (the first such is its first token)."""
-    chunk = _chunk(line)
+    chunk = event_of(line)
     if chunk is None:
         return False
     choices = chunk.get("choices")
@@ -106,7 +106,7 @@ class Follow:
 
     def line(self, line: bytes) -> bytes | None:
         """One line of the decode's stream -> what the client gets (None: nothing). Raises Mismatch."""
-        chunk = _chunk(line)
+        chunk = event_of(line)
         if chunk is None:
             return line  # blank separators, ``data: [DONE]``
         if "id" in chunk:  # (an error event has none)
@@ -126,7 +126,8 @@ class Follow:
         return b"data: " + json.dumps(chunk).encode() + b"\n"
 
 
-def _chunk(line: bytes) -> dict[str, Any] | None:
+def event_of(line: bytes) -> dict[str, Any] | None:
+    """The JSON object of an event stream's ``data:`` line; None for any other line."""
     if not line.startswith(b"data:"):
         return None
     payload = line[5:].strip()

@@ -6,7 +6,6 @@ OpenAI-style error bodies, and the counters in Prometheus' text format."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .first_token import Follow, Lead, Mismatch, is_content, lead_of
+from .first_token import Follow, Lead, Mismatch, event_of, is_content, lead_of
 from .routing import Pool, Prefill
 
 log = logging.getLogger(__name__)
@@ -91,12 +90,9 @@ class PrefillRun:
                 if line.startswith(b"data:") and b'"error"' in line:
                     log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
                                 line[5:505].decode("utf-8", "replace").strip())
-                elif first is not None and not first.done() and line.startswith(b"data: {"):
+                elif first is not None and not first.done() and (event := event_of(line)) is not None:
                     assert self.leading is not None
-                    try:
-                        first.set_result(lead_of(json.loads(line[5:]), self.leading.client_wants_ids))
-                    except ValueError:
-                        first.set_result(None)
+                    first.set_result(lead_of(event, self.leading.client_wants_ids))
             reply.release()  # read to its end: the connection goes back to the pool
         except (aiohttp.ClientError, TimeoutError) as error:
             log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
@@ -139,8 +135,7 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
             if leading is not None and reply.status == 200 and reply.content_type == "text/event-stream":
                 await _follow(reply, response, leading)
             else:
-                async for chunk in reply.content.iter_any():
-                    await response.write(chunk)
+                await _Lines(reply).pass_on(response)
             await response.write_eof()
             return response
     except Mismatch as error:
