@@ -49,6 +49,7 @@ from bench.workload import (  # noqa: E402
     emit,
     emit_ctl,
     fill_source,
+    pin_child,
     summarize,
     verify,
     workload_from_args,
@@ -306,6 +307,7 @@ def case_ucx_perftest(work: Workload, test: str) -> dict[str, Any]:
         port = probe.getsockname()[1]
     iterations = max(200, min(20000, (2 << 30) // size))
     server = subprocess.Popen([binary, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pin_child(server.pid)  # the receiving side, where --pinned puts the targets
     try:
         output = ""
         for _ in range(50):  # the server needs a moment to listen

@@ -4,6 +4,7 @@ limits of this machine and the peers, side by side.
 
     python bench/run.py            # also: python -m bench, kvpush bench
     python bench/run.py --quick    # smaller sizes and fewer repetitions: under two minutes
+    python bench/run.py --pinned   # every case in the deployed shape: prefill on core 0, decode on core 1
 
 Workloads (shared/bench/WORKLOADS.md): W-KV, W-KV-RUNS, W-LAYER (layer-pipelined prefill with real
 CPU compute per layer), W-LAYER-PINNED (the same with the prefill pinned to core 0 and the decode to core 1,
@@ -45,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import push_bench as pb  # noqa: E402
+from bench import workload as workloads  # noqa: E402
 from bench.workload import WORKLOADS, Workload  # noqa: E402
 from kvpush import BlocksCacheKey, transfer  # noqa: E402
 from transports import cma, ucx  # noqa: E402
@@ -289,7 +291,9 @@ def transports() -> list[str]:
 Case = Callable[[Callable[[int, int], None]], "dict[str, Any] | list[dict[str, Any]] | None"]
 
 
-def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
+def plan(quick: bool, pinned: bool = False) -> list[tuple[Workload, str, Case]]:
+    """The cases in order. ``pinned``: the peers' drivers start both of their sides themselves, so they are
+    left out (and W-LAYER is W-LAYER-PINNED)."""
     layers = 8 if quick else 32
     reps = 3 if quick else 5
     kv, runs = replace(WORKLOADS["W-KV"], layers=layers), replace(WORKLOADS["W-KV-RUNS"], layers=layers)
@@ -310,7 +314,7 @@ def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
                 cases.append((work, f"ucx_perftest-{test}", lambda p, w=work, t=test: pb.case_ucx_perftest(w, t)))
         for transport in transports():
             cases.append((work, f"kvpush-{transport}", lambda p, w=work, t=transport: pb.case_kvpush(w, reps, t, p)))
-        if work.name != "W-KV-RUNS":  # the peers' drivers know scattered blocks and contiguous writes
+        if work.name != "W-KV-RUNS" and not pinned:  # the peers' drivers know scattered blocks and contiguous writes
             cases.append((work, "mooncake", lambda p, w=work: case_peer(w, "mooncake", reps, {})))
             cases.append((work, "nixl", lambda p, w=work: case_peer(w, "nixl", reps, {})))
             cases.append((work, "nixl-tcp", lambda p, w=work: case_peer(w, "nixl", reps, {"UCX_TLS": "tcp"})))
@@ -323,15 +327,16 @@ def plan(quick: bool) -> list[tuple[Workload, str, Case]]:
             cases.append((timed, f"{name} + kvpush-{transport}",
                           lambda p, w=timed, r=count, c=chunk, m=warm, t=transport, n=name:
                           pb.case_latency(w, r, [t], c, m, p, n)))
-    cases.append((short, "mooncake", lambda p: case_peer(short, "mooncake", short_reps, {})))
-    cases.append((short, "nixl", lambda p: case_peer(short, "nixl", short_reps, {})))
-    cases.append((short, "nixl-tcp", lambda p: case_peer(short, "nixl", short_reps, {"UCX_TLS": "tcp"})))
-    for transport in transports():
-        cases.append((layer, f"kvpush-{transport}", lambda p, t=transport: case_layer(layer, reps, t, p)))
-    if _two_cores():
-        pinned = replace(layer, name="W-LAYER-PINNED")
+    if not pinned:
+        cases.append((short, "mooncake", lambda p: case_peer(short, "mooncake", short_reps, {})))
+        cases.append((short, "nixl", lambda p: case_peer(short, "nixl", short_reps, {})))
+        cases.append((short, "nixl-tcp", lambda p: case_peer(short, "nixl", short_reps, {"UCX_TLS": "tcp"})))
         for transport in transports():
-            cases.append((pinned, f"kvpush-{transport}",
+            cases.append((layer, f"kvpush-{transport}", lambda p, t=transport: case_layer(layer, reps, t, p)))
+    if _two_cores():
+        layer_pinned = replace(layer, name="W-LAYER-PINNED")
+        for transport in transports():
+            cases.append((layer_pinned, f"kvpush-{transport}",
                           lambda p, t=transport: case_layer(layer, reps, t, p, pinned=True)))
     return cases
 
@@ -422,18 +427,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="",
                         help="comma-separated kvpush transports to run (default: every available one)")
     parser.add_argument("--out", default=RESULTS, help=f"results directory (default {RESULTS})")
+    parser.add_argument("--pinned", action="store_true",
+                        help="every case in the deployed shape: this driver (the prefill side) on core 0, every "
+                             "process it starts (the decode side) on core 1; without the peers")
     args = parser.parse_args(argv)
+    if args.pinned:
+        if not _two_cores():
+            parser.error("--pinned needs cores 0 and 1")
+        os.sched_setaffinity(0, {0})  # before any thread starts: they inherit it
+        workloads.PEER_CPUS = {1}
     os.makedirs(args.out, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ("-pinned" if args.pinned else "")
     only = {w for w in args.only.split(",") if w}
     ONLY_TRANSPORTS.update(t for t in args.transports.split(",") if t)
     records: list[dict[str, Any]] = []
     machine = {"case": "machine", "workload": "-", "cpus": os.cpu_count(), "platform": platform.platform(),
-               "python": platform.python_version(), "transports": transports(), "quick": args.quick}
+               "python": platform.python_version(), "transports": transports(), "quick": args.quick,
+               "pinned": args.pinned}
     started = time.monotonic()
     with open(os.path.join(args.out, f"{stamp}.jsonl"), "w") as out:
         out.write(json.dumps(machine) + "\n")
-        for work, name, run in plan(args.quick):
+        for work, name, run in plan(args.quick, args.pinned):
             if only and work.name not in only:
                 continue
             bar = Bar(f"{work.name} {name}")

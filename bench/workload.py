@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -130,6 +131,18 @@ def emit_ctl(record: dict[str, Any]) -> None:
     print(CTL + json.dumps(record), flush=True)
 
 
+#: The cores every ``Target`` runs on (``bench/run.py --pinned``: the decode side on core 1 while the driver,
+#: the prefill side, runs on core 0); None: wherever the driver may run.
+PEER_CPUS: set[int] | None = None
+
+
+def pin_child(pid: int) -> None:
+    """Put a process this driver just started on ``PEER_CPUS`` (before it starts threads of its own: they
+    inherit it)."""
+    if PEER_CPUS is not None:
+        os.sched_setaffinity(pid, PEER_CPUS)
+
+
 class Target:
     """A child process driven over stdin/stdout control lines."""
 
@@ -137,6 +150,7 @@ class Target:
         """``prefix``: a command the interpreter runs under (``ip netns exec <name>``)."""
         self.proc = subprocess.Popen([*(prefix or []), sys.executable, *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
+        pin_child(self.proc.pid)
         self.ready = self.read()
 
     def read(self) -> dict[str, Any]:

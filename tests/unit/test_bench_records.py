@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from unittest import mock
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -55,3 +58,25 @@ def test_the_cpu_split_counts_only_the_measured_intervals_as_shares_of_their_wal
                            "driver_compute"}
     assert record["driver_user"] == record["target_user"] and record["driver_user"] <= 1.5
     assert record["driver_compute"] == round(0.05 / split.wall, 3)
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_pinned_targets_run_on_the_decode_core_and_the_peers_stay_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/run.py --pinned``: every process the driver starts is put on ``PEER_CPUS`` (a real
+    target process, asked over its control lines), and the peers' drivers, which place both of their
+    sides themselves, are not in the plan."""
+    with mock.patch.dict(os.environ):  # bench/run.py sets its thread counts on import: not for later tests
+        from bench import run, workload
+
+    monkeypatch.setattr(workload, "PEER_CPUS", {1})
+    target = workload.Target([os.path.join(os.path.dirname(workload.__file__), "push_bench.py"),
+                              "--role", "socket-target", *workload.WORKLOADS["W-SMALL"].as_args()])
+    try:
+        assert os.sched_getaffinity(target.proc.pid) == {1}
+    finally:
+        target.close()
+    pinned = {(work.name, name) for work, name, _ in run.plan(quick=True, pinned=True)}
+    unpinned = {(work.name, name) for work, name, _ in run.plan(quick=True)}
+    assert not {name for _, name in pinned} & {"mooncake", "nixl", "nixl-tcp"}
+    assert ("W-LAYER", "kvpush-tcp") in unpinned and ("W-LAYER", "kvpush-tcp") not in pinned
+    assert ("W-LAYER-PINNED", "kvpush-tcp") in pinned and ("W-SMALL", "socket + kvpush-tcp") in pinned
