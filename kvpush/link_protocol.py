@@ -55,7 +55,7 @@ class LinkState(Enum):
 
 # bound once: this runs on every transfer, and an attribute of an enum class is looked up anew on each use
 _READY = LinkState.READY
-_WRITE, _READ = Kind.WRITE, Kind.READ
+_WRITE, _READ, _READ_OFFER = Kind.WRITE, Kind.READ, Kind.READ_OFFER
 
 
 class LinkDriver(Protocol):
@@ -151,6 +151,8 @@ class LinkProtocol:
         """A frame from the peer: where its payload goes (None: discarded)."""
         state = self.state
         if state is _READY:
+            if self.inbound.holding and header.kind is not _READ_OFFER:  # held answers go back before anything
+                self.inbound.send_held()                                   # else the peer sends is handled
             if in_hand and header.kind == _WRITE:  # a small write, its bytes already here
                 return self.inbound.serve_write(header, meta, True)
             handler = self.handlers.get(header.kind)

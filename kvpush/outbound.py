@@ -20,7 +20,7 @@ from .link_protocol import LinkProtocol
 from .onesided import LeaseState
 from .peer import RemoteCache
 from .plan import Plan
-from .protocol import MAX_OFFER_ENTRIES, Kind, encode_read_offer, encode_status, encode_transfer
+from .protocol import MAX_OFFER_ENTRIES, Kind, encode_read_offer, encode_status, encode_transfer, offer_flags
 from .requests import PendingOp, RequestTable
 from .serving import LANDED_ABORTED
 from .status import LLMException, LLMStatusCode
@@ -119,13 +119,15 @@ class Outbound:
                                                     step.count, plan.wire, 0, budget_ms))
         return op
 
-    def release_held(self, op: PendingOp) -> None:
-        """Let a ``held`` request move its bytes now (microseconds: everything was prepared)."""
+    def release_held(self, op: PendingOp, last: bool = True) -> None:
+        """Let a ``held`` request move its bytes now (microseconds: everything was prepared). ``last``
+        False: more of the caller's layers follow, so a READ_OFFER says so (``OFFER_MORE``) and the
+        receiver may answer it with the next one's frame."""
         if not op.held:
             return
         op.held = False
         if op.kind == Kind.READ_OFFER:
-            self._offer_read(op)
+            self._offer_read(op, last)
             return
         if op.kind != Kind.WRITE:
             if self.protocol.onesided is not None:
@@ -184,14 +186,14 @@ class Outbound:
         remote, remote_first = plan.remote, plan.firsts(step)[1]
         op = self.requests.new(Kind.READ_OFFER)
         op.held = True
-        op.frame = self.stream.prepare(encode_read_offer(op.request_id, remote.cache_id, remote_first, step.count,
-                                                         plan.wire, budget_ms, source.array().tobytes()))
+        op.offer = encode_read_offer(op.request_id, remote.cache_id, remote_first, step.count, plan.wire, budget_ms,
+                                     source.array().tobytes(), more=True)
         plan.local.pin()
         op.hold(plan.local.unpin)
         op.source = plan.local
         return op
 
-    def _offer_read(self, op: PendingOp) -> None:
+    def _offer_read(self, op: PendingOp, last: bool) -> None:
         onesided = self.protocol.onesided
         if op.ended or onesided is None:  # the link closed while the layer was held: it failed with it
             return
@@ -199,7 +201,9 @@ class Outbound:
             op.release()
             self.requests.complete(op, LLMException(LLMStatusCode.LLM_NOT_YET_LINK, "the link is unlinking"))
             return
-        assert op.frame is not None and op.source is not None
+        assert op.offer is not None and op.source is not None
+        op.frame = self.stream.prepare(offer_flags(op.offer, more=False) if last else op.offer)
+        op.offer = None
         onesided.lend(op, op.source)
         self.counters["read_offers"] += 1
         self.stream.enqueue(op.frame)

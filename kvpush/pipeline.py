@@ -37,6 +37,11 @@ class LayerPusher:
     ``LLMException`` whose ``completed_layers`` lists every layer that landed. A pusher is single
     use: after ``wait()``, or once a layer failed, ``push_layer`` raises LLM_PARAM_INVALID.
 
+    A layer's task ends once its bytes are in the peer's memory and the peer said so. On the same host the
+    peer copies them itself and may hold that answer until the next layer's offer arrives (at most
+    ``serving.HOLD_S``, and a quarter of the layer's deadline), so the prefill's event loop wakes once per
+    layer; the last layer's answer comes at once.
+
     Timeout: each layer fails with LLM_TIMEOUT if not in the peer's memory within ``sync_kv_timeout``
     of its ``push_layer`` call; the other layers go on. Cancellation: cancelling ``wait()`` (or the
     task around ``async with``) cancels every layer still in flight, each cleaning up like a
@@ -83,7 +88,7 @@ class LayerPusher:
             raise LLMException(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
         op = self._prepared.pop(layer)
-        self._link.outbound.release_held(op)
+        self._link.outbound.release_held(op, last=not self._prepared)  # the others' offers say more follow
         task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
         task.add_done_callback(self._retrieve)
         self._tasks[layer] = task

@@ -209,14 +209,27 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
     return TransferMeta(cache_id, first_tensor, num_tensors, runs, budget_ms)
 
 
+#: READ_OFFER flag: more offers follow soon (the next layers of a layer-pipelined request), so the receiver may
+#: hold this one's DONE and send it with its next frame (``serving.Inbound``): the sender's event loop then wakes
+#: once per layer, not twice.
+OFFER_MORE = 0x01
+_OFFER_FLAGS_AT = 3  # the flags byte of a frame header (``HEADER``: magic, kind, flags, ...)
+
+
 def encode_read_offer(request_id: int, cache_id: int, first_tensor: int, num_tensors: int,  # noqa: PLR0913
-                      runs_wire: bytes, budget_ms: int, source: bytes) -> bytes:
+                      runs_wire: bytes, budget_ms: int, source: bytes, more: bool = False) -> bytes:
     """A READ_OFFER: a transfer's meta (where the bytes go in the receiver's cache, as for a WRITE) followed
     by ``source``, the packed ``(address, length)`` entries in the sender's memory to read them from, one
-    per destination entry (tensor-major, like the destination's)."""
-    return _TRANSFER_HEAD.pack(MAGIC, Kind.READ_OFFER, 0, TRANSFER_META.size + len(runs_wire) + len(source),
-                               request_id, 0, cache_id, first_tensor, num_tensors, len(runs_wire) >> 4,
-                               budget_ms) + runs_wire + source
+    per destination entry (tensor-major, like the destination's). ``more``: the ``OFFER_MORE`` flag."""
+    return _TRANSFER_HEAD.pack(MAGIC, Kind.READ_OFFER, OFFER_MORE if more else 0,
+                               TRANSFER_META.size + len(runs_wire) + len(source), request_id, 0, cache_id,
+                               first_tensor, num_tensors, len(runs_wire) >> 4, budget_ms) + runs_wire + source
+
+
+def offer_flags(frame: bytes, more: bool) -> bytes:
+    """An encoded READ_OFFER with its ``OFFER_MORE`` flag set or cleared (the rest unchanged)."""
+    flags = frame[_OFFER_FLAGS_AT] & ~OFFER_MORE | (OFFER_MORE if more else 0)
+    return frame[:_OFFER_FLAGS_AT] + bytes((flags,)) + frame[_OFFER_FLAGS_AT + 1:]
 
 
 def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> tuple[TransferMeta, IoVec]:

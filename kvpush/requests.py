@@ -35,7 +35,7 @@ class PendingOp:
 
     __slots__ = ("request_id", "kind", "ended", "error", "cancelled", "_loop", "_future", "frame", "sink",
                  "expected", "local_iov", "remote_iov", "copy", "move_args", "held", "granted", "notice",
-                 "waiter", "source", "_release")
+                 "waiter", "source", "offer", "_release")
 
     def __init__(self, request_id: int, kind: Kind, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -60,6 +60,7 @@ class PendingOp:
         # ``future`` ends, and cancelled instead of ``future`` when that caller is cancelled
         self.waiter: asyncio.Future[None] | None = None
         self.source: CacheEntry | None = None  # a READ_OFFER's source cache: what the receiver reads
+        self.offer: bytes | None = None  # a held READ_OFFER, encoded (``OFFER_MORE`` set), until it is sent
         self._release: Callable[[], None] | None = None
 
     @property

@@ -28,6 +28,7 @@ from .layout import FEW, IoVec
 from .memory import CacheEntry, CacheRegistry
 from .options import EngineOptions
 from .protocol import (
+    OFFER_MORE,
     FrameHeader,
     Kind,
     ProtocolError,
@@ -59,6 +60,9 @@ MAX_INCOMING_IN_FLIGHT = 1024
 _WRITES = frozenset({Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER})  # requests that write this side's memory
 _DONE = Kind.DONE
 DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against their deadlines
+# the longest the DONE of a read offer marked OFFER_MORE waits for the sender's next frame (it also waits at most a
+# quarter of that offer's budget): long enough to span a prefill layer, short beside any deadline
+HOLD_S = 0.25
 
 
 class Refusal(Exception):
@@ -215,6 +219,10 @@ class Inbound:
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
         self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied here, until their DONE
+        # DONEs of copied OFFER_MORE read offers, sent with the sender's next frame (``send_held``) or after HOLD_S
+        self._held: list[bytes] = []
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self.holding = False
         self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
         self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
@@ -364,9 +372,11 @@ class Inbound:
         except TransportError as error:
             copy = self._link.loop.create_future()
             copy.set_exception(error)
-        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done))
+        hold = min(HOLD_S, budget_ms / 4000) if header.flags & OFFER_MORE and budget_ms > 0 else 0.0
+        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold))
 
-    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int, copy: asyncio.Future[Any]) -> None:
+    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int, copy: asyncio.Future[Any],
+                   hold: float) -> None:
         entry.unpin()
         if self._reading.pop(request_id, None) is None:
             return  # the link closed meanwhile: no one to answer
@@ -374,7 +384,12 @@ class Inbound:
         error = None if copy.cancelled() else copy.exception()
         if error is None and not copy.cancelled():
             self._counters["bytes_received"] += nbytes
-            self._send(encode_status(_DONE, request_id, 0))
+            self._held.append(encode_status(_DONE, request_id, 0))
+            if hold:
+                self._counters["read_offer_answers_held"] += 1
+                self._hold(hold)
+            else:
+                self.send_held()
             return
         if isinstance(error, TransportError) and error.peer_gone:
             self._link.close(f"peer process exited: {error}")
@@ -382,6 +397,27 @@ class Inbound:
         log.error("copying read offer %d from cluster %s failed: %s", request_id, self._peer, error)
         self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED),
                                  f"the receiver's copy failed: {error}"))
+
+    def _hold(self, seconds: float) -> None:
+        """Keep the held DONEs until the sender's next frame, or ``seconds`` from now at the latest."""
+        self.holding = True
+        loop = self._link.loop
+        due = loop.time() + seconds
+        if self._hold_timer is None or due < self._hold_timer.when():
+            if self._hold_timer is not None:
+                self._hold_timer.cancel()
+            self._hold_timer = loop.call_at(due, self.send_held)
+
+    def send_held(self) -> None:
+        """Send the held DONEs now, in one write (the link calls this before it handles a frame from the
+        sender: a layer's answer goes back as the next layer's offer arrives, while the sender is awake)."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        self.holding = False
+        held, self._held = self._held, []
+        if held:
+            self._send(b"".join(held))
 
     # -- standing grants (same host, UCX) -------------------------------------------------------------
     def on_lease(self, body: dict[str, Any]) -> None:
@@ -476,6 +512,11 @@ class Inbound:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._hold_timer is not None:  # no one to answer any more
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        self._held.clear()
+        self.holding = False
         self._deadlines.clear()
         for entry in self._writes.values():
             entry.unpin()

@@ -75,6 +75,31 @@ async def test_the_decode_copies_each_layer_and_the_bytes_land_exactly(make_engi
     assert (await decode_peer_cma.acall("pins", name="kv"))["pins"] == 1  # the lease alone: copies unpinned
 
 
+async def test_a_pipelined_requests_answers_wait_for_its_next_layer_and_an_early_stop_still_ends(
+        make_engine: EngineFactory, decode_peer_cma: Peer, tmp_path: Any) -> None:
+    """Every layer but the last says more follow, so the decode holds its DONE for the next frame (the
+    prefill's loop wakes once per layer, not twice); the last is answered at once. A pusher stopped before
+    its last layer still ends: the held answers come back within their hold."""
+    engine, src = await leased(make_engine, decode_peer_cma)
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    held_before = (await decode_peer_cma.acall("stats"))["stats"]["1"].get("read_offer_answers_held", 0)
+    src_blocks, dst_blocks = [7, 1, 2], [20, 21, 30]
+    async with engine.cache_manager.layer_pusher(KEY, src, src_blocks, dst_blocks) as pusher:
+        for layer in range(LAYERS):
+            pusher.push_layer(layer)
+    assert sorted(pusher.landed) == list(range(LAYERS))
+    assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path),
+                          expected_after(before, raw(src), src_blocks, dst_blocks, 2))
+    held = (await decode_peer_cma.acall("stats"))["stats"]["1"]["read_offer_answers_held"] - held_before
+    assert held == LAYERS - 1
+    stopped = engine.cache_manager.layer_pusher(KEY, src, [3], [50])
+    stopped.push_layer(1)
+    stopped.push_layer(0)  # more would follow: its answer is held
+    await stopped.wait()  # the others never start; the held answer still comes
+    assert sorted(stopped.landed) == [0, 1]
+    assert (await decode_peer_cma.acall("pins", name="kv"))["pins"] == 1  # the lease alone
+
+
 async def test_many_blocks_and_requests_at_once(make_engine: EngineFactory, decode_peer_cma: Peer,
                                                tmp_path: Any) -> None:
     """Numpy-sized offers (more runs than a handful) and several pushers interleaved on one link."""

@@ -91,6 +91,11 @@ class Inbound:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
+        self.holding = False
+
+    def send_held(self) -> None:
+        self.calls.append(("send_held",))
+        self.holding = False
 
     def serve_write(self, header: Any, meta: bytes, in_hand: bool = False) -> None:
         self.calls.append(("write", header.request_id, in_hand))
@@ -169,6 +174,16 @@ async def test_serving_frames_are_routed_to_the_inbound_side_a_small_write_in_ha
                              ("lease", "request")]
     with pytest.raises(ProtocolError, match="GRANT on a link that sent no one-sided request"):
         protocol.on_frame(*frame(encode_status(Kind.GRANT, 4, 0)))
+
+
+async def test_answers_the_inbound_side_holds_go_back_before_the_peers_next_frame_is_handled() -> None:
+    protocol, _, inbound, _ = core()
+    runs = b"\0" * 8 + (64).to_bytes(8, "little")
+    protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 1, 1, 0, 1, runs, 64)))
+    inbound.holding = True  # a layer's DONE waits for the sender's next frame
+    protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 2, 1, 0, 1, runs, 64)))
+    protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 3, 1, 0, 1, runs, 64)))
+    assert inbound.calls == [("write", 1, False), ("send_held",), ("write", 2, False), ("write", 3, False)]
 
 
 async def test_a_ping_is_answered_and_a_pong_measured() -> None:

@@ -8,6 +8,7 @@ import pytest
 from kvpush.layout import pack_runs
 from kvpush.protocol import (
     HEADER_SIZE,
+    OFFER_MORE,
     KeyRelease,
     Kind,
     ProtocolError,
@@ -23,6 +24,7 @@ from kvpush.protocol import (
     encode_release_key,
     encode_status,
     encode_transfer,
+    offer_flags,
 )
 
 
@@ -61,6 +63,18 @@ def test_a_read_offer_round_trips_with_one_source_entry_per_destination_entry() 
     assert (meta.cache_id, meta.first_tensor, meta.num_tensors, meta.budget_ms) == (9, 4, 2, 300)
     assert meta.offsets.tolist() == [0, 8192] and meta.lengths.tolist() == [4096, 100]
     assert vector.tolist() == source and vector.nbytes == 2 * 4196
+
+
+def test_a_read_offer_says_whether_more_follow_and_only_that_flag_changes() -> None:
+    source = [[0x1000, 4096], [0x9000, 100], [0x20000, 4096], [0x30000, 100]]
+    runs = pack_runs(np.array([0, 8192], np.uint64), np.array([4096, 100], np.uint64))
+    more = encode_read_offer(5, 9, 4, 2, runs, 300, np.array(source, np.uint64).tobytes(), more=True)
+    assert decode_header(more[:HEADER_SIZE]).flags == OFFER_MORE
+    assert not decode_header(read_offer(source)[:HEADER_SIZE]).flags
+    last = offer_flags(more, more=False)
+    assert last == read_offer(source) and offer_flags(last, more=True) == more
+    header = decode_header(more[:HEADER_SIZE])
+    assert decode_read_offer(header, more[HEADER_SIZE:])[1].tolist() == source
 
 
 @pytest.mark.parametrize("source,cut", [

@@ -67,12 +67,17 @@ class Sent:
 
     def __init__(self) -> None:
         self.frames: list[tuple[Kind, Any]] = []
+        self.writes: list[list[int]] = []  # per send call: the request ids of the frames it carried
 
     def __call__(self, head: bytes, payload: Any = None) -> Any:
-        header = decode_header(head[:HEADER_SIZE])
-        meta = head[HEADER_SIZE:]
-        body = decode_json(header.kind, meta) if header.kind == Kind.LEASE else decode_status(header, meta)
-        self.frames.append((header.kind, body))
+        ids = []
+        while head:  # one call may carry several frames, back to back
+            header = decode_header(head[:HEADER_SIZE])
+            meta, head = head[HEADER_SIZE:HEADER_SIZE + header.meta_len], head[HEADER_SIZE + header.meta_len:]
+            body = decode_json(header.kind, meta) if header.kind == Kind.LEASE else decode_status(header, meta)
+            self.frames.append((header.kind, body))
+            ids.append(header.request_id)
+        self.writes.append(ids)
         return Sent.Frame()
 
 
@@ -290,11 +295,12 @@ class Reader:
         return copy
 
 
-def offer_frame(cache_id: int, first: int, source: list[list[int]], lengths: list[int],
-                request_id: int) -> tuple[Any, bytes]:
+def offer_frame(cache_id: int, first: int, source: list[list[int]], lengths: list[int],  # noqa: PLR0913
+                request_id: int, more: bool = False, budget_ms: int = 1000) -> tuple[Any, bytes]:
     wire = pack_runs(np.array([64 * i for i in range(len(lengths))], np.uint64), np.array(lengths, np.uint64))
     count = len(source) // len(lengths)
-    frame = encode_read_offer(request_id, cache_id, first, count, wire, 1000, np.array(source, np.uint64).tobytes())
+    frame = encode_read_offer(request_id, cache_id, first, count, wire, budget_ms,
+                              np.array(source, np.uint64).tobytes(), more)
     return decode_header(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]
 
 
@@ -323,6 +329,46 @@ async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_ans
     await asyncio.sleep(0)
     assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1] == (0, "")
     assert entry.pins == 1 and counters["bytes_received"] == 128
+
+
+async def test_the_done_of_an_offer_marked_more_waits_for_the_senders_next_frame_or_its_hold() -> None:
+    """A layer-pipelined request's offers say more follow: their DONEs are held and leave together, with the
+    sender's next frame (``send_held``, which the link calls), with the DONE of an offer not marked so, or once
+    the hold (at most a quarter of the offer's budget) ran out; a closed link answers nothing."""
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, counters, _ = reading_side(registry, reader)
+    entry = registry.get(cache_id)
+    assert entry is not None
+
+    def offer(request_id: int, more: bool, budget_ms: int = 1000) -> None:
+        side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]], [64], request_id, more, budget_ms))
+        reader.copies[-1][3].set_result(64)
+
+    offer(1, True)
+    offer(2, True)
+    await asyncio.sleep(0)
+    assert sent.writes == [] and side.holding and entry.pins == 0  # copied, unpinned, answer held
+    side.send_held()
+    assert sent.writes == [[1, 2]] and not side.holding
+    assert [body for _, body in sent.frames] == [(0, ""), (0, "")]
+    offer(3, True)
+    offer(4, False)  # the request's last layer: answered at once, with what was held
+    await asyncio.sleep(0)
+    assert sent.writes[-1] == [3, 4] and not side.holding
+    offer(5, True, budget_ms=40)  # held at most 10 ms
+    await asyncio.sleep(0)
+    assert sent.writes[-1] == [3, 4] and side.holding
+    for _ in range(100):  # bounded: the hold ends within 10 ms
+        if not side.holding:
+            break
+        await asyncio.sleep(0.01)
+    assert sent.writes[-1] == [5] and counters["bytes_received"] == 5 * 64
+    offer(6, True)
+    await asyncio.sleep(0)
+    assert side.close(lambda: None) is None and not side.holding
+    await asyncio.sleep(0.15)  # past any hold: nothing is sent on a closed link
+    assert sent.writes[-1] == [5]
 
 
 async def test_a_read_offer_is_refused_outside_the_registry_or_without_a_reader() -> None:
