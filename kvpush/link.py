@@ -206,6 +206,12 @@ class Link:
         self.close(reason)
 
     # -- keepalive ------------------------------------------------------------------------------
+    def nudge(self) -> None:
+        """Have the peer send now what it holds back for this side (the answers to layers offered with
+        more to follow, ``serving.HOLD_S``): a PING, before which the peer sends them."""
+        if self.ready:
+            self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
+
     async def _keepalive_loop(self) -> None:
         interval = self.owner.options.keepalive_interval_ms / 1000
         limit = self.owner.options.keepalive_timeout_ms / 1000

@@ -116,6 +116,8 @@ class LayerPusher:
 
     async def wait(self) -> None:
         """Wait for every started layer; raise the first error with ``completed_layers``."""
+        if self._prepared and self._tasks:  # the last started layer said more would follow: none will
+            self._link.nudge()
         try:
             results = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         finally:

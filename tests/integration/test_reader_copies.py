@@ -79,7 +79,7 @@ async def test_a_pipelined_requests_answers_wait_for_its_next_layer_and_an_early
         make_engine: EngineFactory, decode_peer_cma: Peer, tmp_path: Any) -> None:
     """Every layer but the last says more follow, so the decode holds its DONE for the next frame (the
     prefill's loop wakes once per layer, not twice); the last is answered at once. A pusher stopped before
-    its last layer still ends: the held answers come back within their hold."""
+    its last layer still ends at once: ``wait()`` nudges the decode, which sends what it held first."""
     engine, src = await leased(make_engine, decode_peer_cma)
     before = await decode_peer_cma.asnapshot("kv", tmp_path)
     held_before = (await decode_peer_cma.acall("stats"))["stats"]["1"].get("read_offer_answers_held", 0)

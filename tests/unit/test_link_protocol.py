@@ -21,6 +21,7 @@ from kvpush.protocol import (
     decode_status,
     encode_json,
     encode_message,
+    encode_read_offer,
     encode_status,
     encode_transfer,
 )
@@ -103,6 +104,9 @@ class Inbound:
     def serve_read(self, header: Any, meta: bytes) -> None:
         self.calls.append(("read", header.request_id))
 
+    def on_read_offer(self, header: Any, meta: bytes) -> None:
+        self.calls.append(("read_offer", header.request_id))
+
     def on_intent(self, header: Any, meta: bytes) -> None:
         self.calls.append(("intent", header.kind))
 
@@ -176,14 +180,17 @@ async def test_serving_frames_are_routed_to_the_inbound_side_a_small_write_in_ha
         protocol.on_frame(*frame(encode_status(Kind.GRANT, 4, 0)))
 
 
-async def test_answers_the_inbound_side_holds_go_back_before_the_peers_next_frame_is_handled() -> None:
+async def test_answers_the_inbound_side_holds_go_back_before_any_frame_but_a_read_offer_is_handled() -> None:
     protocol, _, inbound, _ = core()
     runs = b"\0" * 8 + (64).to_bytes(8, "little")
     protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 1, 1, 0, 1, runs, 64)))
-    inbound.holding = True  # a layer's DONE waits for the sender's next frame
-    protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 2, 1, 0, 1, runs, 64)))
+    inbound.holding = True  # a layer's DONE waits: the next layer's offer does not send it
+    protocol.on_frame(*frame(encode_read_offer(4, 1, 0, 1, runs, 100, (0x7000).to_bytes(8, "little") + runs[8:],
+                                               more=True)))
+    protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 2, 1, 0, 1, runs, 64)))  # any other frame does, first
     protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 3, 1, 0, 1, runs, 64)))
-    assert inbound.calls == [("write", 1, False), ("send_held",), ("write", 2, False), ("write", 3, False)]
+    assert inbound.calls == [("write", 1, False), ("read_offer", 4), ("send_held",), ("write", 2, False),
+                             ("write", 3, False)]
 
 
 async def test_a_ping_is_answered_and_a_pong_measured() -> None:
