@@ -38,9 +38,9 @@ class LayerPusher:
     use: after ``wait()``, or once a layer failed, ``push_layer`` raises LLM_PARAM_INVALID.
 
     A layer's task ends once its bytes are in the peer's memory and the peer said so. On the same host the
-    peer copies them itself and may hold that answer until the next layer's offer arrives (at most
-    ``serving.HOLD_S``, and a quarter of the layer's deadline), so the prefill's event loop wakes once per
-    layer; the last layer's answer comes at once.
+    peer copies them itself and holds the answers of all layers but the last (at most ``serving.HOLD_S``,
+    and a quarter of the layer's deadline), to send them with the last one's, so the prefill's event loop
+    wakes once per layer; ``wait()`` asks for them at once when layers were never pushed.
 
     Timeout: each layer fails with LLM_TIMEOUT if not in the peer's memory within ``sync_kv_timeout``
     of its ``push_layer`` call; the other layers go on. Cancellation: cancelling ``wait()`` (or the

@@ -210,8 +210,8 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
 
 
 #: READ_OFFER flag: more offers follow soon (the next layers of a layer-pipelined request), so the receiver may
-#: hold this one's DONE and send it with its next frame (``serving.Inbound``): the sender's event loop then wakes
-#: once per layer, not twice.
+#: hold this one's DONE and send it with a later one (``serving.Inbound.send_held``): the sender's event loop
+#: then wakes once per layer, not twice.
 OFFER_MORE = 0x01
 _OFFER_FLAGS_AT = 3  # the flags byte of a frame header (``HEADER``: magic, kind, flags, ...)
 

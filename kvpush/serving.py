@@ -60,8 +60,8 @@ MAX_INCOMING_IN_FLIGHT = 1024
 _WRITES = frozenset({Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER})  # requests that write this side's memory
 _DONE = Kind.DONE
 DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against their deadlines
-# the longest the DONE of a read offer marked OFFER_MORE waits for the sender's next frame (it also waits at most a
-# quarter of that offer's budget): long enough to span a prefill layer, short beside any deadline
+# the longest the DONE of a read offer marked OFFER_MORE is held (at most a quarter of that offer's budget, too):
+# long enough to span a prefill layer or two, short beside any deadline
 HOLD_S = 0.25
 
 
@@ -219,7 +219,7 @@ class Inbound:
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
         self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied here, until their DONE
-        # DONEs of copied OFFER_MORE read offers, sent with the sender's next frame (``send_held``) or after HOLD_S
+        # DONEs of copied OFFER_MORE read offers, sent together later (``send_held``)
         self._held: list[bytes] = []
         self._hold_timer: asyncio.TimerHandle | None = None
         self.holding = False
@@ -409,8 +409,9 @@ class Inbound:
             self._hold_timer = loop.call_at(due, self.send_held)
 
     def send_held(self) -> None:
-        """Send the held DONEs now, in one write (the link calls this before it handles a frame from the
-        sender: a layer's answer goes back as the next layer's offer arrives, while the sender is awake)."""
+        """Send the held DONEs now, in one write: with the DONE of an offer not marked ``OFFER_MORE`` (a
+        request's last layer), when the hold ends, and before the link handles any frame of the sender's but a
+        read offer (a PING: ``Link.nudge``)."""
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None
