@@ -127,6 +127,23 @@ def orchestrate(args: argparse.Namespace) -> int:
                    "--out", str(work / f"{role}.json"), *extra]
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
+    def prefill_up(*extra: str) -> subprocess.Popen[bytes] | None:
+        """The prefill, once it is ready; None if it exited first. The port ``free_port`` chose can be taken
+        (an outgoing connection's ephemeral port) before the prefill listens on it: then, three times at
+        most, another port."""
+        nonlocal port
+        for _ in range(3):
+            prefill = engine("prefill", "0", "--ready", str(work / "prefill.ready"), *extra)
+            while not (work / "prefill.ready").exists() and prefill.poll() is None:
+                time.sleep(0.1)
+            if prefill.poll() is None or (work / "prefill.ready").exists():
+                return prefill
+            if b"Address already in use" not in (work / "prefill.log").read_bytes():
+                break
+            port = free_port()
+        print(f"the prefill exited before it was ready; see {work / 'prefill.log'}")
+        return None
+
     for name in ("single", "prefill", "decode"):
         for suffix in (".json", ".ready", ".generated"):
             (work / f"{name}{suffix}").unlink(missing_ok=True)
@@ -140,10 +157,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     if args.order == "decode-first":
         # the decode's ids reach the prefill before its forward pass: pushes from save_kv_layer
-        prefill = engine("prefill", "0", "--ready", str(work / "prefill.ready"), "--wait-for",
-                         str(work / "decode.ready"), "--delay", "1.0")
-        while not (work / "prefill.ready").exists() and prefill.poll() is None:
-            time.sleep(0.1)
+        prefill = prefill_up("--wait-for", str(work / "decode.ready"), "--delay", "1.0")
+        if prefill is None:
+            return 1
         decode = engine("decode", "1", "--ready", str(work / "decode.ready"))
         if args.kill_prefill_after is not None:  # the decode's ids went out; the prefill dies before pushing
             while not (work / "decode.ready").exists() and decode.poll() is None:
@@ -154,10 +170,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     else:
         # the prefill computes first; the decode's ids arrive after its forward pass (both engines are up
         # first, so process start-up does not count against the prefill's ids_timeout_s)
-        prefill = engine("prefill", "0", "--ready", str(work / "prefill.ready"), "--generated",
-                         str(work / "prefill.generated"), "--wait-for", str(work / "decode.ready"))
-        while not (work / "prefill.ready").exists() and prefill.poll() is None:
-            time.sleep(0.1)
+        prefill = prefill_up("--generated", str(work / "prefill.generated"), "--wait-for", str(work / "decode.ready"))
+        if prefill is None:
+            return 1
         decode = engine("decode", "1", "--ready", str(work / "decode.ready"), "--wait-for",
                         str(work / "prefill.generated"))
     codes = [decode.wait(timeout=300), prefill.wait(timeout=120)]
