@@ -43,22 +43,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench import push_bench as pb  # noqa: E402
 from bench.vllm_model import GEOMETRY  # noqa: E402
-from bench.workload import Workload, emit  # noqa: E402
+from bench.workload import Workload, emit, pin_threads  # noqa: E402
 from kvpush import BlocksCacheKey  # noqa: E402
 from kvpush.portal import Portal  # noqa: E402
 
 MODES = ("serial", "pipelined", "handoff")
 KV_BYTES_PER_TOKEN_LAYER = 2 * GEOMETRY["num_kv_heads"] * GEOMETRY["head_dim"] * 4  # K and V, float32
 BLOCK_TOKENS = 16
-
-
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` on ``cpus`` (threads it starts later inherit it)."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
 
 
 def schedstat(tid: int) -> tuple[int, int, int]:
@@ -102,8 +93,8 @@ def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
     engine = None
     try:
         engine, cache = portal.run(pb.linked_prefill(work, transport, target), timeout=60)
-        pin(target.proc.pid, {0})
-        pin(os.getpid(), {1})
+        pin_threads(target.proc.pid, {0})
+        pin_threads(os.getpid(), {1})
         forward = model(tokens)
         src, dst = (b.tolist() for b in work.block_lists())
         key = BlocksCacheKey(2, 0)

@@ -211,27 +211,6 @@ async def _layer_driver(work: Workload, reps: int, transport: str, target: pb.Ta
     return record
 
 
-def _pin(pid: int, cpus: set[int]) -> dict[int, set[int]]:
-    """Pin every thread of process ``pid`` to ``cpus`` (threads it starts later inherit it); the masks
-    they had, to restore."""
-    before: dict[int, set[int]] = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            before[int(task)] = os.sched_getaffinity(int(task))
-            os.sched_setaffinity(int(task), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return before
-
-
-def _unpin(before: dict[int, set[int]]) -> None:
-    for task, cpus in before.items():
-        try:
-            os.sched_setaffinity(task, cpus)
-        except OSError:
-            pass
-
-
 def case_layer(work: Workload, reps: int, transport: str, progress: Callable[[int, int], None],
                pinned: bool = False) -> dict[str, Any]:
     """W-LAYER; ``pinned`` (W-LAYER-PINNED): the prefill (this process, every thread: the compute, the event
@@ -240,12 +219,12 @@ def case_layer(work: Workload, reps: int, transport: str, progress: Callable[[in
     restore: dict[int, set[int]] = {}
     try:
         if pinned:
-            _pin(target.proc.pid, {1})
-            restore = _pin(os.getpid(), {0})
+            workloads.pin_threads(target.proc.pid, {1})
+            restore = workloads.pin_threads(os.getpid(), {0})
         return asyncio.run(_layer_driver(work, reps, transport, target, progress,
                                          "W-LAYER-PINNED" if pinned else "W-LAYER"))
     finally:
-        _unpin(restore)
+        workloads.unpin_threads(restore)
         target.close()
 
 

@@ -136,6 +136,27 @@ def emit_ctl(record: dict[str, Any]) -> None:
 PEER_CPUS: set[int] | None = None
 
 
+def pin_threads(pid: int, cpus: set[int]) -> dict[int, set[int]]:
+    """Pin every thread of process ``pid`` to ``cpus`` (threads it starts later inherit it); the masks
+    they had, to restore with ``unpin_threads``."""
+    before: dict[int, set[int]] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            before[int(task)] = os.sched_getaffinity(int(task))
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return before
+
+
+def unpin_threads(before: dict[int, set[int]]) -> None:
+    for task, cpus in before.items():
+        try:
+            os.sched_setaffinity(task, cpus)
+        except OSError:
+            pass
+
+
 def pin_child(pid: int) -> None:
     """Put a process this driver just started on ``PEER_CPUS`` (before it starts threads of its own: they
     inherit it)."""
