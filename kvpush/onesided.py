@@ -15,8 +15,10 @@ there anyway; the lease changes when the receiver learns of a write, never where
 mover's ``lease_proof`` (the peer's secret, read through the transport) may arrive after the link is
 up; until then writes ask per request.
 
-A receiver that can itself read this process on the same host says so when it grants a lease
-(``reads``). Then a layer the layer pusher lets go while its caller computes is not copied here: one
+A receiver that can itself read this process on the same host says so when it answers a lease request,
+granted or refused (``reads``): a cache opened per request (``RemoteAccess.GRANTED``, as the vLLM
+connector's decode registers its KV) is never leased, yet its writes are offered all the same, each checked
+against the grants like any write. Then a layer the layer pusher lets go while its caller computes is not copied here: one
 READ_OFFER names where its bytes are in this process's memory and where they go, the receiver (idle,
 waiting for them) copies them in its own worker thread and answers DONE, and only then does the
 request complete (remote completion, as for every write). Until that answer the source stays pinned
@@ -105,9 +107,10 @@ class OneSidedSender:
         op, cache_id = body.get("op"), body.get("cache")
         if not isinstance(cache_id, int):
             raise ProtocolError(f"LEASE without a cache id: {body!r}")
+        if op in ("grant", "refuse"):  # either answer says whether the receiver reads this process
+            self.peer_reads = body.get("reads") is True
         if op == "grant" and self.leases.get(cache_id) == LeaseState.REQUESTED and not self.closing:
             self.leases[cache_id] = LeaseState.ACTIVE
-            self.peer_reads = body.get("reads") is True
         elif op == "refuse":
             self.leases[cache_id] = LeaseState.REVOKED  # the grant-per-request path goes on working
         elif op == "revoke":
@@ -186,10 +189,11 @@ class OneSidedSender:
             op.copy.add_done_callback(lambda _: self._moved(op))
 
     # -- the receiver reads (READ_OFFER) -----------------------------------------------------------
-    def reader_copies(self, cache_id: int) -> bool:
-        """True when a held write to ``cache_id`` goes as a READ_OFFER: the receiver reads this process
-        (it said so with its lease), and the lease stands."""
-        return self.peer_reads and not self.closing and self.leases.get(cache_id) is _ACTIVE
+    def reader_copies(self) -> bool:
+        """True when a held write goes as a READ_OFFER: the receiver reads this process (it said so in an
+        answer to a lease request, granted or not; the receiver checks every offer like a write), and the
+        link is not unlinking."""
+        return self.peer_reads and not self.closing
 
     def lend(self, op: PendingOp, source: CacheEntry) -> None:
         """``op``'s READ_OFFER is about to be sent: from now on the receiver may read ``source`` (pinned by

@@ -72,7 +72,7 @@ class Outbound:
         remote, onesided = plan.remote, self.protocol.onesided
         if onesided is not None and self._onesided_reaches(remote):
             leased = onesided.lease_active(remote.cache_id)
-            if held and source.entries <= MAX_OFFER_ENTRIES and onesided.reader_copies(remote.cache_id):
+            if held and source.entries <= MAX_OFFER_ENTRIES and onesided.reader_copies():
                 return self._prepare_read_offer(plan, step, source, budget_ms)
             return self._start_onesided(_WRITE_INTENT, plan, step, source, budget_ms, held, leased)
         # The frame goes first and the request is booked behind it: a small frame on an idle stream leaves

@@ -429,14 +429,16 @@ class Inbound:
             entry = self._registry.get(cache_id)
             # only a writer that read our in-memory secret (it can reach this process) gets a lease
             # a lease opens the whole cache to the writer: only an OPEN cache is leased
+            # either answer says whether the writer may offer layers for this side to copy (READ_OFFER, each
+            # checked like a write): a cache open per request (GRANTED) is never leased, yet is read into
+            reads = self._link.reader() is not None
             if (entry is None or entry.access is not RemoteAccess.OPEN or cache_id in self._leases
                     or not self._link.proves_reach(str(body.get("proof", "")))
                     or not self._options.enable_remote_cache_accessible):
-                self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id}))
+                self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id, "reads": reads}))
                 return
             entry.pin()
             self._leases[cache_id] = entry
-            reads = self._link.reader() is not None  # the writer may offer layers for this side to copy
             self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id, "reads": reads}))
         elif op == "revoked":
             entry = self._revoking.pop(cache_id, None)

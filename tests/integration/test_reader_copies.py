@@ -14,12 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 from kvtest import (
+    DST_BLOCKS,
+    ROW,
     SRC_BLOCKS,
     TENSORS,
     EngineFactory,
     cluster,
     decode_peer_with_kv,
     expected_after,
+    peer_options,
     prefill,
     push_interleaved,
     raw,
@@ -43,7 +46,7 @@ async def leased(make_engine: EngineFactory, decode_peer: Peer, **options: str) 
     await engine.cache_manager.push_blocks(KEY, src, [0], [0])  # asks for the lease; its grant comes first
     sender = engine.links[2].onesided
     assert sender is not None
-    await wait_for(lambda: sender.reader_copies(1))  # the decode's cache (its first, id 1) is leased
+    await wait_for(lambda: sender.reader_copies())  # the decode's cache (its first, id 1) is leased
     return engine, src
 
 
@@ -197,3 +200,38 @@ async def test_a_graceful_unlink_waits_for_the_decode_to_copy_what_it_was_offere
     layer = range(0, 1)
     after = await decode_peer_cma.asnapshot("kv", tmp_path)
     assert np.array_equal(after, expected_after(before, raw(src), [4], [9], 2, layer, layer))
+
+
+async def test_a_cache_open_per_request_is_read_into_by_the_decode_within_its_grants(make_engine: EngineFactory,
+                                                                                    tmp_path: Any) -> None:
+    """vLLM's decode registers its KV ``GRANTED`` and allows each prefill the blocks of each request. Such a
+    cache is never leased, yet the decode still copies the layers itself (its refusal of the lease says it
+    reads), each offer checked against the grant: the allowed blocks land exactly, and a request reaching one
+    block beyond them fails with LLM_FEATURE_NOT_ENABLED, nothing of it written."""
+    with Peer(2, options=peer_options("cma")) as decode:
+        decode.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, access="granted")
+        allowed = [5, 6, 7, 40]
+        decode.call("allow", name="kv", peer=1, blocks=allowed)
+        engine, src = await prefill(make_engine, decode, "cma")
+        await engine.cache_manager.push_blocks(KEY, src, [0], [40])  # asks for a lease: refused, saying it reads
+        sender = engine.links[2].onesided
+        assert sender is not None
+        await wait_for(sender.reader_copies)
+        before = await decode.asnapshot("kv", tmp_path)
+        offers = engine.link_stats()[2].get("read_offers", 0)
+        src_blocks, dst_blocks = [9, 1, 2], [5, 6, 7]
+        async with engine.cache_manager.layer_pusher(KEY, src, src_blocks, dst_blocks) as pusher:
+            for layer in range(LAYERS):
+                pusher.push_layer(layer)
+        assert np.array_equal(await decode.asnapshot("kv", tmp_path),
+                              expected_after(before, raw(src), src_blocks, dst_blocks, 2))
+        assert engine.link_stats()[2]["read_offers"] == offers + LAYERS  # the decode copied every layer
+        assert (await decode.acall("stats"))["stats"]["1"]["read_offers_copied"] == LAYERS
+        with pytest.raises(LLMException) as caught:
+            async with engine.cache_manager.layer_pusher(KEY, src, [3, 4], [7, 8]) as refused:
+                for layer in range(LAYERS):
+                    refused.push_layer(layer)
+        assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert caught.value.completed_layers == []
+        assert np.array_equal(await decode.asnapshot("kv", tmp_path),
+                              expected_after(before, raw(src), src_blocks, dst_blocks, 2))  # block 7 unchanged

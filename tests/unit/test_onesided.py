@@ -70,6 +70,18 @@ async def test_a_refused_lease_falls_back_to_per_request_grants() -> None:
     one.lease_active(3)
     one.on_lease({"op": "refuse", "cache": 3})
     assert one.leases[3] == LeaseState.REVOKED and not one.lease_active(3)
+    assert not one.reader_copies()  # an old receiver's refusal says nothing of reading
+
+
+async def test_a_receiver_that_reads_says_so_even_when_it_refuses_the_lease() -> None:
+    """A cache open per request (GRANTED, as vLLM's decode registers it) is never leased; its writes are
+    still offered for the receiver to copy, each checked there against the grants."""
+    one, _, _, _ = sender()
+    one.lease_active(3)
+    one.on_lease({"op": "refuse", "cache": 3, "reads": True})
+    assert one.leases[3] == LeaseState.REVOKED and one.reader_copies()
+    one.close_leases()  # unlinking: nothing new is offered
+    assert not one.reader_copies()
 
 
 async def test_a_leased_write_copies_then_notifies_and_unlinking_stops_new_ones() -> None:
@@ -176,10 +188,10 @@ def offered(one: OneSidedSender, requests: RequestTable) -> tuple[Any, Source]:
 
 async def test_a_read_offer_keeps_its_source_until_the_readers_done_even_when_abandoned() -> None:
     one, requests, _, _ = sender()
-    assert not one.reader_copies(1)
+    assert not one.reader_copies()
     one.lease_active(1)
     one.on_lease({"op": "grant", "cache": 1, "reads": True})
-    assert one.reader_copies(1)
+    assert one.reader_copies()
     op, source = offered(one, requests)
     assert not one.leases_idle()  # an unlink waits for the reader
     requests.abandon(op)  # the caller gave up (timeout, cancel): the reader may still be copying

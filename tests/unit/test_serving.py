@@ -32,7 +32,7 @@ from kvpush.protocol import (
 )
 from kvpush.serving import Inbound, LinkPorts, Refusal, resolve
 from kvpush.status import LLMStatusCode
-from kvpush.types import CacheDesc, CacheKey, DataType
+from kvpush.types import CacheDesc, CacheKey, DataType, RemoteAccess
 from transports.base import TransportError
 
 DESC = CacheDesc(4, (8, 64), DataType.DT_UINT8)  # 4 tensors of 8 blocks x 64 bytes
@@ -194,7 +194,7 @@ def test_standing_grants_need_proof_of_reach_and_are_revoked_on_release() -> Non
     registry, cache_id = registry_with_cache()
     side, sent, _ = inbound(registry)
     side.on_lease({"op": "request", "cache": cache_id, "proof": "wrong"})
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": False})
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
     entry = registry.get(cache_id)
     assert entry is not None
@@ -329,6 +329,30 @@ async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_ans
     await asyncio.sleep(0)
     assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1] == (0, "")
     assert entry.pins == 1 and counters["bytes_received"] == 128
+
+
+async def test_a_cache_open_per_request_is_never_leased_yet_read_into_within_its_grants() -> None:
+    """vLLM's decode registers its KV ``GRANTED``: the lease is refused, but the refusal says this side reads,
+    and every offer is checked against the blocks granted to the peer before a byte is copied."""
+    registry = CacheRegistry()
+    mapping, regions = allocate_regions(DESC)
+    cache_id = registry.add(DESC, regions, True, 0, mapping, access=RemoteAccess.GRANTED).cache_id
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.grants is not None
+    reader = Reader()
+    side, sent, _, _ = reading_side(registry, reader)
+    side.rename(9)
+    side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": True})
+    entry.grants.add(9, np.array([0]), write=True)
+    side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64], [0x8000, 64], [0x9000, 64], [0xA000, 64]], [64], 4))
+    assert len(reader.copies) == 1 and entry.pins == 1  # block 0 of each tensor: granted, being copied
+    side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]] * 8, [64, 64], 5))  # blocks 0 and 1
+    assert len(reader.copies) == 1  # block 1 is not granted: refused, nothing copied
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == int(LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+    reader.copies[0][3].set_result(256)
+    await asyncio.sleep(0)
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1] == (0, "") and entry.pins == 0
 
 
 async def test_the_done_of_an_offer_marked_more_waits_for_the_senders_next_frame_or_its_hold() -> None:
