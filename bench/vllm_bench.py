@@ -240,6 +240,7 @@ class Timing:
     landed: float
     pipelined_pushes: int
     after_forward_pushes: int
+    deferred_pushes: int = 0  # pipelined pushes the connector sent after the forward (it copies them to this host)
 
 
 def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
@@ -253,7 +254,7 @@ def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
         return None
     return Timing(min(e["t_bind"] for e in steps), max(e["t_forward_end"] for e in steps), min(landed),
                   sum(e.get("pushes_pipelined", 0) for e in steps if e.get("mode") == "pipelined"),
-                  sum(e.get("pushes_after_forward", 0) for e in steps))
+                  sum(e.get("pushes_after_forward", 0) for e in steps), sum(e.get("pushes_deferred", 0) for e in steps))
 
 
 PHASES = ("to_prefill", "held", "to_forward", "forward", "to_first_token", "tail")
@@ -320,7 +321,8 @@ def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None,
         forward_serial_ms=round(median([(s.forward_end - s.start) * 1e3 for _, s in good]), 1),
         forward_pipelined_ms=round(median([(p.forward_end - p.start) * 1e3 for p, _ in good]), 1),
         pipelined_requests=f"{sum(1 for p, _ in good if p.pipelined_pushes and not p.after_forward_pushes)}"
-                           f"/{len(good)}")
+                           f"/{len(good)}",
+        deferred_requests=f"{sum(1 for p, _ in good if p.deferred_pushes)}/{len(good)}")
     if ttft_pairs:
         record["ttft_saved_ms"] = round(median([(s - p) * 1e3 for p, s in ttft_pairs]), 1)
     return record
@@ -371,16 +373,17 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
     hidden = [r for r in records if r["workload"] == "VLLM-HIDDEN"]
     if hidden:
         lines += ["", "| prompt | case | hidden | transfer after the forward, serial ms | left after the forward, "
-                  "pipelined ms | forward slowed | net saved ms | TTFT saved ms | pushed during forward |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "pipelined ms | forward slowed | net saved ms | TTFT saved ms | pushed during forward "
+                  "| of them, sent after it (copied here) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(hidden, key=lambda r: (r["prompt_tokens"], r["case"])):
             if "result" in r:
                 lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['result']}: {r.get('error', '')} "
-                             "| | | | | | |")
+                             "| | | | | | | |")
                 continue
             lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['hidden'] * 100:.0f}% | {r['transfer_serial_ms']} "
                          f"| {r['exposed_pipelined_ms']} | {r['compute_inflation'] * 100:+.0f}% | {r['net_saved_ms']} "
-                         f"| {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} |")
+                         f"| {r.get('ttft_saved_ms', '')} | {r['pipelined_requests']} "
+                         f"| {r.get('deferred_requests', '')} |")
     phased = [r for r in records if r.get("phases_p50_ms")]
     if phased:  # where a P/D request's time to first token went (``phases_of``), beside the single instance's
         lines += ["", "| prompt | case | " + " | ".join(name.replace("_", " ") for name in PHASES)

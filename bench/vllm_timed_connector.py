@@ -14,7 +14,7 @@ Environment (read once, in the worker):
 Trace lines (``time.monotonic()``, which is one clock for every process of a Linux host):
 - prefill, one per step that computes prompt tokens of a request being sent:
   ``{"ev": "step", "t_bind": .., "t_first_layer": .., "t_last_layer": .., "t_forward_end": ..,
-  "mode": "pipelined"|"serial", "sends": n, "pushes_pipelined": d, "pushes_after_forward": d}``
+  "mode": "pipelined"|"serial", "sends": n, "pushes_pipelined": d, "pushes_after_forward": d, "pushes_deferred": d}``
   (``t_bind``: metadata bound, just before the forward; ``t_forward_end``: ``wait_for_save`` entered,
   every layer computed; the push counters are this step's increments of the connector's stats).
 - prefill, scheduler side, one per request it held for its decode's block ids, when it lets it run:
@@ -106,7 +106,7 @@ class TimedKvpushConnector(KvpushConnector):
         super().wait_for_save()
         if step is not None:
             after = self.stats()
-            for key in ("pushes_pipelined", "pushes_after_forward"):
+            for key in ("pushes_pipelined", "pushes_after_forward", "pushes_deferred"):
                 name = f"producer.{key}"
                 step[key] = after.get(name, 0) - self._before.get(name, 0)
             self._write(step)

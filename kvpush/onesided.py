@@ -15,13 +15,13 @@ there anyway; the lease changes when the receiver learns of a write, never where
 mover's ``lease_proof`` (the peer's secret, read through the transport) may arrive after the link is
 up; until then writes ask per request.
 
-A receiver that can itself read this process on the same host says so when it answers a lease request,
-granted or refused (``reads``): a cache opened per request (``RemoteAccess.GRANTED``, as the vLLM
-connector's decode registers its KV) is never leased, yet its writes are offered all the same, each checked
-against the grants like any write. Then a layer the layer pusher lets go while its caller computes is not copied here: one
-READ_OFFER names where its bytes are in this process's memory and where they go, the receiver (idle,
-waiting for them) copies them in its own worker thread and answers DONE, and only then does the
-request complete (remote completion, as for every write). Until that answer the source stays pinned
+A receiver that can itself read this process on the same host says so when it answers a lease
+request, granted or refused (``reads``): a cache opened per request (``RemoteAccess.GRANTED``, as the
+vLLM connector's decode registers its KV) is never leased, yet its writes are offered all the same, each
+checked against the grants like any write. Then a layer the layer pusher lets go while its caller
+computes is not copied here: one READ_OFFER names where its bytes are in this process's memory and where
+they go, the receiver (idle, waiting for them) copies them in its own worker thread and answers DONE, and
+only then does the request complete (remote completion, as for every write). Until that answer the source stays pinned
 (``_lent``): a request abandoned meanwhile keeps it until the DONE, and a link that closes first hands
 it to the engine, which releases it once the reader's process is gone (``serving.HeldGrants``).
 """

@@ -21,6 +21,7 @@ from . import transfer
 from .link import Link
 from .notify import NOTIFICATION
 from .plan import Plan
+from .protocol import Kind
 from .requests import PendingOp
 from .status import LLMException, LLMStatusCode, param_invalid
 from .types import check_int
@@ -64,6 +65,12 @@ class LayerPusher:
         # peer), so push_layer only lets bytes go: microseconds on the prefill's critical path.
         self._prepared: dict[int, PendingOp] = {
             layer: transfer.start_layer(link, plan, step, timeout_ms, held=True) for layer, step in self._steps.items()}
+        #: This side's CPU moves the layers to a peer on this host: stream writes (over loopback the kernel's
+        #: copy and the receiving half of TCP both run here) or this side's own same-host copies, rather than
+        #: offers the peer copies itself. A layer let go while the caller computes then costs the computation
+        #: as many cycles as pushing it afterwards, and its caches besides; a caller whose computation keeps
+        #: every core it may use busy (a vLLM forward) pushes such layers after it. False on another host.
+        self.copies_here = link.stream.local and any(op.kind != Kind.READ_OFFER for op in self._prepared.values())
 
     @property
     def num_layers(self) -> int:

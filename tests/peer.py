@@ -118,7 +118,7 @@ async def _serve() -> None:
         if op == "hold_pusher":  # prepare a request (its one-sided layers get granted) and push nothing yet
             held.append(cm.layer_pusher(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],
                                         cmd["src_blocks"], cmd["dst_blocks"]))
-            return {"layers": held[-1].num_layers}
+            return {"layers": held[-1].num_layers, "copies_here": held[-1].copies_here}
         if op == "push_many":  # many concurrent requests, each its own push_blocks
             key = BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0))
             jobs = [cm.push_blocks(key, caches[cmd["name"]], s, d) for s, d in cmd["requests"]]

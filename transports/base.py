@@ -120,6 +120,9 @@ class FrameStream(Protocol):
 
     capabilities: Capabilities
     closed: bool
+    # The peer is a process of this host (a connection between two of its addresses): what is written
+    # here is copied by this host's CPUs at both ends, none of it by a network card.
+    local: bool
 
     @property
     def last_receive(self) -> float:

@@ -9,6 +9,7 @@ set-up (listener, connect).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import struct
@@ -25,11 +26,26 @@ from .base import (
 from .tcp_receive import STAGING_BYTES, TRUSTED_STAGING_BYTES, FrameReceiver
 from .tcp_send import FrameSender
 
-__all__ = ["CAPABILITIES", "STAGING_BYTES", "TRUSTED_STAGING_BYTES", "TcpControl", "TcpFrameStream"]
+__all__ = ["CAPABILITIES", "STAGING_BYTES", "TRUSTED_STAGING_BYTES", "TcpControl", "TcpFrameStream", "is_local"]
 
 log = logging.getLogger(__name__)
 
 CAPABILITIES = Capabilities(name="tcp", one_sided=False, same_host_only=False)
+
+
+def is_local(sock: socket.socket) -> bool:
+    """True when ``sock`` connects two processes of this host: a Unix socket, a loopback address, or a
+    connection from one of this host's addresses to itself."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return sock.family == socket.AF_UNIX
+    try:
+        peer, own = str(sock.getpeername()[0]), str(sock.getsockname()[0])
+        address = ipaddress.ip_address(peer.split("%")[0])
+    except (OSError, ValueError):
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or peer == own
 
 
 class TcpFrameStream(FrameSender):
@@ -44,6 +60,7 @@ class TcpFrameStream(FrameSender):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().__init__(sock.fileno(), loop)
         self.sock = sock
+        self.local = is_local(sock)
         self.handler = handler
         self._receiver = FrameReceiver(sock, handler, self.close)
         loop.add_reader(self.fd, self._receiver.on_readable)

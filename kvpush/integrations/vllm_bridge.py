@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -56,6 +57,8 @@ class _Push:
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.closed = False  # no more layers: finished or cancelled
+        # layers computed but kept until the forward is over (the pusher copies them here, to this host)
+        self.waiting: list[int] | None = None
 
 
 class EngineBridge:
@@ -85,6 +88,9 @@ class EngineBridge:
         self._peer_locks: dict[int, asyncio.Lock] = {}
         self._tasks = TaskScope(f"kvpush-worker-{cluster_id}")
         self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
+        #: ``pushes_deferred``: pipelined pushes whose layers went after the forward (``_start_push``). Its
+        #: keys exist from the start: vLLM's thread reads it while the loop's thread counts.
+        self.stats: Counter[str] = Counter(pushes_deferred=0)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -329,6 +335,14 @@ class EngineBridge:
             push.pusher = self.dd.cache_manager.layer_pusher(key, self.cache, src, dst, tensor_num_per_layer=1)
         except Exception as error:  # noqa: BLE001 - reported as this push's failure
             push.error = describe_error(error)
+            return
+        if push.pusher.copies_here:
+            # This process's own CPU would move the layers to the decode (TCP to this host, or a decode that
+            # cannot read this process), and vLLM's forward keeps every core it may use busy: a layer pushed
+            # during the forward costs the forward what it costs after it, and its caches besides. They go
+            # once the forward is over.
+            push.waiting = []
+            self.stats["pushes_deferred"] += 1
 
     def push_layer(self, push_id: int, layer: int) -> None:
         self.thread.call_soon(self._push_layer, push_id, layer)
@@ -336,6 +350,9 @@ class EngineBridge:
     def _push_layer(self, push_id: int, layer: int) -> None:
         push = self._pushes.get(push_id)
         if push is None or push.closed or push.error is not None or push.pusher is None:
+            return
+        if push.waiting is not None:
+            push.waiting.append(layer)
             return
         try:
             push.pusher.push_layer(layer)
@@ -349,6 +366,9 @@ class EngineBridge:
         push = self._pushes.get(push_id)
         if push is None or push.task is not None:
             return
+        waiting, push.waiting = push.waiting or [], None
+        for layer in waiting:  # the forward is over: the layers kept for it go now
+            self._push_layer(push_id, layer)
         push.closed = True
         push.task = asyncio.get_running_loop().create_task(self._wait(push))
         push.task.add_done_callback(lambda task: self._push_ended(push_id, task))
@@ -367,6 +387,7 @@ class EngineBridge:
         if push is None:
             return
         if push.task is None:  # a pipelined push still taking layers: wait for what started, cancelled
+            push.waiting = None  # what was kept for after the forward never starts
             self._finish_push(push_id)
         assert push.task is not None
         task = push.task

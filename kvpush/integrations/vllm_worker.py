@@ -166,6 +166,8 @@ class WorkerSide:
         for side, book in (("producer", self.producer), ("consumer", self.consumer)):
             if book is not None:
                 counts.update({f"{side}.{key}": value for key, value in book.stats.items()})
+        if self.producer is not None and self.engine is not None:
+            counts.update({f"producer.{key}": value for key, value in self.engine.stats.items()})
         return counts
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ async def test_the_decode_copies_each_layer_and_the_bytes_land_exactly(make_engi
     offers = engine.link_stats()[2].get("read_offers", 0)
     src_blocks, dst_blocks = [3, 4, 5, 0, 9, 31], [10, 11, 12, 40, 2, 63]
     async with engine.cache_manager.layer_pusher(KEY, src, src_blocks, dst_blocks) as pusher:
+        assert not pusher.copies_here  # the decode copies: worth letting go during a computation
         for layer in (2, 0, 3, 1):
             await pusher.push_layer(layer)  # complete: the layer is in the decode's memory now
             after = await decode_peer_cma.asnapshot("kv", tmp_path)

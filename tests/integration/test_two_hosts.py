@@ -39,6 +39,9 @@ def test_push_between_two_namespaces(two_hosts: Any, tmp_path: Any, transport: s
             assert np.array_equal(got[tensor][dst_blocks], source[src_blocks])
         untouched = sorted(set(range(64)) - set(dst_blocks))
         assert not got[:, untouched].any()
+        # across hosts the sender's copy overlaps the wire: nothing tells a layer pusher's caller to hold back
+        held = prefill.call("hold_pusher", name="kv", cluster_id=2, src_blocks=[0], dst_blocks=[1])
+        assert held["copies_here"] is False
 
 
 def test_explicit_same_host_transport_across_namespaces_is_refused(two_hosts: Any) -> None:

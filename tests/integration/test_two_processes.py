@@ -322,3 +322,17 @@ async def test_no_leased_copy_starts_once_an_unlink_has_begun(make_engine: Engin
         await pusher.push_layer(0)  # ...so nothing may be copied there any more
     assert not any(t.view(np.uint8).any() for t in other.tensors)
     assert (await unlinking)[0] == LLMStatusCode.LLM_SUCCESS
+
+
+async def test_a_layer_pusher_over_tcp_to_this_host_says_this_side_copies(make_engine: EngineFactory) -> None:
+    """Over loopback TCP the prefill's kernel copies every byte (and runs the receiving half of TCP): a
+    caller whose computation keeps its cores busy learns it (``copies_here``) and pushes after computing.
+    The pusher works the same either way."""
+    with decode_peer_with_kv("tcp") as decode:
+        engine, src = await prefill(make_engine, decode, "tcp")
+        assert engine.links[2].stream.local
+        async with engine.cache_manager.layer_pusher(BlocksCacheKey(2, 0), src, [0], [1]) as pusher:
+            assert pusher.copies_here
+            for layer in range(pusher.num_layers):
+                pusher.push_layer(layer)
+        assert len(pusher.landed) == pusher.num_layers

@@ -135,7 +135,44 @@ def test_decode_first_chunked_prefill_pushes_each_layer_and_reports_after_landin
     assert_landed(prefill, decode, src, dst)
     stats = prefill.worker.stats()
     assert stats["producer.pushes_pipelined"] == 2 and "producer.pushes_after_forward" not in stats
+    if prefill.worker.settings.config.transport == "tcp":  # the prefill's own CPU copies: after each forward
+        assert stats["producer.pushes_deferred"] == 2
     assert decode.worker.stats() == {"consumer.ids_sent": 1, "consumer.landed": 1}
+
+
+def test_over_tcp_to_this_host_no_layer_leaves_before_the_forward_is_over() -> None:
+    """A vLLM forward keeps its cores busy, and over TCP to a decode on this host the prefill's kernel copies
+    (and receives) every byte: a layer sent during the forward only slows it. The layers wait for
+    ``wait_for_save``, then land exactly."""
+    port = free_port()
+    prefill = Side("kv_producer", port, transport="tcp", ids_timeout_s=5, transfer_timeout_s=5)
+    decode = Side("kv_consumer", port, transport="tcp", transfer_timeout_s=5, abort_grace_s=2)
+    try:
+        src, dst, tokens = [5, 6], [30, 31], 8
+        decode.step(StepMeta(recv=[recv_spec(prefill, "t1", dst, tokens)]))
+        until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t1")), prefill, decode)
+        bridge = decode.worker.engine
+        assert bridge is not None
+
+        def received() -> dict[int, dict[str, Any]]:
+            async def read() -> dict[int, dict[str, Any]]:
+                return bridge.dd.link_stats()
+            return bridge.thread.run(read(), timeout=5)  # type: ignore[no-any-return]
+        prefill.worker.begin_step(StepMeta(send=[SendStep("p-t1", "t1", tuple(src), 0, tokens, tokens)]))
+        compute = compute_tokens(prefill, src, 0, tokens)
+        for layer in range(LAYERS):
+            compute(layer)
+            prefill.worker.layer_saved(NAMES[layer])
+        time.sleep(0.2)  # room for a layer to leave, were it let go
+        assert all(counters.get("bytes_received", 0) == 0 for counters in received().values())
+        prefill.worker.end_step()
+        prefill.step(StepMeta(send_finished=[FinishedSend("p-t1", "t1", True, True)]))
+        until(lambda: "d-t1" in decode.recving and "p-t1" in prefill.sending, prefill, decode)
+        assert_landed(prefill, decode, src, dst)
+        assert prefill.worker.stats()["producer.pushes_deferred"] == 1
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
 
 
 def test_ids_after_the_forward_are_served_by_one_push_and_prefix_hits_are_skipped(pair: tuple[Side, Side]) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from kvpush.layout import IoVec
 from kvpush.protocol import FrameHeader, Kind, encode_header
-from transports import iovec
+from transports import iovec, tcp
 from transports.base import PayloadSink
 from transports.tcp import STAGING_BYTES, TRUSTED_STAGING_BYTES, TcpFrameStream
 
@@ -347,3 +347,25 @@ async def test_what_a_resetting_peer_sent_before_the_reset_is_delivered() -> Non
     finally:
         stream.close("test over")
         peer.close()
+
+
+def test_a_stream_knows_whether_its_peer_is_on_this_host() -> None:
+    """Loopback, a Unix socket, or a connection from one of this host's addresses to itself: the bytes are
+    copied by this host's CPUs at both ends (``FrameStream.local``)."""
+    for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            server = socket.socket(family)
+            server.bind((address, 0))
+        except OSError:  # no IPv6 here
+            continue
+        with server, socket.socket(family) as client:
+            server.listen(1)
+            client.connect(server.getsockname()[:2])
+            accepted, _ = server.accept()
+            with accepted:
+                assert tcp.is_local(client) and tcp.is_local(accepted)
+    left, right = socket.socketpair()
+    with left, right:
+        assert tcp.is_local(left)
+    with socket.socket() as unconnected:
+        assert not tcp.is_local(unconnected)  # no peer: nothing to say it is here

@@ -136,6 +136,9 @@ def test_hidden_share_from_pipelined_and_serial_pairs() -> None:
     assert record["transfer_serial_ms"] == pytest.approx(100.0)
     assert record["exposed_pipelined_ms"] == pytest.approx(10.0)
     assert record["pipelined_requests"] == "3/3" and record["ttft_saved_ms"] == pytest.approx(80.0)
+    assert record["deferred_requests"] == "0/3"
+    kept = hidden_record("kvpush-tcp", 512, [(Timing(0.0, 1.0, 1.1, 1, 0, 1), serial)])  # sent after the forward
+    assert kept["pipelined_requests"] == "1/1" and kept["deferred_requests"] == "1/1" and kept["hidden"] == 0.0
 
 
 def test_hidden_share_is_the_median_clipped_and_needs_a_complete_pair() -> None:
