@@ -57,8 +57,8 @@ class _Push:
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.closed = False  # no more layers: finished or cancelled
-        # layers computed but kept until the forward is over (the pusher copies them here, to this host)
-        self.waiting: list[int] | None = None
+        # every layer goes once the forward is over (the pusher would copy them here, to this host)
+        self.deferred = False
 
 
 class EngineBridge:
@@ -91,6 +91,7 @@ class EngineBridge:
         #: ``pushes_deferred``: pipelined pushes whose layers went after the forward (``_start_push``). Its
         #: keys exist from the start: vLLM's thread reads it while the loop's thread counts.
         self.stats: Counter[str] = Counter(pushes_deferred=0)
+        self._deferred: set[int] = set()  # deferred pushes (``_start_push``): vLLM's thread reads it
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -341,19 +342,20 @@ class EngineBridge:
             # cannot read this process), and vLLM's forward keeps every core it may use busy: a layer pushed
             # during the forward costs the forward what it costs after it, and its caches besides. They go
             # once the forward is over.
-            push.waiting = []
+            push.deferred = True
+            self._deferred.add(push_id)  # from now on vLLM's thread hands none of its layers over
             self.stats["pushes_deferred"] += 1
 
     def push_layer(self, push_id: int, layer: int) -> None:
-        self.thread.call_soon(self._push_layer, push_id, layer)
+        if push_id not in self._deferred:  # a deferred push takes no layer before the forward is over
+            self.thread.call_soon(self._push_layer, push_id, layer)
 
     def _push_layer(self, push_id: int, layer: int) -> None:
         push = self._pushes.get(push_id)
         if push is None or push.closed or push.error is not None or push.pusher is None:
             return
-        if push.waiting is not None:
-            push.waiting.append(layer)
-            return
+        if push.deferred:
+            return  # it goes with the others once the forward is over
         try:
             push.pusher.push_layer(layer)
         except LLMException as error:
@@ -366,9 +368,11 @@ class EngineBridge:
         push = self._pushes.get(push_id)
         if push is None or push.task is not None:
             return
-        waiting, push.waiting = push.waiting or [], None
-        for layer in waiting:  # the forward is over: the layers kept for it go now
-            self._push_layer(push_id, layer)
+        if push.deferred:  # the forward is over: every layer goes now
+            push.deferred = False
+            self._deferred.discard(push_id)
+            for layer in range(push.pusher.num_layers):
+                self._push_layer(push_id, layer)
         push.closed = True
         push.task = asyncio.get_running_loop().create_task(self._wait(push))
         push.task.add_done_callback(lambda task: self._push_ended(push_id, task))
@@ -387,7 +391,8 @@ class EngineBridge:
         if push is None:
             return
         if push.task is None:  # a pipelined push still taking layers: wait for what started, cancelled
-            push.waiting = None  # what was kept for after the forward never starts
+            push.deferred = False  # what was kept for after the forward never starts
+            self._deferred.discard(push_id)
             self._finish_push(push_id)
         assert push.task is not None
         task = push.task
@@ -395,6 +400,7 @@ class EngineBridge:
 
     def _push_ended(self, push_id: int, task: asyncio.Task[None]) -> None:
         self._pushes.pop(push_id, None)
+        self._deferred.discard(push_id)
         if task.cancelled():
             error: str | None = "cancelled"
         else:
