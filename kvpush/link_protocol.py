@@ -151,8 +151,11 @@ class LinkProtocol:
         """A frame from the peer: where its payload goes (None: discarded)."""
         state = self.state
         if state is _READY:
-            if self.inbound.holding and header.kind is not _READ_OFFER:  # held answers go back before anything
-                self.inbound.send_held()                                   # else the peer sends is handled
+            if header.kind is not _READ_OFFER:
+                if self.inbound.holding:  # held answers go back before anything else the peer sends is handled
+                    self.inbound.send_held()
+                if self.inbound.gated:  # the peer may just have marked a layer ready (its pusher's caller is done)
+                    self.inbound.poll_gates()
             if in_hand and header.kind == _WRITE:  # a small write, its bytes already here
                 return self.inbound.serve_write(header, meta, True)
             handler = self.handlers.get(header.kind)

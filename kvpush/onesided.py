@@ -80,6 +80,7 @@ class OneSidedSender:
         # before anything else the link sends on their behalf, see ``flush_notices``)
         self._notices: deque[tuple[bytes, int]] = deque()
         self.peer_reads = False  # the receiver copies offered layers out of this process itself (READ_OFFER)
+        self.peer_gates = False  # ... and takes them gated by a ready mark (``kvpush.marks``)
         # READ_OFFERs sent and not yet answered: the source each reads, pinned until its DONE
         self._lent: dict[int, tuple[PendingOp, CacheEntry]] = {}
 
@@ -97,8 +98,12 @@ class OneSidedSender:
         return state is _ACTIVE
 
     def close_leases(self) -> None:
-        """Unlinking: from now on no leased copy starts (held ones fail), so a drain is final."""
+        """Unlinking: from now on no leased copy starts (held ones fail) and gated offers not marked yet are
+        withdrawn (the receiver answers them without copying), so a drain is final."""
         self.closing = True
+        for op, _ in self._lent.values():
+            if op.gate is not None and not op.gate[0].is_open(op.gate[1]):
+                op.gate[0].withdraw(op.gate[1])
         for cache_id, state in self.leases.items():
             if state in (LeaseState.REQUESTED, LeaseState.ACTIVE):
                 self.leases[cache_id] = LeaseState.DONE
@@ -109,6 +114,7 @@ class OneSidedSender:
             raise ProtocolError(f"LEASE without a cache id: {body!r}")
         if op in ("grant", "refuse"):  # either answer says whether the receiver reads this process
             self.peer_reads = body.get("reads") is True
+            self.peer_gates = body.get("gates") is True
         if op == "grant" and self.leases.get(cache_id) == LeaseState.REQUESTED and not self.closing:
             self.leases[cache_id] = LeaseState.ACTIVE
         elif op == "refuse":
@@ -194,6 +200,11 @@ class OneSidedSender:
         answer to a lease request, granted or not; the receiver checks every offer like a write), and the
         link is not unlinking."""
         return self.peer_reads and not self.closing
+
+    def reader_gates(self) -> bool:
+        """True when held writes may also be offered before their bytes are ready, gated by a mark the
+        receiver reads (``kvpush.marks``): it said it takes such offers."""
+        return self.peer_gates and self.reader_copies()
 
     def lend(self, op: PendingOp, source: CacheEntry) -> None:
         """``op``'s READ_OFFER is about to be sent: from now on the receiver may read ``source`` (pinned by

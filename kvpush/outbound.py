@@ -17,6 +17,7 @@ from transports.base import FrameStream, PayloadSink
 
 from .layout import IoVec
 from .link_protocol import LinkProtocol
+from .marks import LayerMarks
 from .onesided import LeaseState
 from .peer import RemoteCache
 from .plan import Plan
@@ -58,10 +59,13 @@ class Outbound:
         self.protocol = link.protocol
         self.counters = link.counters
 
-    def start_write(self, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
+    def start_write(self, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False,
+                    gate: tuple[LayerMarks, int] | None = None) -> PendingOp:
         """Start one layer's write: one-sided when this link can, else a WRITE frame carrying the bytes.
         The source cache stays pinned until its bytes left. ``held``: prepare everything (a one-sided
-        request is even granted) but move no byte until ``release_held``."""
+        request is even granted) but move no byte until ``release_held``. ``gate`` (held only): where the
+        layer's ready mark is, for a receiver that takes gated offers: the offer goes now, and releasing
+        the layer is marking it (``kvpush.marks``)."""
         if not self.protocol.ready:
             raise self.link.not_ready()
         local_first, remote_first = plan.firsts(step)
@@ -73,7 +77,8 @@ class Outbound:
         if onesided is not None and self._onesided_reaches(remote):
             leased = onesided.lease_active(remote.cache_id)
             if held and source.entries <= MAX_OFFER_ENTRIES and onesided.reader_copies():
-                return self._prepare_read_offer(plan, step, source, budget_ms)
+                return self._prepare_read_offer(plan, step, source, budget_ms,
+                                                gate if gate is not None and onesided.reader_gates() else None)
             return self._start_onesided(_WRITE_INTENT, plan, step, source, budget_ms, held, leased)
         # The frame goes first and the request is booked behind it: a small frame on an idle stream leaves
         # within ``enqueue``, the bookkeeping off the round trip's path. Nothing can answer it in between:
@@ -126,6 +131,9 @@ class Outbound:
         if not op.held:
             return
         op.held = False
+        if op.gate is not None:  # offered already: marking the layer lets the receiver copy it
+            op.gate[0].open(op.gate[1])
+            return
         if op.kind == Kind.READ_OFFER:
             self._offer_read(op, last)
             return
@@ -179,18 +187,25 @@ class Outbound:
                                                     plan.wire, 0, budget_ms))
         return op
 
-    def _prepare_read_offer(self, plan: Plan, step: LayerStep, source: IoVec, budget_ms: int) -> PendingOp:
+    def _prepare_read_offer(self, plan: Plan, step: LayerStep, source: IoVec, budget_ms: int,
+                            gate: tuple[LayerMarks, int] | None) -> PendingOp:
         """A held write the receiver will copy itself (``OneSidedSender.reader_copies``): its READ_OFFER
-        (where the bytes are here, where they go there), sent by ``release_held``. The source stays
-        pinned until the receiver answered (or, if never sent, the request is abandoned)."""
+        (where the bytes are here, where they go there), sent by ``release_held`` - or, ``gate``d, sent now
+        and copied once the layer is marked. The source stays pinned until the receiver answered (or, if
+        never sent, the request is abandoned)."""
         remote, remote_first = plan.remote, plan.firsts(step)[1]
         op = self.requests.new(Kind.READ_OFFER)
         op.held = True
+        mark = None if gate is None else (gate[0].address(gate[1]), gate[0].token)
         op.offer = encode_read_offer(op.request_id, remote.cache_id, remote_first, step.count, plan.wire, budget_ms,
-                                     source.array().tobytes(), more=True)
+                                     source.array().tobytes(), more=True, gate=mark)
         plan.local.pin()
         op.hold(plan.local.unpin)
         op.source = plan.local
+        if gate is not None:
+            self._offer_read(op, last=False)
+            if op.frame is not None:  # sent (else the link is unlinking, and the request failed)
+                op.gate = gate
         return op
 
     def _offer_read(self, op: PendingOp, last: bool) -> None:

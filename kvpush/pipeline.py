@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from . import transfer
 from .link import Link
+from .marks import LayerMarks
 from .notify import NOTIFICATION
 from .plan import Plan
 from .protocol import Kind
@@ -62,9 +64,17 @@ class LayerPusher:
         plan.local.pin()  # the source cache stays mapped until the pusher is done
         self._pinned = True
         # Every layer is prepared now (iovecs, frames; one-sided requests are even granted by the
-        # peer), so push_layer only lets bytes go: microseconds on the prefill's critical path.
+        # peer), so push_layer only lets bytes go: microseconds on the prefill's critical path. To a peer
+        # that copies the layers itself, every offer goes now, gated by a mark in ``_marks``: letting a layer
+        # go is one store, which any thread may make (``mark_ready``), without this loop waking.
+        self._slots = {layer: slot for slot, layer in enumerate(self._steps)}
+        self._marks = LayerMarks(len(self._steps))
         self._prepared: dict[int, PendingOp] = {
-            layer: transfer.start_layer(link, plan, step, timeout_ms, held=True) for layer, step in self._steps.items()}
+            layer: transfer.start_layer(link, plan, step, timeout_ms, held=True, gate=(self._marks, self._slots[layer]))
+            for layer, step in self._steps.items()}
+        #: Every layer is offered gated: ``mark_ready`` lets one go from any thread.
+        self.gated = all(op.gate is not None for op in self._prepared.values())
+        self._offered = any(op.gate is not None for op in self._prepared.values())
         #: This side's CPU moves the layers to a peer on this host: stream writes (over loopback the kernel's
         #: copy and the receiving half of TCP both run here) or this side's own same-host copies, rather than
         #: offers the peer copies itself. A layer let go while the caller computes then costs the computation
@@ -75,6 +85,18 @@ class LayerPusher:
     @property
     def num_layers(self) -> int:
         return len(self._steps)
+
+    def mark_ready(self, layer: int) -> None:
+        """Any thread (a gated pusher's, ``gated``): layer ``layer``'s bytes are final, the peer may copy
+        them now. Two stores into this process's memory; nothing else runs, and this pusher's event loop does
+        not wake. ``wait()`` then waits for the layer as for one ``push_layer`` started, its deadline counted
+        from this call. Marking a layer again, or one ``push_layer`` started, changes nothing."""
+        if not self.gated:
+            raise param_invalid("mark_ready: this pusher's layers are not offered gated (see LayerPusher.gated)")
+        slot = self._slots.get(layer)
+        if slot is None:
+            raise param_invalid(f"mark_ready: layer {layer} is outside the request's {self.num_layers} layers")
+        self._marks.open(slot)
 
     def push_layer(self, layer: int) -> asyncio.Task[None]:
         """Start layer ``layer`` now and return at once. Raises (moving no byte) for a layer outside
@@ -96,9 +118,13 @@ class LayerPusher:
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
         op = self._prepared.pop(layer)
         self._link.outbound.release_held(op, last=not self._prepared)  # the others' offers say more follow
-        task = asyncio.get_running_loop().create_task(self._finish(step, op), name=f"kvpush-layer-{layer}")
+        return self._start(step, op, self._timeout_ms)
+
+    def _start(self, step: LayerStep, op: PendingOp, timeout_ms: int) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._finish(step, op, timeout_ms),
+                                                      name=f"kvpush-layer-{step.dst_layer}")
         task.add_done_callback(self._retrieve)
-        self._tasks[layer] = task
+        self._tasks[step.dst_layer] = task
         return task
 
     @staticmethod
@@ -106,11 +132,11 @@ class LayerPusher:
         if not task.cancelled():
             task.exception()  # reported by wait(); never "exception was never retrieved"
 
-    async def _finish(self, step: LayerStep, op: PendingOp) -> None:
+    async def _finish(self, step: LayerStep, op: PendingOp, timeout_ms: int) -> None:
         link = self._link
         timeout = self._timeout_ms / 1000
         try:
-            await transfer.await_layer("push_layer", link, op, step.dst_layer, self._timeout_ms)
+            await transfer.await_layer("push_layer", link, op, step.dst_layer, timeout_ms)
         except asyncio.CancelledError:
             await transfer.drain(link, [op], timeout)
             raise
@@ -122,9 +148,11 @@ class LayerPusher:
         self.landed.append(step.dst_layer)
 
     async def wait(self) -> None:
-        """Wait for every started layer; raise the first error with ``completed_layers``."""
-        if self._prepared and self._tasks:  # the last started layer said more would follow: none will
-            self._link.nudge()
+        """Wait for every started (or marked) layer; raise the first error with ``completed_layers``."""
+        self._adopt_marked()
+        if self._tasks and (self._prepared or self._offered):  # more were said to follow: none will
+            self._withdraw()
+            self._link.nudge()  # the peer answers what it held, and reads the marks now
         try:
             results = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         finally:
@@ -137,11 +165,29 @@ class LayerPusher:
         if self._notify is not None and len(self.landed) == len(self._steps):
             await self._link.send_message(NOTIFICATION, self._notify)  # every layer landed
 
-    def _close(self) -> None:
-        self._finished = True
-        for op in self._prepared.values():  # layers never pushed: nothing of them moves
+    def _adopt_marked(self) -> None:
+        """Layers marked ready from another thread (``mark_ready``) are waited for like pushed ones, each
+        within ``sync_kv_timeout`` of its mark."""
+        marks, now = self._marks, time.monotonic()
+        for layer in [layer for layer, op in self._prepared.items() if op.gate is not None
+                      and marks.is_open(self._slots[layer])]:
+            op = self._prepared.pop(layer)
+            op.held = False
+            left_ms = self._timeout_ms - int((now - float(marks.marked_at[self._slots[layer]])) * 1000)
+            self._start(self._steps[layer], op, max(1, left_ms))
+
+    def _withdraw(self) -> None:
+        """Layers never pushed: nothing of them moves (a gated offer's mark says so to the peer, which
+        answers it; its source stays pinned until then)."""
+        for layer, op in self._prepared.items():
+            if op.gate is not None:
+                self._marks.withdraw(self._slots[layer])
             self._link.outbound.abandon(op)
         self._prepared.clear()
+
+    def _close(self) -> None:
+        self._finished = True
+        self._withdraw()
         if self._pinned:
             self._pinned = False
             self._plan.local.unpin()

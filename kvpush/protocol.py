@@ -213,17 +213,25 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
 #: hold this one's DONE and send it with a later one (``serving.Inbound.send_held``): the sender's event loop
 #: then wakes once per layer, not twice.
 OFFER_MORE = 0x01
+# the offer ends with a ``GATE``: its bytes may be copied once the sender's word at that address holds the
+# token (``kvpush.marks``); the token's complement withdraws the offer
+OFFER_GATED = 0x02
+GATE = struct.Struct("<QQ")  # (the mark's address in the sender's memory, the token)
 _OFFER_FLAGS_AT = 3  # the flags byte of a frame header (``HEADER``: magic, kind, flags, ...)
 
 
 def encode_read_offer(request_id: int, cache_id: int, first_tensor: int, num_tensors: int,  # noqa: PLR0913
-                      runs_wire: bytes, budget_ms: int, source: bytes, more: bool = False) -> bytes:
+                      runs_wire: bytes, budget_ms: int, source: bytes, more: bool = False,
+                      gate: tuple[int, int] | None = None) -> bytes:
     """A READ_OFFER: a transfer's meta (where the bytes go in the receiver's cache, as for a WRITE) followed
     by ``source``, the packed ``(address, length)`` entries in the sender's memory to read them from, one
-    per destination entry (tensor-major, like the destination's). ``more``: the ``OFFER_MORE`` flag."""
-    return _TRANSFER_HEAD.pack(MAGIC, Kind.READ_OFFER, OFFER_MORE if more else 0,
-                               TRANSFER_META.size + len(runs_wire) + len(source), request_id, 0, cache_id,
-                               first_tensor, num_tensors, len(runs_wire) >> 4, budget_ms) + runs_wire + source
+    per destination entry (tensor-major, like the destination's). ``more``: the ``OFFER_MORE`` flag;
+    ``gate``: ``(address, token)`` of the sender's mark (``OFFER_GATED``)."""
+    tail = b"" if gate is None else GATE.pack(*gate)
+    flags = (OFFER_MORE if more else 0) | (0 if gate is None else OFFER_GATED)
+    return _TRANSFER_HEAD.pack(MAGIC, Kind.READ_OFFER, flags,
+                               TRANSFER_META.size + len(runs_wire) + len(source) + len(tail), request_id, 0, cache_id,
+                               first_tensor, num_tensors, len(runs_wire) >> 4, budget_ms) + runs_wire + source + tail
 
 
 def offer_flags(frame: bytes, more: bool) -> bytes:
@@ -232,22 +240,25 @@ def offer_flags(frame: bytes, more: bool) -> bytes:
     return frame[:_OFFER_FLAGS_AT] + bytes((flags,)) + frame[_OFFER_FLAGS_AT + 1:]
 
 
-def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> tuple[TransferMeta, IoVec]:
-    """A READ_OFFER's transfer and its source vector; ``ProtocolError`` unless the source has one entry per
-    destination entry, each as long as the run it fills."""
+def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview
+                      ) -> tuple[TransferMeta, IoVec, tuple[int, int] | None]:
+    """A READ_OFFER's transfer, its source vector and its gate (``OFFER_GATED``, else None); ``ProtocolError``
+    unless the source has one entry per destination entry, each as long as the run it fills."""
     if len(meta) < TRANSFER_META.size:
         raise ProtocolError(f"READ_OFFER meta of {len(meta)} bytes is truncated")
     _, _, num_tensors, n_runs, _ = TRANSFER_META.unpack_from(meta)
     runs_end = TRANSFER_META.size + 16 * n_runs
     entries = num_tensors * n_runs
-    if len(meta) != runs_end + 16 * entries:
+    gated = bool(header.flags & OFFER_GATED)
+    if len(meta) != runs_end + 16 * entries + (GATE.size if gated else 0):
         raise ProtocolError(f"READ_OFFER meta length {len(meta)} does not match {n_runs} runs x {num_tensors} tensors")
     transfer = decode_transfer(header, memoryview(meta)[:runs_end])
     source = np.frombuffer(meta, RUN_DTYPE, count=2 * entries, offset=runs_end).reshape(-1, 2)
     if not np.array_equal(source[:, 1].reshape(num_tensors, n_runs), np.broadcast_to(
             transfer.lengths.astype(RUN_DTYPE, copy=False), (num_tensors, n_runs))):
         raise ProtocolError("READ_OFFER source entries do not match the runs they fill")
-    return transfer, IoVec.of_array(source.astype(np.uint64))
+    gate: tuple[int, int] | None = GATE.unpack_from(meta, runs_end + 16 * entries) if gated else None
+    return transfer, IoVec.of_array(source.astype(np.uint64)), gate
 
 
 def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:

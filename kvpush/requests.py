@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transports.base import OutgoingFrame, PayloadSink
 
     from .layout import IoVec
+    from .marks import LayerMarks
     from .memory import CacheEntry
 
 
@@ -35,7 +36,7 @@ class PendingOp:
 
     __slots__ = ("request_id", "kind", "ended", "error", "cancelled", "_loop", "_future", "frame", "sink",
                  "expected", "local_iov", "remote_iov", "copy", "move_args", "held", "granted", "notice",
-                 "waiter", "source", "offer", "_release")
+                 "waiter", "source", "offer", "gate", "_release")
 
     def __init__(self, request_id: int, kind: Kind, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -61,6 +62,8 @@ class PendingOp:
         self.waiter: asyncio.Future[None] | None = None
         self.source: CacheEntry | None = None  # a READ_OFFER's source cache: what the receiver reads
         self.offer: bytes | None = None  # a held READ_OFFER, encoded (``OFFER_MORE`` set), until it is sent
+        # a gated READ_OFFER's mark (sent when prepared; released by marking it): the marks and its slot
+        self.gate: tuple[LayerMarks, int] | None = None
         self._release: Callable[[], None] | None = None
 
     @property

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from transports.base import Mover, OutgoingFrame, PayloadSink, PeerWatch, TransportError
 
+from .gates import Gates
 from .layout import FEW, IoVec
 from .memory import CacheEntry, CacheRegistry
 from .options import EngineOptions
@@ -63,6 +64,9 @@ DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against
 # the longest the DONE of a read offer marked OFFER_MORE is held (at most a quarter of that offer's budget, too):
 # long enough to span a prefill layer or two, short beside any deadline
 HOLD_S = 0.25
+# how long a gated read offer may wait for its mark (the sender's computation of the layer, a forward pass
+# of at most one scheduler step's tokens); its own deadline starts once it is marked
+GATE_WAIT_S = 120.0
 
 
 class Refusal(Exception):
@@ -218,7 +222,10 @@ class Inbound:
         self._peer = peer
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
-        self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied here, until their DONE
+        self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
+        # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE)
+        self._gated: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
+        self._gates = Gates(link.loop, link.reader, self._gate_opened, self._gate_withdrawn, self._gates_failed)
         # DONEs of copied OFFER_MORE read offers, sent together later (``send_held``)
         self._held: list[bytes] = []
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -250,14 +257,14 @@ class Inbound:
             return refusal
         return entry, iov, transfer.budget_ms
 
-    def _watch(self, request_id: int, budget_ms: int, what: str) -> None:
+    def _watch(self, request_id: int, budget_ms: int, what: str, at_least_s: float = 0.0) -> None:
         """Every incoming transfer ends in time: the sender's budget for it, capped by this engine's
         own ``sync_kv_timeout`` (each doubled, plus a second, since the sender's clock starts when the
-        layer is its oldest in flight). Past it (checked every ``DEADLINE_SWEEP_S``) the link is
-        closed, which unpins what it held."""
+        layer is its oldest in flight), or ``at_least_s``. Past it (checked every ``DEADLINE_SWEEP_S``)
+        the link is closed, which unpins what it held."""
         own = self._options.sync_kv_timeout_ms
         limit_ms = min(budget_ms, own) if budget_ms > 0 else own
-        seconds = 2 * limit_ms / 1000 + 1.0
+        seconds = max(2 * limit_ms / 1000 + 1.0, at_least_s)
         self._deadlines[request_id] = (time.monotonic() + seconds, what, seconds)  # the sweep's clock, in C
         if self._sweeper is None:
             self._sweeper = self._link.loop.call_later(DEADLINE_SWEEP_S, self._sweep)
@@ -349,9 +356,10 @@ class Inbound:
         """A READ_OFFER: the peer's bytes for this engine's memory, to be copied out of the peer's process
         by this side (it waits for them; the peer computes). Checked like a write (``resolve``), then
         copied by this side's mover (its worker thread for big layers) and answered with DONE once every
-        byte is here, or with the refusal. The cache stays pinned while the copy runs, even if the link
-        closes meanwhile (the copy is this process's own and ends by itself)."""
-        transfer, source = decode_read_offer(header, meta)
+        byte is here, or with the refusal. A gated offer (``OFFER_GATED``) is checked and pinned now and
+        copied once the sender marks its layer ready (``kvpush.gates``). The cache stays pinned while the
+        copy runs, even if the link closes meanwhile (the copy is this process's own and ends by itself)."""
+        transfer, source, gate = decode_read_offer(header, meta)
         request_id = header.request_id
         reader = self._link.reader()
         resolved = self._resolve(header, meta, "read offer", transfer)
@@ -360,23 +368,67 @@ class Inbound:
         if isinstance(resolved, Refusal):
             self._send(encode_status(_DONE, request_id, int(resolved.status), resolved.reason))
             return
-        assert reader is not None
         entry, iov, budget_ms = resolved
         entry.pin()
         self._reading[request_id] = entry
+        more = bool(header.flags & OFFER_MORE)
+        if gate is not None:
+            # the sender computes the layer meanwhile: its own deadline starts when it marks it
+            self._watch(request_id, budget_ms, "gated read offer", at_least_s=GATE_WAIT_S)
+            self._gated[request_id] = (entry, iov, source, transfer, budget_ms, more)
+            self._gates.add(request_id, *gate)
+            return
         self._watch(request_id, budget_ms, "read offer")
+        self._copy(request_id, entry, iov, source, transfer, budget_ms, more, False)
+
+    def _copy(self, request_id: int, entry: CacheEntry, iov: IoVec, source: IoVec,  # noqa: PLR0913
+              transfer: TransferMeta, budget_ms: int, more: bool, gated: bool) -> None:
+        reader = self._link.reader()
         self._counters["read_offers_copied"] += 1
         try:
+            if reader is None:
+                raise TransportError("the same-host reader is gone")
             copy = reader.start(True, iov, source, transfer.cache_id, transfer.first_tensor, None,
                                 len(transfer.runs))
         except TransportError as error:
             copy = self._link.loop.create_future()
             copy.set_exception(error)
-        hold = min(HOLD_S, budget_ms / 4000) if header.flags & OFFER_MORE and budget_ms > 0 else 0.0
-        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold))
+        hold = min(HOLD_S, budget_ms / 4000) if more and budget_ms > 0 else 0.0
+        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold, gated))
 
-    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int, copy: asyncio.Future[Any],
-                   hold: float) -> None:
+    def _gate_opened(self, request_id: int) -> None:
+        entry, iov, source, transfer, budget_ms, more = self._gated.pop(request_id)
+        self._watch(request_id, budget_ms, "read offer")  # from now on, the offer's own deadline
+        self._copy(request_id, entry, iov, source, transfer, budget_ms, more, True)
+
+    def _gate_withdrawn(self, request_id: int) -> None:
+        entry = self._gated.pop(request_id)[0]
+        entry.unpin()
+        self._reading.pop(request_id, None)
+        self._done(request_id)
+        self._counters["read_offers_withdrawn"] += 1
+        self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED), "withdrawn by the sender"))
+        if not self._gated and not self._reading:
+            self.send_held()
+
+    def _gates_failed(self, error: BaseException) -> None:
+        peer_gone = isinstance(error, TransportError) and error.peer_gone
+        reason = f"peer process exited: {error}" if peer_gone else f"reading the sender's ready marks failed: {error}"
+        log.warning("closing the link to cluster %s: %s", self._peer, reason)
+        self._link.close(reason)
+
+    @property
+    def gated(self) -> bool:
+        """Gated offers wait for their marks (``poll_gates`` reads them now)."""
+        return bool(self._gated)
+
+    def poll_gates(self) -> None:
+        """Read the waiting offers' marks now: the sender's link delivered a frame (a layer pusher whose
+        caller finished sends one), so a layer may just have been marked."""
+        self._gates.poll()
+
+    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int,  # noqa: PLR0913
+                   copy: asyncio.Future[Any], hold: float, gated: bool = False) -> None:
         entry.unpin()
         if self._reading.pop(request_id, None) is None:
             return  # the link closed meanwhile: no one to answer
@@ -385,6 +437,8 @@ class Inbound:
         if error is None and not copy.cancelled():
             self._counters["bytes_received"] += nbytes
             self._held.append(encode_status(_DONE, request_id, 0))
+            if gated and not self._gated and not self._reading:
+                hold = 0.0  # the sender's last gated offer here: nothing more to answer with it
             if hold:
                 self._counters["read_offer_answers_held"] += 1
                 self._hold(hold)
@@ -430,16 +484,18 @@ class Inbound:
             # only a writer that read our in-memory secret (it can reach this process) gets a lease
             # a lease opens the whole cache to the writer: only an OPEN cache is leased
             # either answer says whether the writer may offer layers for this side to copy (READ_OFFER, each
-            # checked like a write): a cache open per request (GRANTED) is never leased, yet is read into
+            # checked like a write; ``gates``: also offers gated by a mark): a cache open per request (GRANTED)
+            # is never leased, yet is read into
             reads = self._link.reader() is not None
             if (entry is None or entry.access is not RemoteAccess.OPEN or cache_id in self._leases
                     or not self._link.proves_reach(str(body.get("proof", "")))
                     or not self._options.enable_remote_cache_accessible):
-                self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id, "reads": reads}))
+                self._send(encode_json(Kind.LEASE, 0, {"op": "refuse", "cache": cache_id, "reads": reads,
+                                                       "gates": reads}))
                 return
             entry.pin()
             self._leases[cache_id] = entry
-            self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id, "reads": reads}))
+            self._send(encode_json(Kind.LEASE, 0, {"op": "grant", "cache": cache_id, "reads": reads, "gates": reads}))
         elif op == "revoked":
             entry = self._revoking.pop(cache_id, None)
             if entry is None:
@@ -524,6 +580,10 @@ class Inbound:
         for entry in self._writes.values():
             entry.unpin()
         self._writes.clear()
+        self._gates.clear()
+        for gated in self._gated.values():  # never copied: nothing of this process reads into them
+            gated[0].unpin()
+        self._gated.clear()
         self._reading.clear()
         held = [entry for entry, _, _ in self._granted.values()] + list(self._leases.values()) + list(
             self._revoking.values()) + (lent or [])

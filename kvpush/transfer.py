@@ -14,6 +14,7 @@ import asyncio
 import collections
 
 from .link import Link
+from .marks import LayerMarks
 from .options import EngineOptions
 from .plan import Plan
 from .requests import PendingOp
@@ -27,10 +28,11 @@ WINDOW = 2  # layers in flight per transfer: keeps the wire busy across the per-
 GROUP_BYTES = 16 << 20
 
 
-def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False) -> PendingOp:
-    """Start (or, ``held``, prepare) one layer's request."""
+def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: bool = False,
+                gate: tuple[LayerMarks, int] | None = None) -> PendingOp:
+    """Start (or, ``held``, prepare) one layer's request; ``gate``: its mark, if it may go gated."""
     if plan.push:
-        return link.outbound.start_write(plan, step, budget_ms, held)
+        return link.outbound.start_write(plan, step, budget_ms, held, gate)
     return link.outbound.start_read(plan, step, budget_ms)
 
 

@@ -88,10 +88,12 @@ class EngineBridge:
         self._peer_locks: dict[int, asyncio.Lock] = {}
         self._tasks = TaskScope(f"kvpush-worker-{cluster_id}")
         self._send_timeout = config.link_timeout_ms / 1000 + config.sync_kv_timeout_ms / 1000
-        #: ``pushes_deferred``: pipelined pushes whose layers went after the forward (``_start_push``). Its
-        #: keys exist from the start: vLLM's thread reads it while the loop's thread counts.
-        self.stats: Counter[str] = Counter(pushes_deferred=0)
+        #: ``pushes_deferred``: pipelined pushes whose layers went after the forward; ``pushes_marked``: those
+        #: whose layers vLLM's thread marked ready itself (``_start_push``). Its keys exist from the start:
+        #: vLLM's thread reads it while the loop's thread counts.
+        self.stats: Counter[str] = Counter(pushes_deferred=0, pushes_marked=0)
         self._deferred: set[int] = set()  # deferred pushes (``_start_push``): vLLM's thread reads it
+        self._gated: dict[int, Any] = {}  # pushes whose layers vLLM's thread marks ready itself (``_start_push``)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -345,8 +347,21 @@ class EngineBridge:
             push.deferred = True
             self._deferred.add(push_id)  # from now on vLLM's thread hands none of its layers over
             self.stats["pushes_deferred"] += 1
+        elif push.pusher.gated:
+            # The decode copies each layer once it reads the layer's ready mark in this process's memory:
+            # from now on vLLM's thread marks the layers itself (``push_layer``), and this loop does not
+            # wake during the forward (each wake is a turn of Python taken from the forward's core).
+            self._gated[push_id] = push.pusher
+            self.stats["pushes_marked"] += 1
 
     def push_layer(self, push_id: int, layer: int) -> None:
+        gated = self._gated.get(push_id)
+        if gated is not None:
+            try:
+                gated.mark_ready(layer)  # two stores; the decode reads them
+                return
+            except LLMException:
+                pass  # the loop's push_layer raises it again, and the push fails with it
         if push_id not in self._deferred:  # a deferred push takes no layer before the forward is over
             self.thread.call_soon(self._push_layer, push_id, layer)
 
@@ -368,6 +383,7 @@ class EngineBridge:
         push = self._pushes.get(push_id)
         if push is None or push.task is not None:
             return
+        self._gated.pop(push_id, None)  # its wait() takes the layers vLLM's thread marked
         if push.deferred:  # the forward is over: every layer goes now
             push.deferred = False
             self._deferred.discard(push_id)
@@ -401,6 +417,7 @@ class EngineBridge:
     def _push_ended(self, push_id: int, task: asyncio.Task[None]) -> None:
         self._pushes.pop(push_id, None)
         self._deferred.discard(push_id)
+        self._gated.pop(push_id, None)
         if task.cancelled():
             error: str | None = "cancelled"
         else:

@@ -133,7 +133,9 @@ async def test_a_stopped_decode_times_the_layer_out_and_the_source_stays_mapped(
         assert caught.value.completed_layers == [0]
         engine.cache_manager.deallocate_cache(src)
         await asyncio.sleep(0.2)
-        assert entry.removed and entry.pins == 1 and entry.regions  # the decode may still read it
+        # the decode may still read it: the timed-out layer's offer, and the two it was offered before their
+        # layers were ready (gated; withdrawn, but not answered yet)
+        assert entry.removed and entry.pins == LAYERS - 1 and entry.regions
     finally:
         decode_peer_cma.signal(signal.SIGCONT)
     decode_peer_cma.kill()
@@ -236,3 +238,43 @@ async def test_a_cache_open_per_request_is_read_into_by_the_decode_within_its_gr
         assert caught.value.completed_layers == []
         assert np.array_equal(await decode.asnapshot("kv", tmp_path),
                               expected_after(before, raw(src), src_blocks, dst_blocks, 2))  # block 7 unchanged
+
+
+async def test_layers_marked_ready_from_another_thread_are_copied_and_the_rest_withdrawn(make_engine: EngineFactory,
+                                                                                        decode_peer_cma: Peer,
+                                                                                        tmp_path: Any) -> None:
+    """Every offer goes when the pusher is made, gated by a mark in the prefill's memory; the caller's own
+    thread lets a layer go by marking it (no event-loop turn), and ``wait()`` waits for the marked layers.
+    Layers never marked are withdrawn: the decode answers them without copying, and only then lets the
+    prefill's source go."""
+    engine, src = await leased(make_engine, decode_peer_cma)
+    before = await decode_peer_cma.asnapshot("kv", tmp_path)
+    offers = engine.link_stats()[2].get("read_offers", 0)
+    src_blocks, dst_blocks = [11, 12, 30], [3, 4, 5]
+    pusher = engine.cache_manager.layer_pusher(KEY, src, src_blocks, dst_blocks)
+    assert pusher.gated and engine.link_stats()[2]["read_offers"] == offers + LAYERS  # all offered at once
+    with pytest.raises(LLMException) as outside:
+        pusher.mark_ready(LAYERS)
+    assert outside.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+    def compute() -> None:  # the caller's computation, on a thread of its own
+        for layer in range(LAYERS):
+            pusher.mark_ready(layer)
+
+    await asyncio.to_thread(compute)
+    await pusher.wait()
+    assert sorted(pusher.landed) == list(range(LAYERS))
+    assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path),
+                          expected_after(before, raw(src), src_blocks, dst_blocks, 2))
+    stopped = engine.cache_manager.layer_pusher(KEY, src, [0], [60])
+    await asyncio.to_thread(stopped.mark_ready, 2)
+    await stopped.wait()
+    assert stopped.landed == [2]
+    decode_stats = (await decode_peer_cma.acall("stats"))["stats"]["1"]
+    assert decode_stats["read_offers_withdrawn"] == LAYERS - 1
+    entry = engine.registry.get(src.cache_id)
+    assert entry is not None
+    await wait_for(lambda: entry.pins == 0)  # every answer came: nothing of the source is lent any more
+    layer = range(2, 3)
+    assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path), expected_after(
+        expected_after(before, raw(src), src_blocks, dst_blocks, 2), raw(src), [0], [60], 2, layer, layer))

@@ -140,6 +140,31 @@ def test_decode_first_chunked_prefill_pushes_each_layer_and_reports_after_landin
     assert decode.worker.stats() == {"consumer.ids_sent": 1, "consumer.landed": 1}
 
 
+def test_over_cma_vllms_thread_marks_each_layer_ready_and_the_decode_copies_it() -> None:
+    """Once the decode said it reads the prefill (its answer to the link's first lease request), a pipelined
+    push offers every layer when the forward starts, and vLLM's thread lets each go by marking it in the
+    prefill's memory: the decode copies it, the prefill's event loop does not wake for it."""
+    port = free_port()
+    prefill = Side("kv_producer", port, transport="cma", ids_timeout_s=5, transfer_timeout_s=5)
+    decode = Side("kv_consumer", port, transport="cma", transfer_timeout_s=5, abort_grace_s=2)
+    try:
+        for n, (src, dst) in enumerate((([1, 2], [10, 11]), ([3, 4, 5], [20, 21, 22]), ([6], [30]))):
+            tid, tokens = f"t{n}", 4 * len(src)
+            decode.step(StepMeta(recv=[recv_spec(prefill, tid, dst, tokens)]))
+            until(lambda t=tid: bool(prefill.worker.producer and prefill.worker.producer.state_of(t)), prefill, decode)
+            prefill.step(StepMeta(send=[SendStep(f"p-{tid}", tid, tuple(src), 0, tokens, tokens)]),
+                         compute_tokens(prefill, src, 0, tokens))
+            prefill.step(StepMeta(send_finished=[FinishedSend(f"p-{tid}", tid, True, True)]))
+            until(lambda t=tid: f"d-{t}" in decode.recving and f"p-{t}" in prefill.sending, prefill, decode)
+            assert_landed(prefill, decode, src, dst)
+        stats = prefill.worker.stats()
+        assert stats["producer.pushes_marked"] >= 2  # every push after the decode's answer
+        assert stats["producer.pushes_marked"] + stats["producer.pushes_deferred"] == 3
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
 def test_over_tcp_to_this_host_no_layer_leaves_before_the_forward_is_over() -> None:
     """A vLLM forward keeps its cores busy, and over TCP to a decode on this host the prefill's kernel copies
     (and receives) every byte: a layer sent during the forward only slows it. The layers wait for

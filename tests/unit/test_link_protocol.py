@@ -93,10 +93,14 @@ class Inbound:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.holding = False
+        self.gated = False
 
     def send_held(self) -> None:
         self.calls.append(("send_held",))
         self.holding = False
+
+    def poll_gates(self) -> None:
+        self.calls.append(("poll_gates",))
 
     def serve_write(self, header: Any, meta: bytes, in_hand: bool = False) -> None:
         self.calls.append(("write", header.request_id, in_hand))
@@ -191,6 +195,17 @@ async def test_answers_the_inbound_side_holds_go_back_before_any_frame_but_a_rea
     protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 3, 1, 0, 1, runs, 64)))
     assert inbound.calls == [("write", 1, False), ("read_offer", 4), ("send_held",), ("write", 2, False),
                              ("write", 3, False)]
+
+
+async def test_offers_waiting_for_their_marks_are_read_again_on_any_frame_but_a_read_offer() -> None:
+    """A layer pusher whose caller is done sends a frame: a layer may just have been marked ready."""
+    protocol, _, inbound, _ = core()
+    runs = b"\0" * 8 + (64).to_bytes(8, "little")
+    inbound.gated = True
+    protocol.on_frame(*frame(encode_read_offer(4, 1, 0, 1, runs, 100, (0x7000).to_bytes(8, "little") + runs[8:],
+                                               more=True, gate=(0x9000, 77))))
+    protocol.on_frame(*frame(encode_json(Kind.PING, 0, {"t": 1.0})))
+    assert inbound.calls == [("read_offer", 4), ("poll_gates",)]
 
 
 async def test_a_ping_is_answered_and_a_pong_measured() -> None:

@@ -8,6 +8,7 @@ import pytest
 from kvpush.layout import pack_runs
 from kvpush.protocol import (
     HEADER_SIZE,
+    OFFER_GATED,
     OFFER_MORE,
     KeyRelease,
     Kind,
@@ -59,10 +60,24 @@ def test_a_read_offer_round_trips_with_one_source_entry_per_destination_entry() 
     frame = read_offer(source)
     header = decode_header(frame[:HEADER_SIZE])
     assert header.kind == Kind.READ_OFFER and header.payload_len == 0
-    meta, vector = decode_read_offer(header, frame[HEADER_SIZE:])
+    meta, vector, gate = decode_read_offer(header, frame[HEADER_SIZE:])
     assert (meta.cache_id, meta.first_tensor, meta.num_tensors, meta.budget_ms) == (9, 4, 2, 300)
     assert meta.offsets.tolist() == [0, 8192] and meta.lengths.tolist() == [4096, 100]
-    assert vector.tolist() == source and vector.nbytes == 2 * 4196
+    assert vector.tolist() == source and vector.nbytes == 2 * 4196 and gate is None
+
+
+def test_a_gated_read_offer_carries_its_mark_after_the_source() -> None:
+    source = [[0x1000, 4096], [0x9000, 100], [0x20000, 4096], [0x30000, 100]]
+    runs = pack_runs(np.array([0, 8192], np.uint64), np.array([4096, 100], np.uint64))
+    gated = encode_read_offer(5, 9, 4, 2, runs, 300, np.array(source, np.uint64).tobytes(), more=True,
+                              gate=(0x7F00_0000_1000, (1 << 64) - 5))
+    header = decode_header(gated[:HEADER_SIZE])
+    assert header.flags == OFFER_MORE | OFFER_GATED
+    meta, vector, gate = decode_read_offer(header, gated[HEADER_SIZE:])
+    assert vector.tolist() == source and gate == (0x7F00_0000_1000, (1 << 64) - 5) and meta.budget_ms == 300
+    assert offer_flags(gated, more=False)[HEADER_SIZE:] == gated[HEADER_SIZE:]  # the gate stays
+    with pytest.raises(ProtocolError):  # the flag without the gate
+        decode_read_offer(header, read_offer(source)[HEADER_SIZE:])
 
 
 def test_a_read_offer_says_whether_more_follow_and_only_that_flag_changes() -> None:

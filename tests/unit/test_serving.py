@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 from collections import Counter
 from typing import Any
 
@@ -194,11 +195,12 @@ def test_standing_grants_need_proof_of_reach_and_are_revoked_on_release() -> Non
     registry, cache_id = registry_with_cache()
     side, sent, _ = inbound(registry)
     side.on_lease({"op": "request", "cache": cache_id, "proof": "wrong"})
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": False})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": False, "gates": False})
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
     entry = registry.get(cache_id)
     assert entry is not None
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": False}) and entry.pins == 1
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": False, "gates": False})
+    assert entry.pins == 1
     header, meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 0, 1, [0], [64])
     side.on_notice(header, meta)  # a leased write inside the cache is counted
     outside, outside_meta = transfer_frame(Kind.WRITE_NOTICE, cache_id, 3, 2, [0], [64])
@@ -296,11 +298,12 @@ class Reader:
 
 
 def offer_frame(cache_id: int, first: int, source: list[list[int]], lengths: list[int],  # noqa: PLR0913
-                request_id: int, more: bool = False, budget_ms: int = 1000) -> tuple[Any, bytes]:
+                request_id: int, more: bool = False, budget_ms: int = 1000,
+                gate: tuple[int, int] | None = None) -> tuple[Any, bytes]:
     wire = pack_runs(np.array([64 * i for i in range(len(lengths))], np.uint64), np.array(lengths, np.uint64))
     count = len(source) // len(lengths)
     frame = encode_read_offer(request_id, cache_id, first, count, wire, budget_ms,
-                              np.array(source, np.uint64).tobytes(), more)
+                              np.array(source, np.uint64).tobytes(), more, gate)
     return decode_header(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]
 
 
@@ -318,7 +321,8 @@ async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_ans
     entry = registry.get(cache_id)
     assert entry is not None
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": True})  # it says it reads
+    # it says it reads, gated offers too
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "grant", "cache": cache_id, "reads": True, "gates": True})
     header, meta = offer_frame(cache_id, 2, [[0x7000, 64], [0x8000, 64]], [64], 4)
     side.on_read_offer(header, meta)
     (is_read, local, remote, copy), = reader.copies
@@ -343,7 +347,7 @@ async def test_a_cache_open_per_request_is_never_leased_yet_read_into_within_its
     side, sent, _, _ = reading_side(registry, reader)
     side.rename(9)
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
-    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": True})
+    assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": True, "gates": True})
     entry.grants.add(9, np.array([0]), write=True)
     side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64], [0x8000, 64], [0x9000, 64], [0xA000, 64]], [64], 4))
     assert len(reader.copies) == 1 and entry.pins == 1  # block 0 of each tensor: granted, being copied
@@ -445,3 +449,53 @@ async def test_a_copy_running_when_the_link_closes_unpins_when_it_ends_and_answe
     reader.copies[0][3].set_result(64)
     await asyncio.sleep(0)
     assert entry.pins == 0 and sent.frames == []
+
+
+async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_open() -> None:
+    """Gated offers (``OFFER_GATED``): checked and pinned on arrival, their marks read from the sender (one
+    read for all of them), copied once a mark holds the token; answers are held while another of the
+    sender's offers is still open here, then all go in one write; a withdrawn mark is answered without a
+    copy; a closing link lets go of what still waits."""
+    registry, cache_id = registry_with_cache()
+    reader = Reader()
+    side, sent, counters, _ = reading_side(registry, reader)
+    entry = registry.get(cache_id)
+    assert entry is not None
+    token = 0x1234_5678_9ABC_DEF0
+    for request_id, mark in ((4, 0xA000), (5, 0xA008), (6, 0xA010)):
+        side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000 + 64 * request_id, 64]] * 4, [64], request_id, True,
+                                        gate=(mark, token)))
+    assert entry.pins == 3 and side.gated and not reader.copies  # nothing copied before a mark says so
+
+    async def marks_read(words: list[int]) -> None:
+        """The next read of the marks: each waiting offer's word, as the sender's memory holds it."""
+        for _ in range(100):
+            await asyncio.sleep(0.002)
+            if reader.copies and reader.copies[-1][3].done() is False and len(reader.copies[-1][1]) == len(words):
+                break
+        is_read, local, remote, read = reader.copies.pop()
+        assert is_read and [length for _, length in local] == [8] * len(words)
+        for (address, _), word in zip(local, words, strict=True):
+            ctypes.c_uint64.from_address(address).value = word
+        read.set_result(8 * len(words))
+        await asyncio.sleep(0)
+
+    await marks_read([token, 0, token ^ ((1 << 64) - 1)])  # 4 open, 5 not yet, 6 withdrawn
+    assert sent.frames[-1] == (Kind.DONE, (int(LLMStatusCode.LLM_FAILED), "withdrawn by the sender"))
+    (is_read, _, remote, copy), = reader.copies  # request 4's bytes
+    assert is_read and remote == [[0x7000 + 256, 64]] * 4 and entry.pins == 2
+    copy.set_result(256)
+    await asyncio.sleep(0)
+    assert side.holding and counters["read_offer_answers_held"] == 1  # 5 is still open: 4's answer waits
+    reader.copies.clear()
+    side.poll_gates()  # a frame from the sender: read the marks now
+    await marks_read([token])
+    (_, _, _, copy), = reader.copies
+    copy.set_result(256)
+    await asyncio.sleep(0)
+    assert sent.writes[-1] == [4, 5] and not side.holding and entry.pins == 0  # the last one out sends both
+    assert counters["read_offers_copied"] == 2 and counters["read_offers_withdrawn"] == 1
+    side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]] * 4, [64], 7, True, gate=(0xA000, token)))
+    assert entry.pins == 1
+    side.close(lambda: None)
+    assert entry.pins == 0 and not side.gated  # never copied: let go with the link
