@@ -12,7 +12,8 @@ blocks. After each layer the forward thread hands the layer to the loop thread, 
 ``save_kv_layer`` does. Three modes take turns, each first in every third round:
 
 - ``serial``: the forward alone (the push after it, not timed): the baseline;
-- ``pipelined``: a ``layer_pusher`` made before the forward, ``push_layer`` handed over per layer,
+- ``pipelined``: a ``layer_pusher`` made before the forward, each layer marked ready by the forward's
+  thread (``mark_ready``, when the decode copies: cma) or ``push_layer`` handed over per layer (tcp),
   ``wait()`` after;
 - ``handoff``: a no-op handed over per layer: the loop thread's wakeups without kvpush's work.
 
@@ -111,8 +112,10 @@ def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
 
         def one(mode: str, record: bool) -> None:
             pusher = portal.run(make_pusher(), timeout=30) if mode == "pipelined" else None
-            if pusher is not None:
-                after: Callable[[int], None] = lambda layer: portal.call_soon(pusher.push_layer, layer)  # noqa: E731
+            if pusher is not None and pusher.gated:  # as the connector does: the forward's thread marks the layer
+                after: Callable[[int], None] = pusher.mark_ready
+            elif pusher is not None:
+                after = lambda layer: portal.call_soon(pusher.push_layer, layer)  # noqa: E731
             elif mode == "handoff":
                 after = lambda layer: portal.call_soon(nothing)  # noqa: E731
             else:

@@ -41,12 +41,15 @@ class LayerPusher:
     use: after ``wait()``, or once a layer failed, ``push_layer`` raises LLM_PARAM_INVALID.
 
     A layer's task ends once its bytes are in the peer's memory and the peer said so. On the same host the
-    peer copies them itself and holds the answers of all layers but the last (at most ``serving.HOLD_S``,
-    and a quarter of the layer's deadline), to send them with the last one's, so the prefill's event loop
-    wakes once per layer; ``wait()`` asks for them at once when layers were never pushed.
+    peer copies them itself: every layer is offered when the pusher is made, gated by a ready mark in this
+    process's memory (``gated``; ``kvpush.marks``), and ``push_layer`` - or ``mark_ready``, from any thread,
+    without this loop waking - only writes the mark. The peer holds its answers while more of the request's
+    offers wait or copy there (at most ``serving.HOLD_S``, and a quarter of the layer's deadline), so the
+    loop wakes about once per request; ``wait()`` withdraws the layers never let go and has the peer read
+    the marks and answer at once. Layers marked after ``wait()`` began are not waited for.
 
     Timeout: each layer fails with LLM_TIMEOUT if not in the peer's memory within ``sync_kv_timeout``
-    of its ``push_layer`` call; the other layers go on. Cancellation: cancelling ``wait()`` (or the
+    of its ``push_layer`` (or ``mark_ready``) call; the other layers go on. Cancellation: cancelling ``wait()`` (or the
     task around ``async with``) cancels every layer still in flight, each cleaning up like a
     cancelled ``push_blocks`` before the cancellation propagates.
     """
