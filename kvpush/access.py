@@ -96,7 +96,8 @@ class BlockAccess:
     """A grant of some blocks of a ``RemoteAccess.GRANTED`` cache to one peer (``CacheManager.allow``).
     It ends at ``revoke()`` (idempotent; also on leaving ``with``), when the link to that peer closes, or
     when the cache is unregistered, whichever comes first. A request the peer made while it held the grant
-    was checked on arrival and runs to its end."""
+    was checked on arrival and runs to its end; one that waits for the peer's word to start (a gated read
+    offer, ``kvpush.marks``) is checked again when it starts."""
 
     def __init__(self, grants: BlockGrants | None, cache_id: int, peer: int, blocks: np.ndarray[Any, Any],
                  modes: tuple[bool, bool], removed: Callable[[], bool]) -> None:

@@ -102,7 +102,7 @@ class OneSidedSender:
         withdrawn (the receiver answers them without copying), so a drain is final."""
         self.closing = True
         for op, _ in self._lent.values():
-            if op.gate is not None and not op.gate[0].is_open(op.gate[1]):
+            if op.gate is not None:  # unless marked already
                 op.gate[0].withdraw(op.gate[1])
         for cache_id, state in self.leases.items():
             if state in (LeaseState.REQUESTED, LeaseState.ACTIVE):

@@ -91,9 +91,10 @@ class LayerPusher:
 
     def mark_ready(self, layer: int) -> None:
         """Any thread (a gated pusher's, ``gated``): layer ``layer``'s bytes are final, the peer may copy
-        them now. Two stores into this process's memory; nothing else runs, and this pusher's event loop does
+        them now. Two stores into this process's memory (under an uncontended lock); this pusher's event loop does
         not wake. ``wait()`` then waits for the layer as for one ``push_layer`` started, its deadline counted
-        from this call. Marking a layer again, or one ``push_layer`` started, changes nothing."""
+        from this call. Marking a layer again, or one ``push_layer`` started, changes nothing; nor does marking one
+        once ``wait()`` began (it was withdrawn: the peer never copies it)."""
         if not self.gated:
             raise param_invalid("mark_ready: this pusher's layers are not offered gated (see LayerPusher.gated)")
         slot = self._slots.get(layer)
@@ -154,7 +155,8 @@ class LayerPusher:
         """Wait for every started (or marked) layer; raise the first error with ``completed_layers``."""
         self._adopt_marked()
         if self._tasks and (self._prepared or self._offered):  # more were said to follow: none will
-            self._withdraw()
+            self._withdraw(final=False)
+            self._adopt_marked()  # marked while being withdrawn: the peer copies them
             self._link.nudge()  # the peer answers what it held, and reads the marks now
         try:
             results = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
@@ -179,18 +181,19 @@ class LayerPusher:
             left_ms = self._timeout_ms - int((now - float(marks.marked_at[self._slots[layer]])) * 1000)
             self._start(self._steps[layer], op, max(1, left_ms))
 
-    def _withdraw(self) -> None:
+    def _withdraw(self, final: bool) -> None:
         """Layers never pushed: nothing of them moves (a gated offer's mark says so to the peer, which
-        answers it; its source stays pinned until then)."""
-        for layer, op in self._prepared.items():
-            if op.gate is not None:
-                self._marks.withdraw(self._slots[layer])
+        answers it; its source stays pinned until then). A layer marked before its mark could be withdrawn
+        stays (the peer copies it) unless ``final``: the pusher is done, and its answer goes unheard."""
+        for layer, op in list(self._prepared.items()):
+            if op.gate is not None and not self._marks.withdraw(self._slots[layer]) and not final:
+                continue
             self._link.outbound.abandon(op)
-        self._prepared.clear()
+            del self._prepared[layer]
 
     def _close(self) -> None:
         self._finished = True
-        self._withdraw()
+        self._withdraw(final=True)
         if self._pinned:
             self._pinned = False
             self._plan.local.unpin()

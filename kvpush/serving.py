@@ -114,6 +114,18 @@ def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, w
                       f"cluster {peer} for {'writing' if write else 'reading'}")
 
 
+def _still_open(entry: CacheEntry, transfer: TransferMeta, peer: int | None) -> Refusal | None:
+    """A transfer checked on arrival and started later (a gated offer): its cache is still registered and
+    its blocks still granted."""
+    if entry.removed:
+        return Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} was unregistered")
+    try:
+        _check_grants(entry, transfer, peer, True)
+    except Refusal as refusal:
+        return refusal
+    return None
+
+
 class InboundOwner(Protocol):
     """What the inbound side reads of its engine (``kvpush.datadist.LLMDataDist``)."""
 
@@ -397,17 +409,29 @@ class Inbound:
         copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold, gated))
 
     def _gate_opened(self, request_id: int) -> None:
-        entry, iov, source, transfer, budget_ms, more = self._gated.pop(request_id)
+        entry, iov, source, transfer, budget_ms, more = self._gated[request_id]
+        # checked again: the offer waited for its mark, and the cache may have gone or its grant ended meanwhile
+        refusal = _still_open(entry, transfer, self._peer_id)
+        if refusal is not None:
+            log.warning("refused a gated read offer from cluster %s once marked: %s", self._peer, refusal.reason)
+            self._end_gated(request_id, refusal.status, refusal.reason, "read_offers_refused_late")
+            return
+        del self._gated[request_id]
         self._watch(request_id, budget_ms, "read offer")  # from now on, the offer's own deadline
         self._copy(request_id, entry, iov, source, transfer, budget_ms, more, True)
 
     def _gate_withdrawn(self, request_id: int) -> None:
+        self._end_gated(request_id, LLMStatusCode.LLM_FAILED, "withdrawn by the sender", "read_offers_withdrawn")
+
+    def _end_gated(self, request_id: int, status: LLMStatusCode, reason: str, counter: str) -> None:
+        """Answer a gated offer without copying (nothing of it was written here) and let its cache go."""
+        self._gates.discard(request_id)
         entry = self._gated.pop(request_id)[0]
         entry.unpin()
         self._reading.pop(request_id, None)
         self._done(request_id)
-        self._counters["read_offers_withdrawn"] += 1
-        self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED), "withdrawn by the sender"))
+        self._counters[counter] += 1
+        self._send(encode_status(_DONE, request_id, int(status), reason))
         if not self._gated and not self._reading:
             self.send_held()
 
@@ -515,7 +539,11 @@ class Inbound:
         self._revoking.clear()
 
     def revoke_released(self) -> None:
-        """Caches unregistered here lose their leases; their memory stays until the writer confirms."""
+        """Caches unregistered here lose their leases (their memory stays until the writer confirms), and
+        gated offers into them are refused now rather than when marked."""
+        for request_id in [rid for rid, gated in self._gated.items() if gated[0].removed]:
+            self._end_gated(request_id, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                            f"cache {self._gated[request_id][3].cache_id} was unregistered", "read_offers_refused_late")
         for cache_id, entry in list(self._leases.items()):
             if entry.removed:
                 del self._leases[cache_id]

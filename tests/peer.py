@@ -107,6 +107,11 @@ async def _serve() -> None:
         if op == "allow":  # grant a peer write access to blocks of a GRANTED cache, for the process's life
             held.append(cm.allow(caches[cmd["name"]], cmd["peer"], cmd["blocks"]))
             return {}
+        if op == "revoke":  # end every grant "allow" made (a request aborted: its blocks may go to another)
+            for access in held:
+                if isinstance(access, kvpush.BlockAccess):
+                    access.revoke()
+            return {}
         if op == "try_pull":  # report the terminal state instead of raising
             try:
                 await cm.pull_blocks(BlocksCacheKey(cmd["cluster_id"], cmd.get("model_id", 0)), caches[cmd["name"]],

@@ -278,3 +278,42 @@ async def test_layers_marked_ready_from_another_thread_are_copied_and_the_rest_w
     layer = range(2, 3)
     assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path), expected_after(
         expected_after(before, raw(src), src_blocks, dst_blocks, 2), raw(src), [0], [60], 2, layer, layer))
+
+
+async def test_a_layer_marked_after_its_blocks_grant_ended_is_refused_and_nothing_written(make_engine: EngineFactory,
+                                                                                          tmp_path: Any) -> None:
+    """A gated offer waits in the decode for the prefill's mark; if the decode ends the grant of its blocks
+    meanwhile (vLLM's decode aborted the request, and its blocks may go to another one), the layers marked
+    afterwards are refused with LLM_FEATURE_NOT_ENABLED and not one byte is copied into those blocks."""
+    with Peer(2, options=peer_options("cma")) as decode:
+        decode.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, access="granted")
+        decode.call("allow", name="kv", peer=1, blocks=[5, 6, 40])
+        engine, src = await prefill(make_engine, decode, "cma")
+        await engine.cache_manager.push_blocks(KEY, src, [0], [40])  # asks for a lease: refused, saying it reads
+        sender = engine.links[2].onesided
+        assert sender is not None
+        await wait_for(sender.reader_gates)
+        before = await decode.asnapshot("kv", tmp_path)
+        pins = (await decode.acall("pins", name="kv"))["pins"]
+        pusher = engine.cache_manager.layer_pusher(KEY, src, [9, 1], [5, 6])
+        assert pusher.gated
+        for _ in range(250):  # bounded: every offer arrived, was checked against the grant and pinned
+            if (await decode.acall("pins", name="kv"))["pins"] == pins + LAYERS:
+                break
+            await asyncio.sleep(0.02)
+        assert (await decode.acall("pins", name="kv"))["pins"] == pins + LAYERS
+        await decode.acall("revoke")
+
+        def compute() -> None:
+            for layer in range(LAYERS):
+                pusher.mark_ready(layer)
+
+        await asyncio.to_thread(compute)
+        with pytest.raises(LLMException) as caught:
+            await pusher.wait()
+        assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert caught.value.completed_layers == [] and pusher.landed == []
+        stats = (await decode.acall("stats"))["stats"]["1"]
+        assert stats["read_offers_refused_late"] == LAYERS and stats.get("read_offers_withdrawn", 0) == 0
+        assert (await decode.acall("pins", name="kv"))["pins"] == pins  # the offers let the cache go
+        assert np.array_equal(await decode.asnapshot("kv", tmp_path), before)  # blocks 5 and 6 untouched

@@ -451,6 +451,20 @@ async def test_a_copy_running_when_the_link_closes_unpins_when_it_ends_and_answe
     assert entry.pins == 0 and sent.frames == []
 
 
+async def marks_read(reader: Reader, words: list[int]) -> None:
+    """The next read of the gated offers' marks: each waiting offer's word, as the sender's memory holds it."""
+    for _ in range(100):
+        await asyncio.sleep(0.002)
+        if reader.copies and reader.copies[-1][3].done() is False and len(reader.copies[-1][1]) == len(words):
+            break
+    is_read, local, _, read = reader.copies.pop()
+    assert is_read and [length for _, length in local] == [8] * len(words)
+    for (address, _), word in zip(local, words, strict=True):
+        ctypes.c_uint64.from_address(address).value = word
+    read.set_result(8 * len(words))
+    await asyncio.sleep(0)
+
+
 async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_open() -> None:
     """Gated offers (``OFFER_GATED``): checked and pinned on arrival, their marks read from the sender (one
     read for all of them), copied once a mark holds the token; answers are held while another of the
@@ -467,20 +481,7 @@ async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_op
                                         gate=(mark, token)))
     assert entry.pins == 3 and side.gated and not reader.copies  # nothing copied before a mark says so
 
-    async def marks_read(words: list[int]) -> None:
-        """The next read of the marks: each waiting offer's word, as the sender's memory holds it."""
-        for _ in range(100):
-            await asyncio.sleep(0.002)
-            if reader.copies and reader.copies[-1][3].done() is False and len(reader.copies[-1][1]) == len(words):
-                break
-        is_read, local, remote, read = reader.copies.pop()
-        assert is_read and [length for _, length in local] == [8] * len(words)
-        for (address, _), word in zip(local, words, strict=True):
-            ctypes.c_uint64.from_address(address).value = word
-        read.set_result(8 * len(words))
-        await asyncio.sleep(0)
-
-    await marks_read([token, 0, token ^ ((1 << 64) - 1)])  # 4 open, 5 not yet, 6 withdrawn
+    await marks_read(reader, [token, 0, token ^ ((1 << 64) - 1)])  # 4 open, 5 not yet, 6 withdrawn
     assert sent.frames[-1] == (Kind.DONE, (int(LLMStatusCode.LLM_FAILED), "withdrawn by the sender"))
     (is_read, _, remote, copy), = reader.copies  # request 4's bytes
     assert is_read and remote == [[0x7000 + 256, 64]] * 4 and entry.pins == 2
@@ -489,7 +490,7 @@ async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_op
     assert side.holding and counters["read_offer_answers_held"] == 1  # 5 is still open: 4's answer waits
     reader.copies.clear()
     side.poll_gates()  # a frame from the sender: read the marks now
-    await marks_read([token])
+    await marks_read(reader, [token])
     (_, _, _, copy), = reader.copies
     copy.set_result(256)
     await asyncio.sleep(0)
@@ -499,3 +500,31 @@ async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_op
     assert entry.pins == 1
     side.close(lambda: None)
     assert entry.pins == 0 and not side.gated  # never copied: let go with the link
+
+
+async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_cache_goes() -> None:
+    """A gated offer waits for its mark; meanwhile the decode may end the grant of its blocks (the request was
+    aborted, the blocks given to another) or unregister the cache. Marked after its grant ended, it is refused,
+    nothing copied; its cache unregistered, it is refused at once. Either way its pin goes."""
+    registry = CacheRegistry()
+    mapping, regions = allocate_regions(DESC)
+    cache_id = registry.add(DESC, regions, True, 0, mapping, access=RemoteAccess.GRANTED).cache_id
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.grants is not None
+    reader = Reader()
+    side, sent, counters, _ = reading_side(registry, reader)
+    side.rename(9)
+    entry.grants.add(9, np.array([0]), write=True)
+    token = 0x0F0F_1234_5678_9ABC
+    for request_id, mark in ((4, 0xA000), (5, 0xA008)):
+        side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]] * 4, [64], request_id, True, gate=(mark, token)))
+    assert entry.pins == 2 and side.gated
+    entry.grants.remove(9, np.array([0]), write=True)  # the decode revoked the blocks' grant
+    await marks_read(reader, [token, 0])  # 4 marked now, 5 not yet
+    assert reader.copies == [] and counters["read_offers_copied"] == 0  # nothing copied into the blocks
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == int(LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+    assert entry.pins == 1 and counters["read_offers_refused_late"] == 1
+    registry.remove(cache_id)
+    side.revoke_released()  # the registry changed: what waits for the gone cache is answered now
+    assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    assert entry.pins == 0 and not side.gated and counters["read_offers_refused_late"] == 2
