@@ -5,7 +5,7 @@ their layer ready (``kvpush.marks``).
 mover (a few words: one ``process_vm_readv``, inline), every ``POLL_MIN_S`` while marks turn, backing off to
 ``POLL_MAX_S`` while none does, and at once whenever the sender's link delivers a frame (``poll``; a layer
 pusher sends one when its caller is done). An open mark starts the offer's copy (``opened``), a withdrawn
-one ends it unanswered by a copy (``withdrawn``). Nothing here touches the link: the owner (``serving.Inbound``)
+one ends it unanswered by a copy (``withdrawn``). Nothing here touches the link: the owner (``read_offers.ReadOffers``)
 is handed the two callbacks, the reader and the loop.
 """
 

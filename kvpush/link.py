@@ -208,7 +208,7 @@ class Link:
     # -- keepalive ------------------------------------------------------------------------------
     def nudge(self) -> None:
         """Have the peer send now what it holds back for this side (the answers to layers offered with
-        more to follow, ``serving.HOLD_S``): a PING, before which the peer sends them."""
+        more to follow, ``read_offers.HOLD_S``): a PING, before which the peer sends them."""
         if self.ready:
             self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
 

@@ -44,7 +44,7 @@ class LayerPusher:
     peer copies them itself: every layer is offered when the pusher is made, gated by a ready mark in this
     process's memory (``gated``; ``kvpush.marks``), and ``push_layer`` - or ``mark_ready``, from any thread,
     without this loop waking - only writes the mark. The peer holds its answers while more of the request's
-    offers wait or copy there (at most ``serving.HOLD_S``, and a quarter of the layer's deadline), so the
+    offers wait or copy there (at most ``read_offers.HOLD_S``, and a quarter of the layer's deadline), so the
     loop wakes about once per request; ``wait()`` withdraws the layers never let go and has the peer read
     the marks and answer at once. Layers marked after ``wait()`` began are not waited for.
 

@@ -210,7 +210,7 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
 
 
 #: READ_OFFER flag: more offers follow soon (the next layers of a layer-pipelined request), so the receiver may
-#: hold this one's DONE and send it with a later one (``serving.Inbound.send_held``): the sender's event loop
+#: hold this one's DONE and send it with a later one (``read_offers.ReadOffers.send_held``): the sender's event loop
 #: then wakes once per layer, not twice.
 OFFER_MORE = 0x01
 # the offer ends with a ``GATE``: its bytes may be copied once the sender's word at that address holds the

@@ -2,8 +2,9 @@
 
 Stream writes and reads (WRITE, READ), one-sided intents (WRITE_INTENT / READ_INTENT -> GRANT, then
 LANDED), standing same-host write grants (LEASE), the notices of writes made under them
-(WRITE_NOTICE), and the releases of cache keys whose slots the peer pulled (RELEASE_KEY). Every
-request is checked by one pure function, ``resolve``, against this engine's registry (cache
+(WRITE_NOTICE), and the releases of cache keys whose slots the peer pulled (RELEASE_KEY); the writes
+this side copies itself (READ_OFFER) go to ``read_offers``, handed what it needs of this side. Every
+request is checked by one pure function, ``admission.resolve``, against this engine's registry (cache
 registered, tensors and every run inside it, remote access allowed) before a byte is written or read;
 a refusal is answered with its status code and logged.
 
@@ -22,26 +23,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transports.base import Mover, OutgoingFrame, PayloadSink, PeerWatch, TransportError
+from transports.base import Mover, OutgoingFrame, PayloadSink, PeerWatch
 
-from .gates import Gates
-from .layout import FEW, IoVec
+from .admission import Refusal, resolve
+from .layout import IoVec
 from .memory import CacheEntry, CacheRegistry
 from .options import EngineOptions
 from .protocol import (
-    OFFER_MORE,
     FrameHeader,
     Kind,
     ProtocolError,
     TransferMeta,
     decode_json,
-    decode_read_offer,
     decode_release_key,
     decode_status,
     decode_transfer,
     encode_json,
     encode_status,
 )
+from .read_offers import OfferPorts, ReadOffers
 from .status import LLMStatusCode
 from .types import RemoteAccess
 
@@ -61,69 +61,6 @@ MAX_INCOMING_IN_FLIGHT = 1024
 _WRITES = frozenset({Kind.WRITE, Kind.WRITE_INTENT, Kind.READ_OFFER})  # requests that write this side's memory
 _DONE = Kind.DONE
 DEADLINE_SWEEP_S = 0.25  # how often open incoming transfers are checked against their deadlines
-# the longest the DONE of a read offer marked OFFER_MORE is held (at most a quarter of that offer's budget, too):
-# long enough to span a prefill layer or two, short beside any deadline
-HOLD_S = 0.25
-# how long a gated read offer may wait for its mark (the sender's computation of the layer, a forward pass
-# of at most one scheduler step's tokens); its own deadline starts once it is marked
-GATE_WAIT_S = 120.0
-
-
-class Refusal(Exception):
-    """Why a peer's request is refused: the status code it is answered with and the reason."""
-
-    def __init__(self, status: LLMStatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMeta, peer: int | None = None,
-            write: bool = True) -> tuple[CacheEntry, IoVec]:
-    """Check a peer's transfer (``write``: into this engine's memory, else out of it) against the local
-    registry: the cache and the iovec it addresses, or ``Refusal``. A private cache is refused as if it
-    did not exist; a ``GRANTED`` one only where every run lies in blocks granted to ``peer`` for that
-    direction. Pure: nothing is pinned, nothing is sent."""
-    if not access_allowed:
-        raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
-    entry = registry.get(transfer.cache_id)
-    if entry is None or entry.access is RemoteAccess.PRIVATE:
-        raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
-    first, count = transfer.first_tensor, transfer.num_tensors
-    if first + count > entry.num_tensors:
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID,
-                      f"tensors {first}..{first + count - 1} exceed the cache's {entry.num_tensors}")
-    if not transfer.runs.within(entry.tensor_bytes):
-        raise Refusal(LLMStatusCode.LLM_PARAM_INVALID, f"a run lies outside cache {transfer.cache_id}'s tensors")
-    _check_grants(entry, transfer, peer, write)
-    return entry, transfer.runs.vector(entry.cache.tensor_addrs, first, count, 0)
-
-
-def _check_grants(entry: CacheEntry, transfer: TransferMeta, peer: int | None, write: bool) -> None:
-    """Refuse a transfer into or out of a ``GRANTED`` cache that strays from the blocks granted to ``peer``."""
-    grants = entry.grants
-    if grants is None:
-        return
-    runs = transfer.runs
-    covered = peer is not None and (
-        grants.covers(peer, write, entry.block_bytes, runs.rows()) if len(runs) <= FEW
-        else grants.covers(peer, write, entry.block_bytes, None, runs.column(0), runs.length))
-    if not covered:
-        raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                      f"cache {transfer.cache_id}: the {'written' if write else 'read'} blocks are not all granted to "
-                      f"cluster {peer} for {'writing' if write else 'reading'}")
-
-
-def _still_open(entry: CacheEntry, transfer: TransferMeta, peer: int | None) -> Refusal | None:
-    """A transfer checked on arrival and started later (a gated offer): its cache is still registered and
-    its blocks still granted."""
-    if entry.removed:
-        return Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} was unregistered")
-    try:
-        _check_grants(entry, transfer, peer, True)
-    except Refusal as refusal:
-        return refusal
-    return None
 
 
 class InboundOwner(Protocol):
@@ -234,14 +171,9 @@ class Inbound:
         self._peer = peer
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
-        self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
-        # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE)
-        self._gated: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
-        self._gates = Gates(link.loop, link.reader, self._gate_opened, self._gate_withdrawn, self._gates_failed)
-        # DONEs of copied OFFER_MORE read offers, sent together later (``send_held``)
-        self._held: list[bytes] = []
-        self._hold_timer: asyncio.TimerHandle | None = None
-        self.holding = False
+        #: READ_OFFERs copied here (same host), gated or not, and the answers held for them
+        self.reads = ReadOffers(OfferPorts(link.send, link.counters, link.loop, link.close, link.reader,
+                                           self._resolve, self._watch, self._done))
         self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
         self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine
@@ -251,6 +183,7 @@ class Inbound:
         """The peer's cluster id, known once the handshake is over: what grants are checked against."""
         self._peer = str(peer_cluster_id)
         self._peer_id = peer_cluster_id
+        self.reads.rename(self._peer, peer_cluster_id)
 
     def _resolve(self, header: FrameHeader, meta: bytes, what: str,
                  transfer: TransferMeta | None = None) -> tuple[CacheEntry, IoVec, int] | Refusal:
@@ -258,7 +191,7 @@ class Inbound:
         if transfer is None:
             transfer = decode_transfer(header, meta)
         try:
-            if len(self._writes) + len(self._granted) + len(self._reading) >= MAX_INCOMING_IN_FLIGHT:
+            if len(self._writes) + len(self._granted) + len(self.reads) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
             write = header.kind in _WRITES
@@ -363,140 +296,25 @@ class Inbound:
         if status == 0:
             self._counters[counter] += size
 
-    # -- writes this side copies itself (same host) ----------------------------------------------------
+    # -- writes this side copies itself (same host): ``read_offers`` ---------------------------------
     def on_read_offer(self, header: FrameHeader, meta: bytes) -> None:
-        """A READ_OFFER: the peer's bytes for this engine's memory, to be copied out of the peer's process
-        by this side (it waits for them; the peer computes). Checked like a write (``resolve``), then
-        copied by this side's mover (its worker thread for big layers) and answered with DONE once every
-        byte is here, or with the refusal. A gated offer (``OFFER_GATED``) is checked and pinned now and
-        copied once the sender marks its layer ready (``kvpush.gates``). The cache stays pinned while the
-        copy runs, even if the link closes meanwhile (the copy is this process's own and ends by itself)."""
-        transfer, source, gate = decode_read_offer(header, meta)
-        request_id = header.request_id
-        reader = self._link.reader()
-        resolved = self._resolve(header, meta, "read offer", transfer)
-        if reader is None and not isinstance(resolved, Refusal):
-            resolved = Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "this side cannot read the sender's memory")
-        if isinstance(resolved, Refusal):
-            self._send(encode_status(_DONE, request_id, int(resolved.status), resolved.reason))
-            return
-        entry, iov, budget_ms = resolved
-        entry.pin()
-        self._reading[request_id] = entry
-        more = bool(header.flags & OFFER_MORE)
-        if gate is not None:
-            # the sender computes the layer meanwhile: its own deadline starts when it marks it
-            self._watch(request_id, budget_ms, "gated read offer", at_least_s=GATE_WAIT_S)
-            self._gated[request_id] = (entry, iov, source, transfer, budget_ms, more)
-            self._gates.add(request_id, *gate)
-            return
-        self._watch(request_id, budget_ms, "read offer")
-        self._copy(request_id, entry, iov, source, transfer, budget_ms, more, False)
+        self.reads.on_offer(header, meta)
 
-    def _copy(self, request_id: int, entry: CacheEntry, iov: IoVec, source: IoVec,  # noqa: PLR0913
-              transfer: TransferMeta, budget_ms: int, more: bool, gated: bool) -> None:
-        reader = self._link.reader()
-        self._counters["read_offers_copied"] += 1
-        try:
-            if reader is None:
-                raise TransportError("the same-host reader is gone")
-            copy = reader.start(True, iov, source, transfer.cache_id, transfer.first_tensor, None,
-                                len(transfer.runs))
-        except TransportError as error:
-            copy = self._link.loop.create_future()
-            copy.set_exception(error)
-        hold = min(HOLD_S, budget_ms / 4000) if more and budget_ms > 0 else 0.0
-        copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold, gated))
+    @property
+    def holding(self) -> bool:
+        """DONEs of read offers wait to go together (``send_held`` sends them now)."""
+        return self.reads.holding
 
-    def _gate_opened(self, request_id: int) -> None:
-        entry, iov, source, transfer, budget_ms, more = self._gated[request_id]
-        # checked again: the offer waited for its mark, and the cache may have gone or its grant ended meanwhile
-        refusal = _still_open(entry, transfer, self._peer_id)
-        if refusal is not None:
-            log.warning("refused a gated read offer from cluster %s once marked: %s", self._peer, refusal.reason)
-            self._end_gated(request_id, refusal.status, refusal.reason, "read_offers_refused_late")
-            return
-        del self._gated[request_id]
-        self._watch(request_id, budget_ms, "read offer")  # from now on, the offer's own deadline
-        self._copy(request_id, entry, iov, source, transfer, budget_ms, more, True)
-
-    def _gate_withdrawn(self, request_id: int) -> None:
-        self._end_gated(request_id, LLMStatusCode.LLM_FAILED, "withdrawn by the sender", "read_offers_withdrawn")
-
-    def _end_gated(self, request_id: int, status: LLMStatusCode, reason: str, counter: str) -> None:
-        """Answer a gated offer without copying (nothing of it was written here) and let its cache go."""
-        self._gates.discard(request_id)
-        entry = self._gated.pop(request_id)[0]
-        entry.unpin()
-        self._reading.pop(request_id, None)
-        self._done(request_id)
-        self._counters[counter] += 1
-        self._send(encode_status(_DONE, request_id, int(status), reason))
-        if not self._gated and not self._reading:
-            self.send_held()
-
-    def _gates_failed(self, error: BaseException) -> None:
-        peer_gone = isinstance(error, TransportError) and error.peer_gone
-        reason = f"peer process exited: {error}" if peer_gone else f"reading the sender's ready marks failed: {error}"
-        log.warning("closing the link to cluster %s: %s", self._peer, reason)
-        self._link.close(reason)
+    def send_held(self) -> None:
+        self.reads.send_held()
 
     @property
     def gated(self) -> bool:
-        """Gated offers wait for their marks (``poll_gates`` reads them now)."""
-        return bool(self._gated)
+        """Gated read offers wait for their marks (``poll_gates`` reads them now)."""
+        return self.reads.gated
 
     def poll_gates(self) -> None:
-        """Read the waiting offers' marks now: the sender's link delivered a frame (a layer pusher whose
-        caller finished sends one), so a layer may just have been marked."""
-        self._gates.poll()
-
-    def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int,  # noqa: PLR0913
-                   copy: asyncio.Future[Any], hold: float, gated: bool = False) -> None:
-        entry.unpin()
-        if self._reading.pop(request_id, None) is None:
-            return  # the link closed meanwhile: no one to answer
-        self._done(request_id)
-        error = None if copy.cancelled() else copy.exception()
-        if error is None and not copy.cancelled():
-            self._counters["bytes_received"] += nbytes
-            self._held.append(encode_status(_DONE, request_id, 0))
-            if gated and not self._gated and not self._reading:
-                hold = 0.0  # the sender's last gated offer here: nothing more to answer with it
-            if hold:
-                self._counters["read_offer_answers_held"] += 1
-                self._hold(hold)
-            else:
-                self.send_held()
-            return
-        if isinstance(error, TransportError) and error.peer_gone:
-            self._link.close(f"peer process exited: {error}")
-            return
-        log.error("copying read offer %d from cluster %s failed: %s", request_id, self._peer, error)
-        self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED),
-                                 f"the receiver's copy failed: {error}"))
-
-    def _hold(self, seconds: float) -> None:
-        """Keep the held DONEs until the sender's next frame, or ``seconds`` from now at the latest."""
-        self.holding = True
-        loop = self._link.loop
-        due = loop.time() + seconds
-        if self._hold_timer is None or due < self._hold_timer.when():
-            if self._hold_timer is not None:
-                self._hold_timer.cancel()
-            self._hold_timer = loop.call_at(due, self.send_held)
-
-    def send_held(self) -> None:
-        """Send the held DONEs now, in one write: with the DONE of an offer not marked ``OFFER_MORE`` (a
-        request's last layer), when the hold ends, and before the link handles any frame of the sender's but a
-        read offer (a PING: ``Link.nudge``)."""
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
-        self.holding = False
-        held, self._held = self._held, []
-        if held:
-            self._send(b"".join(held))
+        self.reads.poll()
 
     # -- standing grants (same host, UCX) -------------------------------------------------------------
     def on_lease(self, body: dict[str, Any]) -> None:
@@ -541,9 +359,7 @@ class Inbound:
     def revoke_released(self) -> None:
         """Caches unregistered here lose their leases (their memory stays until the writer confirms), and
         gated offers into them are refused now rather than when marked."""
-        for request_id in [rid for rid, gated in self._gated.items() if gated[0].removed]:
-            self._end_gated(request_id, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                            f"cache {self._gated[request_id][3].cache_id} was unregistered", "read_offers_refused_late")
+        self.reads.refuse_removed()
         for cache_id, entry in list(self._leases.items()):
             if entry.removed:
                 del self._leases[cache_id]
@@ -599,20 +415,11 @@ class Inbound:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        if self._hold_timer is not None:  # no one to answer any more
-            self._hold_timer.cancel()
-            self._hold_timer = None
-        self._held.clear()
-        self.holding = False
+        self.reads.close()  # no one to answer any more
         self._deadlines.clear()
         for entry in self._writes.values():
             entry.unpin()
         self._writes.clear()
-        self._gates.clear()
-        for gated in self._gated.values():  # never copied: nothing of this process reads into them
-            gated[0].unpin()
-        self._gated.clear()
-        self._reading.clear()
         held = [entry for entry, _, _ in self._granted.values()] + list(self._leases.values()) + list(
             self._revoking.values()) + (lent or [])
         self._granted.clear()

@@ -50,6 +50,20 @@ async def leased(make_engine: EngineFactory, decode_peer: Peer, **options: str) 
     return engine, src
 
 
+async def granted(make_engine: EngineFactory, decode: Peer, allowed: list[int]) -> tuple[LLMDataDist, Cache]:
+    """A prefill linked over cma to ``decode``, whose cache is ``GRANTED`` (vLLM's decode registers its KV so)
+    with ``allowed`` blocks (40 among them) granted to the prefill. The first push asks for a lease, refused
+    with the word that the decode reads the prefill, gated offers too."""
+    decode.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, access="granted")
+    decode.call("allow", name="kv", peer=1, blocks=allowed)
+    engine, src = await prefill(make_engine, decode, "cma")
+    await engine.cache_manager.push_blocks(KEY, src, [0], [40])
+    sender = engine.links[2].onesided
+    assert sender is not None
+    await wait_for(sender.reader_gates)
+    return engine, src
+
+
 @pytest.fixture
 def decode_peer_cma() -> Iterator[Peer]:
     with decode_peer_with_kv("cma") as peer:
@@ -212,14 +226,7 @@ async def test_a_cache_open_per_request_is_read_into_by_the_decode_within_its_gr
     reads), each offer checked against the grant: the allowed blocks land exactly, and a request reaching one
     block beyond them fails with LLM_FEATURE_NOT_ENABLED, nothing of it written."""
     with Peer(2, options=peer_options("cma")) as decode:
-        decode.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, access="granted")
-        allowed = [5, 6, 7, 40]
-        decode.call("allow", name="kv", peer=1, blocks=allowed)
-        engine, src = await prefill(make_engine, decode, "cma")
-        await engine.cache_manager.push_blocks(KEY, src, [0], [40])  # asks for a lease: refused, saying it reads
-        sender = engine.links[2].onesided
-        assert sender is not None
-        await wait_for(sender.reader_copies)
+        engine, src = await granted(make_engine, decode, [5, 6, 7, 40])
         before = await decode.asnapshot("kv", tmp_path)
         offers = engine.link_stats()[2].get("read_offers", 0)
         src_blocks, dst_blocks = [9, 1, 2], [5, 6, 7]
@@ -286,13 +293,7 @@ async def test_a_layer_marked_after_its_blocks_grant_ended_is_refused_and_nothin
     meanwhile (vLLM's decode aborted the request, and its blocks may go to another one), the layers marked
     afterwards are refused with LLM_FEATURE_NOT_ENABLED and not one byte is copied into those blocks."""
     with Peer(2, options=peer_options("cma")) as decode:
-        decode.call("allocate", name="kv", num_tensors=TENSORS, shape=[DST_BLOCKS, ROW], model_id=0, access="granted")
-        decode.call("allow", name="kv", peer=1, blocks=[5, 6, 40])
-        engine, src = await prefill(make_engine, decode, "cma")
-        await engine.cache_manager.push_blocks(KEY, src, [0], [40])  # asks for a lease: refused, saying it reads
-        sender = engine.links[2].onesided
-        assert sender is not None
-        await wait_for(sender.reader_gates)
+        engine, src = await granted(make_engine, decode, [5, 6, 40])
         before = await decode.asnapshot("kv", tmp_path)
         pins = (await decode.acall("pins", name="kv"))["pins"]
         pusher = engine.cache_manager.layer_pusher(KEY, src, [9, 1], [5, 6])

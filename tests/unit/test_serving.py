@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpush.admission import Refusal, resolve
 from kvpush.layout import pack_runs
 from kvpush.memory import CacheRegistry, allocate_regions
 from kvpush.options import EngineOptions
@@ -31,7 +32,7 @@ from kvpush.protocol import (
     encode_status,
     encode_transfer,
 )
-from kvpush.serving import Inbound, LinkPorts, Refusal, resolve
+from kvpush.serving import Inbound, LinkPorts
 from kvpush.status import LLMStatusCode
 from kvpush.types import CacheDesc, CacheKey, DataType, RemoteAccess
 from transports.base import TransportError
@@ -44,10 +45,10 @@ def teardown_module() -> None:
     LOOP.close()
 
 
-def registry_with_cache() -> tuple[CacheRegistry, int]:
+def registry_with_cache(access: RemoteAccess = RemoteAccess.OPEN) -> tuple[CacheRegistry, int]:
     registry = CacheRegistry()
     mapping, regions = allocate_regions(DESC)
-    cache = registry.add(DESC, regions, True, 0, mapping)
+    cache = registry.add(DESC, regions, True, 0, mapping, access=access)
     return registry, cache.cache_id
 
 
@@ -338,9 +339,7 @@ async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_ans
 async def test_a_cache_open_per_request_is_never_leased_yet_read_into_within_its_grants() -> None:
     """vLLM's decode registers its KV ``GRANTED``: the lease is refused, but the refusal says this side reads,
     and every offer is checked against the blocks granted to the peer before a byte is copied."""
-    registry = CacheRegistry()
-    mapping, regions = allocate_regions(DESC)
-    cache_id = registry.add(DESC, regions, True, 0, mapping, access=RemoteAccess.GRANTED).cache_id
+    registry, cache_id = registry_with_cache(RemoteAccess.GRANTED)
     entry = registry.get(cache_id)
     assert entry is not None and entry.grants is not None
     reader = Reader()
@@ -506,9 +505,7 @@ async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_c
     """A gated offer waits for its mark; meanwhile the decode may end the grant of its blocks (the request was
     aborted, the blocks given to another) or unregister the cache. Marked after its grant ended, it is refused,
     nothing copied; its cache unregistered, it is refused at once. Either way its pin goes."""
-    registry = CacheRegistry()
-    mapping, regions = allocate_regions(DESC)
-    cache_id = registry.add(DESC, regions, True, 0, mapping, access=RemoteAccess.GRANTED).cache_id
+    registry, cache_id = registry_with_cache(RemoteAccess.GRANTED)
     entry = registry.get(cache_id)
     assert entry is not None and entry.grants is not None
     reader = Reader()
