@@ -15,7 +15,7 @@ import pytest
 
 from kvpush.admission import Refusal, resolve
 from kvpush.layout import pack_runs
-from kvpush.memory import CacheRegistry, allocate_regions
+from kvpush.memory import CacheEntry, CacheRegistry, allocate_regions
 from kvpush.options import EngineOptions
 from kvpush.protocol import (
     HEADER_SIZE,
@@ -315,6 +315,18 @@ def reading_side(registry: CacheRegistry, reader: Reader | None) -> tuple[Inboun
     return side, sent, counters, closed
 
 
+def granted_reading_side() -> tuple[CacheRegistry, CacheEntry, Reader, Inbound, Sent, Counter[str]]:
+    """A cache opened per request (``GRANTED``, as vLLM's decode registers its KV) and the inbound side of a
+    link to cluster 9, which reads the peer; no block granted yet."""
+    registry, cache_id = registry_with_cache(RemoteAccess.GRANTED)
+    entry = registry.get(cache_id)
+    assert entry is not None and entry.grants is not None
+    reader = Reader()
+    side, sent, counters, _ = reading_side(registry, reader)
+    side.rename(9)
+    return registry, entry, reader, side, sent, counters
+
+
 async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_answered_done() -> None:
     registry, cache_id = registry_with_cache()
     reader = Reader()
@@ -339,12 +351,8 @@ async def test_a_read_offer_is_copied_by_this_side_into_the_checked_runs_and_ans
 async def test_a_cache_open_per_request_is_never_leased_yet_read_into_within_its_grants() -> None:
     """vLLM's decode registers its KV ``GRANTED``: the lease is refused, but the refusal says this side reads,
     and every offer is checked against the blocks granted to the peer before a byte is copied."""
-    registry, cache_id = registry_with_cache(RemoteAccess.GRANTED)
-    entry = registry.get(cache_id)
-    assert entry is not None and entry.grants is not None
-    reader = Reader()
-    side, sent, _, _ = reading_side(registry, reader)
-    side.rename(9)
+    registry, entry, reader, side, sent, _ = granted_reading_side()
+    cache_id = entry.cache.cache_id
     side.on_lease({"op": "request", "cache": cache_id, "proof": "ok"})
     assert sent.frames[-1] == (Kind.LEASE, {"op": "refuse", "cache": cache_id, "reads": True, "gates": True})
     entry.grants.add(9, np.array([0]), write=True)
@@ -505,12 +513,8 @@ async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_c
     """A gated offer waits for its mark; meanwhile the decode may end the grant of its blocks (the request was
     aborted, the blocks given to another) or unregister the cache. Marked after its grant ended, it is refused,
     nothing copied; its cache unregistered, it is refused at once. Either way its pin goes."""
-    registry, cache_id = registry_with_cache(RemoteAccess.GRANTED)
-    entry = registry.get(cache_id)
-    assert entry is not None and entry.grants is not None
-    reader = Reader()
-    side, sent, counters, _ = reading_side(registry, reader)
-    side.rename(9)
+    registry, entry, reader, side, sent, counters = granted_reading_side()
+    cache_id = entry.cache.cache_id
     entry.grants.add(9, np.array([0]), write=True)
     token = 0x0F0F_1234_5678_9ABC
     for request_id, mark in ((4, 0xA000), (5, 0xA008)):
