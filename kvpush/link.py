@@ -30,9 +30,10 @@ from .options import EngineOptions
 from .outbound import Outbound
 from .peer import PeerTable
 from .protocol import KeyRelease, Kind, encode_json, encode_message, encode_release_key
+from .read_offers import LinkPorts
 from .requests import PendingOp, RequestTable
 from .scope import TaskScope
-from .serving import HeldGrants, Inbound, LinkPorts
+from .serving import HeldGrants, Inbound
 from .status import LLMException, LLMStatusCode
 
 log = logging.getLogger(__name__)

@@ -42,18 +42,31 @@ HOLD_S = 0.25
 GATE_WAIT_S = 120.0
 
 
-@dataclass(slots=True)
-class OfferPorts:
-    """What the read offers of one link use: the link's frame sender, counters, loop, closing it and its
-    same-host mover (None: this side cannot read the peer), and the inbound side's check of a request
-    (``Inbound``'s resolve: the cache, the iovec and the sender's budget, or the refusal) and its deadlines
-    (``watch`` one request, ``done`` with it)."""
+Send = Callable[..., OutgoingFrame]
 
-    send: Callable[..., OutgoingFrame]
+
+@dataclass(slots=True)
+class LinkPorts:
+    """What the inbound side (``serving.Inbound``, and its ``ReadOffers``) uses of its link: a frame sender,
+    the link's counters, its loop (one timer for the deadlines of incoming transfers), closing the link, the
+    data paths' check of a lease proof, and the same-host mover through which this side can read the peer's
+    memory (None: it cannot)."""
+
+    send: Send
     counters: Counter[str]
     loop: asyncio.AbstractEventLoop
     close: Callable[[str], None]
-    reader: Callable[[], Mover | None]
+    proves_reach: Callable[[str], bool]
+    reader: Callable[[], Mover | None] = lambda: None
+
+
+@dataclass(slots=True)
+class OfferPorts:
+    """What the read offers of one link use: the link's ports, and the inbound side's check of a request
+    (``Inbound``'s resolve: the cache, the iovec and the sender's budget, or the refusal) and its deadlines
+    (``watch`` one request, ``done`` with it)."""
+
+    link: LinkPorts
     resolve: Callable[[FrameHeader, bytes, str, TransferMeta], tuple[CacheEntry, IoVec, int] | Refusal]
     watch: Callable[..., None]
     done: Callable[[int], None]
@@ -64,14 +77,16 @@ class ReadOffers:
 
     def __init__(self, ports: OfferPorts) -> None:
         self._ports = ports
-        self._send = ports.send
-        self._counters = ports.counters
+        self._link = ports.link
+        self._send = ports.link.send
+        self._counters = ports.link.counters
         self.peer = "?"
         self.peer_id: int | None = None  # None until the handshake named the peer: no grant applies
         self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
         # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE)
         self._gated: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
-        self._gates = Gates(ports.loop, ports.reader, self._gate_opened, self._gate_withdrawn, self._gates_failed)
+        self._gates = Gates(self._link.loop, self._link.reader, self._gate_opened, self._gate_withdrawn,
+                            self._gates_failed)
         # DONEs of copied OFFER_MORE read offers, sent together later (``send_held``)
         self._held: list[bytes] = []
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -92,7 +107,7 @@ class ReadOffers:
         copy runs, even if the link closes meanwhile (the copy is this process's own and ends by itself)."""
         transfer, source, gate = decode_read_offer(header, meta)
         request_id = header.request_id
-        reader = self._ports.reader()
+        reader = self._link.reader()
         resolved = self._ports.resolve(header, meta, "read offer", transfer)
         if reader is None and not isinstance(resolved, Refusal):
             resolved = Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "this side cannot read the sender's memory")
@@ -114,7 +129,7 @@ class ReadOffers:
 
     def _copy(self, request_id: int, entry: CacheEntry, iov: IoVec, source: IoVec,  # noqa: PLR0913
               transfer: TransferMeta, budget_ms: int, more: bool, gated: bool) -> None:
-        reader = self._ports.reader()
+        reader = self._link.reader()
         self._counters["read_offers_copied"] += 1
         try:
             if reader is None:
@@ -122,7 +137,7 @@ class ReadOffers:
             copy = reader.start(True, iov, source, transfer.cache_id, transfer.first_tensor, None,
                                 len(transfer.runs))
         except TransportError as error:
-            copy = self._ports.loop.create_future()
+            copy = self._link.loop.create_future()
             copy.set_exception(error)
         hold = min(HOLD_S, budget_ms / 4000) if more and budget_ms > 0 else 0.0
         copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold, gated))
@@ -158,7 +173,7 @@ class ReadOffers:
         peer_gone = isinstance(error, TransportError) and error.peer_gone
         reason = f"peer process exited: {error}" if peer_gone else f"reading the sender's ready marks failed: {error}"
         log.warning("closing the link to cluster %s: %s", self.peer, reason)
-        self._ports.close(reason)
+        self._link.close(reason)
 
     @property
     def gated(self) -> bool:
@@ -189,7 +204,7 @@ class ReadOffers:
                 self.send_held()
             return
         if isinstance(error, TransportError) and error.peer_gone:
-            self._ports.close(f"peer process exited: {error}")
+            self._link.close(f"peer process exited: {error}")
             return
         log.error("copying read offer %d from cluster %s failed: %s", request_id, self.peer, error)
         self._send(encode_status(_DONE, request_id, int(LLMStatusCode.LLM_FAILED),
@@ -198,7 +213,7 @@ class ReadOffers:
     def _hold(self, seconds: float) -> None:
         """Keep the held DONEs until the sender's next frame, or ``seconds`` from now at the latest."""
         self.holding = True
-        loop = self._ports.loop
+        loop = self._link.loop
         due = loop.time() + seconds
         if self._hold_timer is None or due < self._hold_timer.when():
             if self._hold_timer is not None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from transports.base import Mover, OutgoingFrame, PayloadSink, PeerWatch
+from transports.base import PayloadSink, PeerWatch
 
 from .admission import Refusal, resolve
 from .layout import IoVec
@@ -41,7 +40,7 @@ from .protocol import (
     encode_json,
     encode_status,
 )
-from .read_offers import OfferPorts, ReadOffers
+from .read_offers import LinkPorts, OfferPorts, ReadOffers
 from .status import LLMStatusCode
 from .types import RemoteAccess
 
@@ -52,7 +51,6 @@ LANDED_ABORTED = 1
 # host (UCX): a transfer the sender had already posted runs to its end even when the control stream is gone.
 GRANT_GRACE_S = 2.0
 
-Send = Callable[..., OutgoingFrame]
 # Incoming requests one link may have in flight here (stream writes being received plus one-sided
 # grants not yet landed); past it a request is refused with LLM_LINK_BUSY. Far above what the engine's
 # own senders use (two layers per transfer), it bounds what one peer can pin.
@@ -73,20 +71,6 @@ class InboundOwner(Protocol):
 
     def registry_changed(self) -> None:
         """The registry changed because of a peer (it released a cache key): tell every peer."""
-
-
-@dataclass(slots=True)
-class LinkPorts:
-    """What the inbound side uses of its link: a frame sender, the link's counters, its loop (one timer for
-    the deadlines of incoming transfers), closing the link, the data paths' check of a lease proof, and the
-    same-host mover through which this side can read the peer's memory (None: it cannot)."""
-
-    send: Send
-    counters: Counter[str]
-    loop: asyncio.AbstractEventLoop
-    close: Callable[[str], None]
-    proves_reach: Callable[[str], bool]
-    reader: Callable[[], Mover | None] = lambda: None
 
 
 @dataclass
@@ -172,8 +156,7 @@ class Inbound:
         self._writes: dict[int, CacheEntry] = {}                   # stream writes being received
         self._granted: dict[int, tuple[CacheEntry, int, str]] = {}  # one-sided grants until LANDED
         #: READ_OFFERs copied here (same host), gated or not, and the answers held for them
-        self.reads = ReadOffers(OfferPorts(link.send, link.counters, link.loop, link.close, link.reader,
-                                           self._resolve, self._watch, self._done))
+        self.reads = ReadOffers(OfferPorts(link, self._resolve, self._watch, self._done))
         self._leases: dict[int, CacheEntry] = {}    # standing write grants, each holding a pin
         self._revoking: dict[int, CacheEntry] = {}  # revoked, pinned until the writer says it is done
         self._ended: set[int] = set()               # leases ended by a graceful unlink: late frames are fine

@@ -32,7 +32,8 @@ from kvpush.protocol import (
     encode_status,
     encode_transfer,
 )
-from kvpush.serving import Inbound, LinkPorts
+from kvpush.read_offers import LinkPorts
+from kvpush.serving import Inbound
 from kvpush.status import LLMStatusCode
 from kvpush.types import CacheDesc, CacheKey, DataType, RemoteAccess
 from transports.base import TransportError
