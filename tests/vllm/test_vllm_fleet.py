@@ -90,7 +90,7 @@ def test_a_fleet_registers_itself_and_serves_through_instances_coming_dying_and_
         process_group=0)
     try:
         def start(name: str, role: str, core: str) -> Server:
-            port, kv_port = free_port(), free_port(pair=True)
+            port, kv_port = free_port(), free_port(span=2)
             extra = {"discovery": etcd.url, "advertise_url": f"http://127.0.0.1:{port}"}
             config = {**KV_CONNECTOR, "kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra}
             if role == "kv_consumer":

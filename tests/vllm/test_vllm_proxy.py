@@ -146,7 +146,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests", str(requests), "--out",
              str(reference_out), "--core", "1"], stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), process_group=0)
-    kv_port, prefill_port = free_port(pair=True), free_port()
+    kv_port, prefill_port = free_port(span=2), free_port()
     servers: dict[str, Server] = {}
 
     def start_prefill() -> Server:
@@ -285,7 +285,7 @@ def test_a_prefill_request_whose_decode_never_comes_is_held_no_longer_than_its_b
 @pytest.mark.timeout(200)
 def test_a_prefill_listening_where_other_hosts_reach_it_without_a_token_does_not_start(
         tiny_model: Path, tmp_path: Path) -> None:
-    config = _kv_config("kv_producer", free_port(pair=True), host="0.0.0.0")
+    config = _kv_config("kv_producer", free_port(span=2), host="0.0.0.0")
     server = start_vllm("open-prefill", tiny_model, "0", config, tmp_path, env={"KVPUSH_AUTH_TOKEN": ""})
     try:
         assert wait_for(lambda: not server.alive(), 150, 0.5), "a prefill listening on 0.0.0.0 without a token started"

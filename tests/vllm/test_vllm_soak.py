@@ -107,7 +107,7 @@ def soak(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
              str(work / "requests.json"), "--out", str(work / "reference.json"), "--core", "1"],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"),
             process_group=0)
-    kv_port, ports = free_port(pair=True), {"prefill": free_port(), "decode": free_port()}
+    kv_port, ports = free_port(span=2), {"prefill": free_port(), "decode": free_port()}
     servers: dict[str, Server] = {}
 
     def start_prefill() -> Server:

@@ -81,7 +81,7 @@ def _cores(tp: int, single: str) -> str:
 @contextmanager
 def _start(model: Path, work: Path, p_tp: int, d_tp: int, transport: str) -> Iterator[TpStack]:
     """A prefill and a decode of those TP sizes and ``kvpush proxy`` in front; all ended on exit."""
-    kv_port = free_port(pair=True)
+    kv_port = free_port(span=2 * max(p_tp, d_tp))  # each instance listens on kv_port (+ 1) + 2 * rank
     extra = {"transport": transport, "transfer_timeout_s": TRANSFER_TIMEOUT_S, "abort_grace_s": ABORT_GRACE_S}
 
     def config(role: str) -> dict[str, Any]:
