@@ -113,16 +113,20 @@ class Follow:
             chunk["id"] = self.lead.completion_id
         if not self._first_seen and is_content(line):
             self._first_seen = True
+            # vLLM may stream the first tokens in one event (its output fell behind the engine): the lead's
+            # token is this event's first, the rest goes on
             choice = chunk["choices"][0]
-            ids = choice.get("token_ids")
-            if choice.get("text") != self.lead.text or (ids is not None and ids[:1] != [self.lead.token_id]):
-                raise Mismatch(f"the decode's first token {choice.get('text')!r} differs from the prefill's "
-                               f"{self.lead.text!r}")
-            if choice.get("finish_reason") is None:
+            text, ids = choice.get("text") or "", choice.get("token_ids")
+            if not text.startswith(self.lead.text) or (ids is not None and ids[:1] != [self.lead.token_id]):
+                raise Mismatch(f"the decode's first token {text!r} differs from the prefill's {self.lead.text!r}")
+            choice["text"] = text[len(self.lead.text):]
+            choice.pop("prompt_token_ids", None)  # the lead carried them
+            if ids is not None and len(ids) > 1:
+                choice["token_ids"] = ids[1:]
+            else:
+                choice.pop("token_ids", None)
+            if not choice["text"] and "token_ids" not in choice and choice.get("finish_reason") is None:
                 return None  # the first token alone: the client has it
-            choice["text"] = ""  # the request ended at its first token: the end goes on, without the token
-            for key in ("token_ids", "prompt_token_ids"):
-                choice.pop(key, None)
         return b"data: " + json.dumps(chunk).encode() + b"\n"
 
 

@@ -96,7 +96,22 @@ def test_a_request_that_ends_at_its_first_token_keeps_its_end() -> None:
                                                "stop_reason": None}]
 
 
-@pytest.mark.parametrize("first", [decode_chunk(" a"), decode_chunk(" the", token_ids=[12])])
+@pytest.mark.parametrize("wants_ids", [False, True])
+def test_a_decode_event_that_carries_more_than_the_first_token_goes_on_without_it(wants_ids: bool) -> None:
+    """vLLM may stream a decode's first tokens in one event (its output fell behind the engine): the client,
+    which has the first token, gets the rest of that event."""
+    lead = lead_of(prefill_chunk(), client_wants_ids=wants_ids)
+    assert lead is not None
+    ids = {"token_ids": [11, 12, 13], "prompt_token_ids": [5, 6, 7]} if wants_ids else {}
+    out = Follow(lead).line(event(decode_chunk(" the cat sat", **ids)))
+    assert out is not None
+    choice = json.loads(out[6:])["choices"][0]
+    assert choice["text"] == " cat sat" and "prompt_token_ids" not in choice
+    assert choice.get("token_ids") == ([12, 13] if wants_ids else None)
+
+
+@pytest.mark.parametrize("first", [decode_chunk(" a"), decode_chunk(" the", token_ids=[12]),
+                                   decode_chunk(" a the", token_ids=[12, 11])])
 def test_a_decode_first_token_that_differs_is_refused(first: dict[str, Any]) -> None:
     lead = lead_of(prefill_chunk(), client_wants_ids=False)
     assert lead is not None
