@@ -279,7 +279,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return tuple(groups) if groups is not None else super().get_loaded_kv_cache_group_ids(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
-        return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output)))
+        return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output),
+                                                      scheduler_output.total_num_scheduled_tokens > 0))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

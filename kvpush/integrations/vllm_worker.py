@@ -37,6 +37,8 @@ class WorkerSide:
         self.consumer: core.ConsumerBook | None = None
         self.layer_index: dict[str, int] = {}
         self.load_errors: set[int] = set()
+        self.step_computes = True
+        self.step_holding = False
 
     def register(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
         """Start the engine and register ``tensors`` (one per layer, in layer order) in place, each layer
@@ -81,21 +83,24 @@ class WorkerSide:
                 event = self.events.get_nowait()
             except queue.Empty:
                 return
-            kind = event[0]
-            if kind == "inbound":
-                self._inbound(event[1], event[2])
-            elif kind == "push_done" and self.producer is not None:
-                self.producer.on_push_done(event[1], event[2])
-            elif kind == "notified" and self.producer is not None:
-                self.producer.on_notified(event[1], event[2], event[3])
-            elif kind == "legs" and self.consumer is not None:
-                self.consumer.on_legs(event[1], event[2])
-            elif kind == "ids_sent" and self.consumer is not None:
-                self.consumer.on_ids_sent(event[1], event[2], event[3], event[4], event[5] or None)
-            elif kind == "link_lost":
-                for book in (self.producer, self.consumer):
-                    if book is not None:
-                        book.on_link_lost(event[1], event[2])
+            self._handle(event)
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "inbound":
+            self._inbound(event[1], event[2])
+        elif kind == "push_done" and self.producer is not None:
+            self.producer.on_push_done(event[1], event[2])
+        elif kind == "notified" and self.producer is not None:
+            self.producer.on_notified(event[1], event[2], event[3])
+        elif kind == "legs" and self.consumer is not None:
+            self.consumer.on_legs(event[1], event[2])
+        elif kind == "ids_sent" and self.consumer is not None:
+            self.consumer.on_ids_sent(event[1], event[2], event[3], event[4], event[5] or None)
+        elif kind == "link_lost":
+            for book in (self.producer, self.consumer):
+                if book is not None:
+                    book.on_link_lost(event[1], event[2])
 
     def _inbound(self, peer: int, message: core.Message) -> None:
         if isinstance(message, core.Done):
@@ -109,6 +114,7 @@ class WorkerSide:
 
     def begin_step(self, meta: core.StepMeta) -> None:
         self.drain()
+        self.step_computes, self.step_holding = meta.computes, meta.holding
         if self.producer is not None:
             self.producer.begin_step(meta.send, meta.send_finished)
         if self.consumer is not None:
@@ -127,7 +133,38 @@ class WorkerSide:
             self.producer.end_step()
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) of this step; each request once."""
+        """(finished_sending, finished_recving, failed_recving) of this step; each request once.
+
+        An empty step with transfers open and nothing to report waits up to ``idle_wait_ms`` for news
+        (a transfer that landed or failed, block ids in, a push done) instead of returning at once. vLLM's
+        engine takes such steps back to back while its requests wait on transfers, and its worker spins
+        between them: that ping-pong kept a waiting instance's processes running and waking hundreds of
+        times a second, which took the shared core from the very instance it waited for (docs/perf/notes.md,
+        "instances in their own sessions")."""
+        found = self._collect()
+        wait_s = self.settings.config.idle_wait_ms / 1e3
+        if self.step_computes or wait_s <= 0 or any(found) or not (self.step_holding or self._open()):
+            return found
+        deadline = time.monotonic() + wait_s
+        while not (any(found) or self._ids_in_pending()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                self._handle(self.events.get(timeout=left))
+            except queue.Empty:
+                break
+            more = self._collect()
+            found = (found[0] | more[0], found[1] | more[1], found[2] | more[2])
+        return found
+
+    def _open(self) -> bool:
+        return any(book is not None and len(book) > 0 for book in (self.producer, self.consumer))
+
+    def _ids_in_pending(self) -> bool:
+        return self.producer is not None and self.producer.ids_in_pending
+
+    def _collect(self) -> tuple[set[str], set[str], set[str]]:
         self.drain()
         sending: set[str] = set()
         recving: set[str] = set()

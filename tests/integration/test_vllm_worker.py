@@ -9,6 +9,7 @@ results = get_transfer_results). The decode's blocks must end up holding exactly
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -212,6 +213,60 @@ def test_ids_after_the_forward_are_served_by_one_push_and_prefix_hits_are_skippe
     assert_landed(prefill, decode, src, [50, 51, 52])
     assert prefill.worker.stats()["producer.pushes_after_forward"] == 1
     assert prefill.worker.stats()["producer.blocks_pushed"] == 2
+
+
+def test_an_empty_step_waits_for_the_landing_instead_of_returning_at_once() -> None:
+    """vLLM takes empty steps back to back while a decode's requests wait for their KV. Such a step, with
+    nothing to report yet, waits for the engine's news (here as long as it takes: ``idle_wait_ms`` is a
+    minute) and reports the transfer that landed meanwhile; a step that computes never waits."""
+    port = free_port()
+    prefill = Side("kv_producer", port, transport="cma")
+    decode = Side("kv_consumer", port, transport="cma", idle_wait_ms=60_000)
+    try:
+        src, dst, tokens = [1, 2], [31, 32], 8
+        decode.step(StepMeta(recv=[recv_spec(prefill, "t9", dst, tokens)]))  # computes: returns at once
+        until(lambda: bool(prefill.worker.producer and prefill.worker.producer.state_of("t9")), prefill)
+
+        reported = threading.Event()
+
+        def prefill_engine() -> None:  # its forward, then steps until the decode reported the landing
+            time.sleep(0.2)  # the decode is waiting in its empty step by now
+            prefill.step(StepMeta(send=[SendStep("p-t9", "t9", tuple(src), 0, tokens, tokens)]),
+                         compute_tokens(prefill, src, 0, tokens))
+            prefill.step(StepMeta(send_finished=[FinishedSend("p-t9", "t9", True, True)]))
+            until(reported.is_set, prefill)
+
+        engine = threading.Thread(target=prefill_engine)
+        engine.start()
+        decode.worker.begin_step(StepMeta(computes=False))
+        try:
+            _, recving, failed = decode.worker.results()  # one empty step
+        finally:
+            reported.set()
+            engine.join()
+        assert recving == {"d-t9"} and not failed
+        assert_landed(prefill, decode, src, dst)
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_an_empty_step_of_a_prefill_holding_a_request_waits_for_its_block_ids() -> None:
+    """A prefill holds a request until its decode's block ids came (``ids_wait_ms``); its empty steps meanwhile
+    wait for them, so the step that sees them reports them to the scheduler."""
+    port = free_port()
+    prefill = Side("kv_producer", port, transport="cma", idle_wait_ms=60_000)
+    decode = Side("kv_consumer", port, transport="cma")
+    try:
+        sender = threading.Timer(0.2, lambda: decode.step(StepMeta(recv=[recv_spec(prefill, "t10", [5], 8)])))
+        sender.start()
+        prefill.worker.begin_step(StepMeta(computes=False, holding=True))
+        assert prefill.worker.results() == (set(), set(), set())
+        sender.join()
+        assert prefill.worker.take_ids_in() == ["t10"]
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
 
 
 def test_a_prefill_that_dies_fails_the_decode_at_once_with_load_errors(pair: tuple[Side, Side]) -> None:

@@ -365,11 +365,14 @@ def test_prefill_request_is_held_until_every_rank_has_its_block_ids() -> None:
     book, clock = held_book(ranks=2)
     book.on_new_request("p1", core.prefill_request_params("tid"), num_prompt_tokens=100)
     assert book.matched_tokens("p1", 0) == (None, False)  # held: vLLM asks again next step
+    meta = book.build_step([], computes=False)
+    assert not meta.computes and meta.holding  # an empty step while a request waits for its ids
     clock.advance(0.01)
     book.ids_in({"tid": 1})
     assert book.matched_tokens("p1", 0) == (None, False)  # one rank of two
     book.ids_in({"tid": 1, "other": 2})
     assert book.matched_tokens("p1", 0) == (0, False)
+    assert not book.build_step([], computes=False).holding  # released
     assert book.stats == {"held": 1, "held_ids_in": 1}
     book.build_step([Scheduled("p1", (10, 11, 12, 13), False, 0, 100)])
     assert book.matched_tokens("p1", 100) == (0, False)  # a preempted request is never held again

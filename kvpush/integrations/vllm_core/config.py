@@ -18,6 +18,7 @@ from .messages import MAX_TRANSFER_ID_BYTES
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 IDS_WAIT_MS = 50  # a prefill's hold for its decode's block ids; measured: they come 8-12 ms (p50) after its request
+IDLE_WAIT_MS = 20  # how long an empty engine step waits for a transfer's news before vLLM takes the next one
 
 
 class ParamsError(ValueError):
@@ -41,7 +42,9 @@ class ConnectorConfig:
     ``transfer_timeout_s`` bounds a decode's wait from allocation to the last byte; ``ids_timeout_s``
     how long a finished prefill request keeps its blocks for block ids that have not come;
     ``ids_wait_ms`` how long a prefill holds a request whose decode sends block ids before its forward,
-    waiting for them (so every layer is pushed as it is computed; 0: never held);
+    waiting for them (so every layer is pushed as it is computed; 0: never held); ``idle_wait_ms`` how long
+    an engine step that computes nothing waits for a transfer's news before vLLM takes the next one (0: not
+    at all; vLLM's worker then spins between such steps);
     ``abort_grace_s`` how long a decode waits, after an abort or timeout, for the prefill to confirm
     nothing more will land; ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms``
     bounds linking.
@@ -55,6 +58,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = 60.0
     ids_timeout_s: float = 30.0
     ids_wait_ms: int = IDS_WAIT_MS
+    idle_wait_ms: int = IDLE_WAIT_MS
     abort_grace_s: float = 5.0
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 5000
@@ -134,7 +138,8 @@ def _string_map(key: str, value: Any) -> dict[str, str]:
 # each key of kv_connector_extra_config -> its check (which returns the value to keep)
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(("transfer_timeout_s", "ids_timeout_s", "abort_grace_s"), _positive),
-    **dict.fromkeys(("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers", "ids_wait_ms"),
+    **dict.fromkeys(("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers", "ids_wait_ms",
+                     "idle_wait_ms"),
                     _count),
     **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url"), _text),
     "insecure": _flag,

@@ -283,6 +283,11 @@ class ProducerBook:
                 self._fail(t, f"no block ids from a decode within {self.config.ids_timeout_s:g} s", Outcome.FAILED)
             self._release_if_done(r)
 
+    @property
+    def ids_in_pending(self) -> bool:
+        """Block ids came in that ``take_ids_in`` has not handed out yet."""
+        return bool(self._ids_in)
+
     def take_ids_in(self) -> list[str]:
         """Transfers whose decode's block ids all came (or whose legs ended) before their request's first
         step here, each once: the scheduler holds such a request until they came (see ``SchedulerBook``)."""

@@ -187,10 +187,13 @@ class SchedulerBook:
         self._meta.recv.append(RecvSpec(req_id, request.transfer_id, request.consumer.remote, first_block, blocks,
                                         request.num_prompt_tokens, error))
 
-    def build_step(self, scheduled: Iterable[Scheduled]) -> StepMeta:
+    def build_step(self, scheduled: Iterable[Scheduled], computes: bool = True) -> StepMeta:
         """This step's metadata: queued RecvSpecs and aborts, and a SendStep for every producer request
-        computing prompt tokens in this step. Resets the queue."""
+        computing prompt tokens in this step (``computes``: any request computes tokens in it). Resets the
+        queue."""
         meta = self._meta
+        meta.computes = computes
+        meta.holding = any(r.ids_coming and r.held_until is not None and not r.handed for r in self._requests.values())
         for item in scheduled:
             request = self._requests.get(item.req_id)
             if request is None or request.consumer is not None:

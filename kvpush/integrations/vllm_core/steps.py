@@ -58,6 +58,11 @@ class StepMeta:
     recv_aborted: list[str] = field(default_factory=list)
     send: list[SendStep] = field(default_factory=list)
     send_finished: list[FinishedSend] = field(default_factory=list)
+    #: the step computes tokens; False: an empty step, which vLLM's engine takes while its requests wait on
+    #: transfers (a decode's KV, a prefill's block ids or pushes), one after another
+    computes: bool = True
+    #: prefill requests are held for their decode's block ids (the worker waits for those too)
+    holding: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.recv or self.recv_aborted or self.send or self.send_finished)
