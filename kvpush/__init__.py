@@ -6,6 +6,7 @@ from .config import LLMConfig
 from .datadist import LLMDataDist
 from .notify import MAX_MESSAGE_BYTES, Delivery, Inbox
 from .options import AUTH_TOKEN_ENV, is_loopback
+from .probe import probe
 from .status import LLMException, LLMStatusCode
 from .types import (
     BlocksCacheKey,
@@ -47,4 +48,5 @@ __all__ = [
     "RemoteAccess",
     "__version__",
     "is_loopback",
+    "probe",
 ]

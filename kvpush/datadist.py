@@ -20,7 +20,8 @@ from transports.base import Connection, TransportError
 from . import validate as v
 from .cache_manager import CacheManager
 from .datapath import DataPaths
-from .handshake import Identity
+from .handshake import Identity, Probed
+from .lag import LoopLag
 from .link import Link
 from .links import Adopted, LinkTable
 from .listening import Listening
@@ -68,6 +69,8 @@ class LLMDataDist:
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
         self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
+        #: this engine's event-loop stalls (``kvpush.lag``): a link does not blame its peer for them
+        self.loop_lag = LoopLag(f"kvpush engine cluster {self.cluster_id}")
 
     def __repr__(self) -> str:
         return (f"<LLMDataDist cluster={self.cluster_id} role={self.role.name} "
@@ -97,6 +100,7 @@ class LLMDataDist:
         except BaseException:
             self._close_transports()
             raise
+        self._tasks.spawn(self.loop_lag.watch(), f"kvpush-lag-{self.cluster_id}")
         self._initialized = True
         log.info("engine cluster=%d role=%s initialised (listen=%s)", self.cluster_id, self.role.name,
                  self.listen_address)
@@ -227,6 +231,9 @@ class LLMDataDist:
                 link = await Link.establish(self, connection, self._paths(), dialer=False)
         except TimeoutError:
             log.warning("refused a link from %s: handshake timed out", connection.peer)
+            return
+        except Probed:
+            log.debug("answered a probe from %s", connection.peer)
             return
         except Exception as error:  # whatever a peer sends, the listener goes on
             log.warning("refused a link from %s: %s", connection.peer, error)

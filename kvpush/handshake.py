@@ -61,6 +61,19 @@ def _fail(reason: str) -> LLMException:
     return LLMException(LLMStatusCode.LLM_LINK_FAILED, reason)
 
 
+class Probed(LLMException):
+    """The dialer only probed whether this engine answers (``kvpush.probe``): it was answered, no link."""
+
+    def __init__(self) -> None:
+        super().__init__(LLMStatusCode.LLM_LINK_FAILED, "a probe, answered")
+
+
+def probe_hello() -> bytes:
+    """A prober's HELLO: it asks for an answer, not a link (it holds no token and learns nothing but that the
+    listener's event loop runs)."""
+    return encode_json(Kind.HELLO, 0, {"version": PROTOCOL_VERSION, "probe": True})
+
+
 class Handshake:
     """One side of one handshake. ``offers`` is called once, after the peer authenticated, for what
     this side offers for one-sided transfers."""
@@ -119,6 +132,9 @@ class Handshake:
         """The acceptor's side; the link is ready when this returns (READY was sent)."""
         token = self.identity.auth_token
         body = await self._expect(Kind.HELLO)
+        if body.get("probe") is True:
+            self._send(encode_json(Kind.BYE, 0, {"reason": "probe answered", "probe": True}))
+            raise Probed()
         try:
             peer, peer_nonce = self._check_hello(body)
         except LLMException as error:

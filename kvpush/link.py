@@ -22,6 +22,7 @@ from transports.base import Connection, Mover, OutgoingFrame
 
 from .datapath import DataPaths
 from .handshake import HANDSHAKE_META_LIMIT, Handshake, Identity
+from .lag import LoopLag
 from .layout import IoVec
 from .link_protocol import LinkProtocol, LinkState
 from .memory import CacheRegistry
@@ -48,6 +49,7 @@ class LinkOwner(Protocol):
     """What a link needs from its engine."""
 
     registry: CacheRegistry
+    loop_lag: LoopLag
 
     @property
     def identity(self) -> Identity: ...
@@ -214,15 +216,50 @@ class Link:
             self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
 
     async def _keepalive_loop(self) -> None:
-        interval = self.owner.options.keepalive_interval_ms / 1000
-        limit = self.owner.options.keepalive_timeout_ms / 1000
+        """A PING every ``keepalive_interval_ms``; a peer silent for ``keepalive_timeout_ms`` is *gone* - and
+        the link closed - only when its host stopped acknowledging what this side sent (the transport's own
+        acknowledgements, which the peer's kernel sends whether or not its process runs), or its process
+        exited. A peer whose host still acknowledges is *late*: alive and behind (its cores taken, say), its
+        link kept, its transfers bounded by their own deadlines. Silence is counted from the end of this
+        side's own last stall (``kvpush.lag``), never across it."""
+        options = self.owner.options
+        interval, limit = options.keepalive_interval_ms / 1000, options.keepalive_timeout_ms / 1000
+        late_since: float | None = None
         while self.state is not LinkState.CLOSED:
             await asyncio.sleep(interval)
-            silent = time.monotonic() - self.stream.last_receive
+            heard = self.owner.loop_lag.heard(self.stream.last_receive)
+            silent = time.monotonic() - heard
             if silent > limit:
-                self.close(f"keepalive: nothing heard from the peer for {silent * 1000:.0f} ms")
-                return
+                gone = self._peer_gone(limit)
+                if gone is not None:
+                    self.close(f"keepalive: nothing heard from the peer for {silent * 1000:.0f} ms and {gone}")
+                    return
+                if late_since is None:
+                    late_since = heard
+                    self.counters["late"] += 1
+                    log.warning("link to cluster %s: nothing heard from the peer for %.0f ms, but its host "
+                                "acknowledges: it is late, not gone; the link stays and its transfers keep their "
+                                "own deadlines", self.peer_cluster_id, silent * 1000)
+            elif late_since is not None:
+                log.info("link to cluster %s: the peer answers again after %.0f ms of silence", self.peer_cluster_id,
+                         (heard - late_since) * 1000)
+                late_since = None
             self.stream.send(encode_json(Kind.PING, 0, {"t": time.monotonic()}))
+
+    def _peer_gone(self, limit: float) -> str | None:
+        """Why the silent peer is gone (its process exited; its host acknowledged nothing for ``limit``, or
+        the transport cannot tell), or None: it is only late."""
+        watch = self.paths.watch_writer()
+        if watch is not None:
+            try:
+                if not watch.alive():
+                    return "its process exited"
+            finally:
+                watch.close()
+        acknowledges = self.stream.peer_acknowledges(limit)
+        if acknowledges is None:
+            return "the transport cannot tell whether its host is up"
+        return None if acknowledges else "its host acknowledged nothing for as long"
 
     # -- cache tables ---------------------------------------------------------------------------
     def send_table(self, request_id: int = 0) -> None:

@@ -128,6 +128,12 @@ class FrameStream(Protocol):
     def last_receive(self) -> float:
         """``time.monotonic()`` of the last byte received (keepalive)."""
 
+    def peer_acknowledges(self, within_s: float) -> bool | None:
+        """Whether the peer's host acknowledged what this side sent, none of it waiting longer than
+        ``within_s`` (the transport's own acknowledgements, TCP's ACKs, which its kernel sends whether or
+        not the peer process runs): True (the host is up and the connection open), False (it stopped:
+        down or unreachable), None (this transport cannot tell)."""
+
     @property
     def bytes_in(self) -> int: ...
 

@@ -48,6 +48,13 @@ def is_local(sock: socket.socket) -> bool:
     return address.is_loopback or peer == own
 
 
+# Linux's struct tcp_info up to tcpi_last_ack_recv: eight u8 (state .. options, the window scales), then
+# u32 rto, ato, snd_mss, rcv_mss, unacked, sacked, lost, retrans, fackets, last_data_sent, last_ack_sent,
+# last_data_recv, last_ack_recv (ms since the last ACK came)
+_TCP_INFO = struct.Struct("=8B13I")
+_UNACKED, _LAST_ACK_RECV = 12, 20
+
+
 class TcpFrameStream(FrameSender):
     """A framed, ordered byte stream over one connected TCP socket (``transports.base.FrameStream``): it
     sends as a ``FrameSender`` and receives through its ``FrameReceiver``."""
@@ -80,6 +87,19 @@ class TcpFrameStream(FrameSender):
     @property
     def last_receive(self) -> float:
         return self._receiver.last_receive
+
+    def peer_acknowledges(self, within_s: float) -> bool | None:
+        """From ``TCP_INFO``: nothing sent is unacknowledged, or the last ACK came within ``within_s``
+        (a peer that advertises a zero window still acknowledges the probes)."""
+        try:
+            raw = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+        except (OSError, AttributeError):  # closed, not TCP, or no TCP_INFO on this platform
+            return None
+        if len(raw) < _TCP_INFO.size:
+            return None
+        fields = _TCP_INFO.unpack_from(raw)
+        unacked, last_ack_recv_ms = fields[_UNACKED], fields[_LAST_ACK_RECV]
+        return bool(unacked == 0 or last_ack_recv_ms < within_s * 1000)
 
     @property
     def meta_limit(self) -> int | None:

@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,16 +43,46 @@ def decode_peer() -> Iterator[Peer]:
         yield peer
 
 
-async def test_keepalive_breaks_a_silent_link(make_engine: EngineFactory, decode_peer: Peer) -> None:
-    engine, _ = await prefill(make_engine, decode_peer, kvpush__keepalive_interval_ms="50",
-                              kvpush__keepalive_timeout_ms="400")
-    decode_peer.signal(signal.SIGSTOP)  # alive for the kernel (no EOF), silent for kvpush
+async def test_a_stopped_peer_is_late_not_gone(make_engine: EngineFactory, decode_peer: Peer, tmp_path: Any) -> None:
+    """A peer whose process does not run (stopped here; starved of its cores in a crowded host) is silent for
+    kvpush but its host still acknowledges: keepalive keeps the link, a transfer to it ends at its own
+    deadline, and the same link carries the next one once the peer runs again."""
+    engine, src = await prefill(make_engine, decode_peer, kvpush__keepalive_interval_ms="50",
+                                kvpush__keepalive_timeout_ms="400", llm__SyncKvCacheWaitTime="600")
+    link = engine.links[2]
+    decode_peer.signal(signal.SIGSTOP)
     try:
-        await wait_for(lambda: 2 not in engine.links, seconds=5)
+        await wait_for(lambda: link.counters["late"] == 1, seconds=5)
+        await asyncio.sleep(1.0)  # more than twice the keepalive's timeout
+        assert engine.links.get(2) is link and link.ready
+        with pytest.raises(LLMException) as caught:
+            await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [0], [1])
+        assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT  # the transfer's deadline, not keepalive
     finally:
         decode_peer.signal(signal.SIGCONT)
-    status, _ = await engine.link_clusters([cluster(2, decode_peer.port)])
-    assert status == LLMStatusCode.LLM_SUCCESS
+    await wait_for(lambda: engine.links.get(2) is not None and engine.links[2].ready)
+    await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [2], [3])
+    assert np.array_equal((await decode_peer.asnapshot("kv", tmp_path))[:, 3], raw(src)[:, 2])
+
+
+async def test_a_peer_that_exits_is_gone_at_once(make_engine: EngineFactory, decode_peer: Peer) -> None:
+    engine, _ = await prefill(make_engine, decode_peer)  # a keepalive timeout of 10 s: not what notices it
+    decode_peer.kill()
+    await wait_for(lambda: 2 not in engine.links, seconds=2)
+
+
+async def test_this_sides_own_stall_is_not_blamed_on_the_peer(make_engine: EngineFactory, decode_peer: Peer) -> None:
+    """This engine's event loop blocked for longer than the keepalive's timeout (its process not scheduled):
+    the peer, which answered every ping it got, is not counted late, and the link carries the next push."""
+    engine, src = await prefill(make_engine, decode_peer, kvpush__keepalive_interval_ms="50",
+                                kvpush__keepalive_timeout_ms="400")
+    link = engine.links[2]
+    await asyncio.sleep(0.3)
+    time.sleep(1.2)  # blocks this loop: no ping leaves, no answer is read
+    await asyncio.sleep(0.5)
+    assert engine.loop_lag.stalls >= 1 and engine.loop_lag.worst_s >= 1.0
+    assert link.counters["late"] == 0 and engine.links.get(2) is link
+    await engine.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [4], [5])
 
 
 async def test_unlink_and_force_unlink(make_engine: EngineFactory, decode_peer: Peer) -> None:
@@ -223,7 +254,8 @@ async def test_granted_memory_stays_pinned_until_a_silent_writer_is_gone(make_en
         await wait_for(lambda: entry.pins >= TENSORS // 2)  # every layer granted (and a standing lease, maybe)
         held_pins = entry.pins
         prefill.signal(signal.SIGSTOP)
-        await wait_for(lambda: 1 not in decode.links, seconds=5)  # keepalive drops the silent writer
+        # keepalive finds it late, not gone; the deadline of its granted transfer drops the silent writer
+        await wait_for(lambda: 1 not in decode.links, seconds=5)
         decode.cache_manager.deallocate_cache(dst)
         await asyncio.sleep(0.3)
         assert entry.removed and entry.pins >= TENSORS // 2 and entry.regions  # still mapped: it may still be written
