@@ -94,6 +94,11 @@ def add_parser(commands: Subcommands) -> None:
     proxy.add_argument("--retry-for", type=_non_negative, default=30.0, metavar="SECONDS",
                        help="how long a request waits for a decode to accept it when every decode refuses connections "
                             "(restarting); then 503 (default 30)")
+    proxy.add_argument("--kv-probe-interval", type=_non_negative, default=1.0, metavar="SECONDS",
+                       help="how often each prefill's kvpush engine is asked whether it answers; one that does not "
+                            "answer within --kv-probe-timeout gets no request until it does (default 1; 0: never)")
+    proxy.add_argument("--kv-probe-timeout", type=_seconds, default=1.5, metavar="SECONDS",
+                       help="how long a prefill's kvpush engine may take to answer a probe (default 1.5)")
     proxy.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"clients must send 'Authorization: Bearer KEY' (every route but /health), as vLLM's "
                             f"--api-key; default: the environment variable {API_KEY_ENV} (keeps it out of process "
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                                    accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for,
                                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                                    upstream_api_key=upstream_key, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                                   discovery=args.discovery)
+                                   discovery=args.discovery, kv_probe_s=args.kv_probe_interval,
+                                   kv_probe_timeout_s=args.kv_probe_timeout)
     except ValueError as error:  # SpecError, or FleetError for --discovery
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):

@@ -27,6 +27,11 @@ endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
    different one cuts the client's connection: ``first_token_mismatch`` in ``/metrics``). The client
    receives what the decode alone would have streamed, earlier by the transfer's tail and a decode step.
 
+A prefill's HTTP side may accept requests while its kvpush engine does not run (its worker starved of its
+cores, frozen): every ``kv_probe_s`` the proxy asks each prefill's kvpush engine whether it answers
+(``kvpush.probe``), and one that does not within ``kv_probe_timeout_s`` gets no request until it does
+(``kv_probe_failed`` in ``/metrics``; its ``upstream_up`` is 0 meanwhile).
+
 Bounds: a request is answered or cut within ``timeout_s`` of arriving, streamed ones included. A decode
 that refuses the connection, or closes it before any byte of its answer, is skipped for a back-off and
 the request goes again (new transfer, from step 1) to a decode that accepts, waiting for one for at most
@@ -72,6 +77,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush import LLMException, probe
+
 from .first_token import leads
 from .fleet import Membership, parse_discovery
 from .proxy_http import (
@@ -113,6 +120,10 @@ PREFILL_GRACE_S = 2.0  # after the decode answered, how long a prefill's answer 
 MAX_BODY_BYTES = 32 << 20  # far above a 128k-token prompt as JSON (~1 MB); images inline may need more
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# A prefill whose kvpush engine does not answer within KV_PROBE_TIMEOUT_S gets no request until it does: a
+# decode sent to it would wait for a link it cannot make (its own link timeout is 3 s)
+KV_PROBE_S = 1.0
+KV_PROBE_TIMEOUT_S = 1.5
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
 
 
@@ -134,6 +145,8 @@ class ProxyConfig:
     upstream_api_key: str | None = None  # what the upstreams get instead of the client's Authorization
     max_body_bytes: int = MAX_BODY_BYTES
     discovery: str | None = None  # etcd://HOST:PORT[,...]: the fleet's registry
+    kv_probe_s: float = KV_PROBE_S  # how often each prefill's kvpush side is probed (0: never)
+    kv_probe_timeout_s: float = KV_PROBE_TIMEOUT_S  # a probe unanswered this long holds the prefill out
 
     def __post_init__(self) -> None:
         if self.discovery is not None:
@@ -144,6 +157,9 @@ class ProxyConfig:
                 and self.retry_for_s >= 0):
             raise SpecError(f"timeout {self.timeout_s} and accept timeout {self.accept_timeout_s} must be > 0, "
                             f"prefill grace {self.prefill_grace_s} and retry window {self.retry_for_s} >= 0")
+        if not (self.kv_probe_s >= 0 and self.kv_probe_timeout_s > 0):
+            raise SpecError(f"kv probe interval {self.kv_probe_s} must be >= 0 and its timeout "
+                            f"{self.kv_probe_timeout_s} > 0")
         if self.max_body_bytes < 1:
             raise SpecError(f"max body size {self.max_body_bytes} must be >= 1 byte")
 
@@ -211,6 +227,8 @@ class Proxy:
         # them: a POST on a connection the server is closing fails ("Server disconnected").
         connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         watching = None
+        probing = (asyncio.get_running_loop().create_task(self._probe_prefills(), name="kvpush-proxy-kv-probe")
+                   if self.config.kv_probe_s > 0 else None)
         if self.membership is not None and self.config.discovery is not None:
             from .fleet_etcd import Watcher  # the fleet extra: a clear ImportError without it
 
@@ -222,9 +240,37 @@ class Proxy:
                 yield
         finally:
             self._session = None
-            if watching is not None:
-                watching.cancel()
-                await asyncio.gather(watching, return_exceptions=True)
+            for task in (watching, probing):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+
+    async def _probe_prefills(self) -> None:
+        """Every ``kv_probe_s``: probe each prefill's kvpush side (``kvpush.probe``). One that does not answer
+        within ``kv_probe_timeout_s`` gets no request until it does, however its HTTP side answers: its
+        process may take requests while its kvpush engine's loop does not run (starved of its cores), and a
+        decode sent there would wait for a link it cannot make. Until cancelled."""
+        while True:
+            started = asyncio.get_running_loop().time()
+            prefills = self.prefills.targets
+            answers = await asyncio.gather(*(self._probe(p) for p in prefills))
+            for prefill, problem in zip(prefills, answers):
+                if problem is None:
+                    if self.prefills.restore(prefill):
+                        log.warning("prefill %s: its kvpush side answers again; it gets requests", prefill.url)
+                    continue
+                self.counters["kv_probe_failed"] += 1
+                if self.prefills.hold_out(prefill, f"kvpush side not answering: {problem}"):
+                    log.warning("prefill %s: its kvpush side does not answer (%s); it gets no request until it "
+                                "does", prefill.url, problem)
+            await asyncio.sleep(max(0.0, self.config.kv_probe_s - (asyncio.get_running_loop().time() - started)))
+
+    async def _probe(self, prefill: Prefill) -> str | None:
+        try:
+            await probe(prefill.kv_host, prefill.kv_port, self.config.kv_probe_timeout_s)
+        except LLMException as error:
+            return str(error).partition(": ")[2] or str(error)
+        return None
 
     def _sync(self) -> None:
         """The fleet's membership changed: the pools become its ready members (beside the static ones)."""

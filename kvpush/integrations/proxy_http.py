@@ -271,9 +271,13 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "prefill's.",
               "# TYPE kvpush_proxy_first_token_mismatch_total counter",
               f"kvpush_proxy_first_token_mismatch_total {counters.get('first_token_mismatch', 0)}",
+              "# HELP kvpush_proxy_kv_probe_failed_total Probes of a prefill's kvpush side left unanswered.",
+              "# TYPE kvpush_proxy_kv_probe_failed_total counter",
+              f"kvpush_proxy_kv_probe_failed_total {counters.get('kv_probe_failed', 0)}",
               "# HELP kvpush_proxy_upstream_in_flight Requests in flight per upstream.",
               "# TYPE kvpush_proxy_upstream_in_flight gauge",
-              "# HELP kvpush_proxy_upstream_up 1 unless the upstream is skipped after refusing a request.",
+              "# HELP kvpush_proxy_upstream_up 1 unless the upstream is skipped (it refused a request, or its kvpush "
+              "side does not answer).",
               "# TYPE kvpush_proxy_upstream_up gauge"]
     for role, pool in (("prefill", prefills), ("decode", decodes)):
         for state in pool.state():

@@ -101,13 +101,16 @@ class Member(Generic[T]):
     failures: int = 0  # consecutive requests it did not accept
     down_until: float = 0.0  # skipped until then (monotonic seconds)
     reason: str = ""  # why it was last skipped
+    held_out: str = ""  # why it is skipped until ``restore`` (its kvpush side does not answer, say)
 
 
 class Pool(Generic[T]):
     """Upstreams of one role. ``pick`` gives the one with the least load among those not backing off,
     ties in turn: its requests in flight from here plus what it registered (``load``, a fleet's); ``failed``
     makes a member sit out ``BACKOFF_FIRST_S``, doubling up to ``BACKOFF_MAX_S`` while it keeps failing
-    (the next request after that is its probe); ``accepted`` ends the back-off. ``update`` changes the
+    (the next request after that is its probe); ``accepted`` ends the back-off. ``hold_out`` skips a member
+    until ``restore``, whatever its requests do (a prefill whose kvpush side does not answer, while its HTTP
+    side still accepts requests). ``update`` changes the
     members (a fleet's membership): requests in flight on one that left end as they would have.
     ``clock`` is monotonic seconds."""
 
@@ -149,7 +152,7 @@ class Pool(Generic[T]):
         now = self.clock()
         count = len(self.members)
         order = [self.members[(self._next + i) % count] for i in range(count)]
-        up = [m for m in order if m.down_until <= now and m.target not in exclude]
+        up = [m for m in order if m.down_until <= now and not m.held_out and m.target not in exclude]
         if not up:
             return None
         chosen = min(up, key=lambda m: m.in_flight + self.load.get(m.target, 0))  # ties: the first, in turn
@@ -158,7 +161,7 @@ class Pool(Generic[T]):
 
     def next_up_at(self, exclude: Sequence[T] = ()) -> float | None:
         """When the first member now backing off may be tried again (None: no member left to wait for)."""
-        times = [m.down_until for m in self.members if m.target not in exclude]
+        times = [m.down_until for m in self.members if m.target not in exclude and not m.held_out]
         return min(times) if times else None
 
     def acquire(self, target: T) -> None:
@@ -192,6 +195,24 @@ class Pool(Generic[T]):
         member.reason = reason
         return backoff
 
+    def hold_out(self, target: T, reason: str) -> bool:
+        """Skip ``target`` until ``restore``; True when it was not held out already."""
+        member = next((m for m in self.members if m.target == target), None)
+        if member is None or member.held_out:
+            if member is not None:
+                member.held_out = reason
+            return False
+        member.held_out = reason
+        return True
+
+    def restore(self, target: T) -> bool:
+        """End ``hold_out``; True when it was held out."""
+        member = next((m for m in self.members if m.target == target), None)
+        if member is None or not member.held_out:
+            return False
+        member.held_out = ""
+        return True
+
     def probing(self, target: T) -> bool:
         """True while ``target``'s last request failed: check it is back before sending it real work."""
         return self._member(target).failures > 0
@@ -206,8 +227,8 @@ class Pool(Generic[T]):
     def state(self) -> list[dict[str, Any]]:
         """Plain data per member, for /metrics and logs."""
         now = self.clock()
-        return [{"target": m.target, "in_flight": m.in_flight, "up": m.down_until <= now,
-                 "failures": m.failures, "reason": m.reason} for m in self.members]
+        return [{"target": m.target, "in_flight": m.in_flight, "up": m.down_until <= now and not m.held_out,
+                 "failures": m.failures, "reason": m.held_out or m.reason} for m in self.members]
 
 
 # -- the copies of a request -------------------------------------------------------------------------

@@ -80,7 +80,9 @@ async def test_the_proxy_routes_over_the_registered_fleet_as_it_changes(etcd: Et
     prefill1 = await fleet.add("prefill-1", "prefill", 14600)
     decode = await fleet.add("decode-1", "decode")
     odd = await fleet.add("prefill-odd", "prefill", 14700, compat="geometry-2")  # another model: never paired
-    runner = await proxy.start(proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10), "127.0.0.1", 0)
+    # kv_probe_s=0: nothing listens on these registered instances' kvpush ports (tests/integration/test_probe.py)
+    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0)
+    runner = await proxy.start(config, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{proxy.bound_port(runner)}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -122,7 +124,9 @@ async def test_the_proxy_routes_over_the_registered_fleet_as_it_changes(etcd: Et
 
 async def test_a_request_waits_for_the_fleets_first_decode(etcd: Etcd, fleet: Fleet) -> None:
     await fleet.add("prefill-1", "prefill", 14600)
-    runner = await proxy.start(proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10), "127.0.0.1", 0)
+    # kv_probe_s=0: nothing listens on these registered instances' kvpush ports (tests/integration/test_probe.py)
+    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0)
+    runner = await proxy.start(config, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{proxy.bound_port(runner)}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:

@@ -60,6 +60,7 @@ async def start_proxy() -> AsyncIterator[Start]:
     runners: list[web.AppRunner] = []
 
     async def start(prefills: list[str], decodes: list[str], **options: Any) -> str:
+        options.setdefault("kv_probe_s", 0)  # these fakes have no kvpush side (tests/integration/test_probe.py)
         config = proxy.ProxyConfig([proxy.parse_prefill(spec) for spec in prefills],
                                    [proxy.base_url(url) for url in decodes], **options)
         runner = await proxy.start(config, "127.0.0.1", 0)
