@@ -47,7 +47,7 @@ class Etcd:
                    "--election-timeout=100", "--unsafe-no-fsync"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            process_group=0)
+                                            start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"etcd exited: {self.log.read_text()[-2000:]}"

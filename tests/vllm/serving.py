@@ -1,7 +1,11 @@
 """Helpers for tests that start ``vllm serve`` processes and ``kvpush proxy`` (standard library only).
 
-Every process is started in its own process group, so ``stop`` ends it with whatever it started (vLLM's
-engine core, its workers): SIGTERM to the group, a bounded wait, then SIGKILL.
+Every server is started in its own session (``setsid``), as users run servers (each in its own terminal,
+service or container), so ``stop`` ends it with whatever it started (vLLM's engine core, its workers): SIGTERM
+to its process group, a bounded wait, then SIGKILL. A session is a scheduler group of its own (CFS autogroup;
+cgroups for services and containers): instances in their own sessions share a core group against group,
+not thread against thread, which is what the tests must see (docs/perf/notes.md, "instances in their own
+sessions").
 """
 
 from __future__ import annotations
@@ -121,12 +125,8 @@ class Server:
 def _spawn(name: str, command: Sequence[str], env: Mapping[str, str], log: Path, url: str) -> Server:
     handle = open(log, "ab")  # a server started again on the same log keeps what the one before wrote
     try:
-        # Its own process group (``stop`` signals the whole tree), but not its own session: every session is a
-        # scheduler autogroup, and on these 2 cores a vLLM worker in an autogroup of its own left a process
-        # sharing its core 0.8% of the CPU (4 workers on 2 cores starved each other's links); in the test's
-        # session they share a core fairly.
         process = subprocess.Popen(list(command), env=dict(env), stdout=handle, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, process_group=0)
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
     except BaseException:
         handle.close()
         raise
@@ -207,6 +207,17 @@ def wait_healthy(servers: Sequence[Server], timeout_s: float) -> float:
         if pending:
             time.sleep(0.5)
     return time.monotonic() - started
+
+
+def routable(proxy_url: str, upstream: str) -> bool:
+    """Whether the ``kvpush proxy`` at ``proxy_url`` routes to ``upstream`` now (its /metrics): a prefill
+    whose kvpush engine stopped answering is held out until a probe is answered again."""
+    try:
+        with urllib.request.urlopen(f"{proxy_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except (OSError, http.client.HTTPException):
+        return False
+    return re.search(rf'kvpush_proxy_upstream_up{{role="\w+",url="{re.escape(upstream)}"}} 1', text) is not None
 
 
 def post(url: str, body: Mapping[str, Any], timeout: float = 120,

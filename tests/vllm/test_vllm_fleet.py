@@ -87,7 +87,7 @@ def test_a_fleet_registers_itself_and_serves_through_instances_coming_dying_and_
         [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests",
          str(tmp_path / "requests.json"), "--out", str(tmp_path / "reference.json"), "--core", "1"],
         env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        process_group=0)
+        start_new_session=True)
     try:
         def start(name: str, role: str, core: str) -> Server:
             port, kv_port = free_port(), free_port(span=2)

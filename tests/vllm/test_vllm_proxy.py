@@ -52,6 +52,7 @@ from serving import (  # noqa: E402
     metrics,
     open_request,
     post,
+    routable,
     start_proxy,
     start_vllm,
     stream_events,
@@ -145,7 +146,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         reference = subprocess.Popen(
             [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests", str(requests), "--out",
              str(reference_out), "--core", "1"], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), process_group=0)
+            env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), start_new_session=True)
     kv_port, prefill_port = free_port(span=2), free_port()
     servers: dict[str, Server] = {}
 
@@ -393,14 +394,17 @@ def _aborted(server: Server, request_id: str, timeout_s: float = 15) -> list[str
     return log_lines(server, "Aborted request", request_id)
 
 
-def _wake(server: Server, signal_all: bool) -> None:
+def _wake(server: Server, signal_all: bool, proxy_url: str) -> None:
     """SIGCONT a stopped server (its worker alone, or every process), then let it settle before the next
-    request (on waking, its HTTP server closes the keep-alive connections whose idle timeout passed)."""
+    request (on waking, its HTTP server closes the keep-alive connections whose idle timeout passed) and
+    wait until the proxy routes to it again (a prefill whose kvpush engine did not answer is held out until
+    it answers a probe)."""
     if signal_all:
         server.signal_group(signal.SIGCONT)
     else:
         server.signal_workers(signal.SIGCONT)
     wait_healthy([server], 30)
+    assert wait_for(lambda: routable(proxy_url, server.url), 30), "the proxy did not route to it again"
     time.sleep(0.5)
 
 
@@ -459,7 +463,7 @@ def test_a_client_that_leaves_while_the_decode_waits_for_the_kv_frees_both_sides
               f"{_kvpush_lines(pd.decode, decode_log)}")
         assert aborted and not any(state.values()), state
     finally:
-        _wake(pd.prefill, signal_all=False)
+        _wake(pd.prefill, signal_all=False, proxy_url=pd.proxy.url)
     # the prefill's worker wakes up to a request whose client left: it still serves the next one
     _check([(len(AFTER_LEAVE), pd.ref(AFTER_LEAVE), _complete(pd.proxy.url, AFTER_LEAVE))],
            "through the prefill after its worker woke up")
@@ -483,7 +487,7 @@ def test_a_prefill_whose_http_server_is_not_up_never_makes_the_decode_wait(pd: S
                               headers={"X-Request-Id": request_id})
         elapsed = time.monotonic() - started
     finally:
-        _wake(pd.prefill, signal_all=True)
+        _wake(pd.prefill, signal_all=True, proxy_url=pd.proxy.url)
     lines = _kvpush_lines(pd.decode, decode_log)
     print(f"answer {elapsed:.2f} s after the request: status {status}\n{lines}")
     assert status == 200 and answer["choices"][0]["token_ids"] == pd.ref(NO_HTTP), answer
@@ -505,7 +509,7 @@ def test_a_hung_prefill_is_passed_over_and_serves_again_once_it_wakes(pd: Stack)
                               headers={"X-Request-Id": request_id})
         elapsed = time.monotonic() - started
     finally:
-        _wake(pd.prefill, signal_all=True)
+        _wake(pd.prefill, signal_all=True, proxy_url=pd.proxy.url)
     print(f"answer {elapsed:.2f} s after the request to a frozen prefill: status {status}\n"
           f"{_kvpush_lines(pd.decode, decode_log)}")
     assert elapsed < ACCEPT_TIMEOUT_S + 5  # the proxy's accept timeout and the decode's own compute, never a hang

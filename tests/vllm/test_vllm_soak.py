@@ -106,7 +106,7 @@ def soak(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests",
              str(work / "requests.json"), "--out", str(work / "reference.json"), "--core", "1"],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"),
-            process_group=0)
+            start_new_session=True)
     kv_port, ports = free_port(span=2), {"prefill": free_port(), "decode": free_port()}
     servers: dict[str, Server] = {}
 
