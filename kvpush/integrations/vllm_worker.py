@@ -20,6 +20,7 @@ from typing import Any
 from kvpush import CacheDesc, RemoteAccess
 
 from . import vllm_core as core
+from .sched_group import confine
 from .vllm_bridge import EngineBridge
 from .vllm_settings import ConnectorSettings, cache_desc
 
@@ -62,6 +63,8 @@ class WorkerSide:
         if s.insecure_listener:
             log.warning("KvpushConnector: insecure: this engine listens on %s:%d, which other hosts may reach, with no "
                         "auth token: any of them can link to it", *(s.listen or ("?", 0)))
+        if s.config.own_sched_group:
+            log.info("KvpushConnector worker (TP rank %d): %s", s.tp_rank, confine())
         engine = EngineBridge(s.cluster_id, s.listen, s.config, s.engine_role, self.events, s.auth_token)
         engine.geometry = geometry
         engine.start()

@@ -79,19 +79,34 @@ class Server:
         except OSError as error:
             return f"--- {self.name}: no log ({error}) ---"
 
+    def tree(self) -> list[int]:
+        """The pids of every live process this server started, its own included (children by their parent
+        pid: a KvpushConnector worker leaves the server's session and process group for a scheduling group of
+        its own, ``kvpush.integrations.sched_group``)."""
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        found, frontier = [self.process.pid], [self.process.pid]
+        while frontier:
+            frontier = [pid for pid, parent in parents.items() if parent in frontier]
+            found += frontier
+        return found
+
     def workers(self) -> list[int]:
         """The pids of this server's ``VLLM::Worker`` processes (one per tensor-parallel rank): where the model
         runs and the connector's kvpush engine lives."""
         found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for pid in self.tree():
             try:
-                with open(f"/proc/{entry}/comm") as f:
-                    comm = f.read().strip()
-                if comm.startswith("VLLM::Worker") and os.getpgid(int(entry)) == self.process.pid:
-                    found.append(int(entry))
-            except (OSError, ProcessLookupError):
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().startswith("VLLM::Worker"):
+                        found.append(pid)
+            except OSError:
                 continue
         return sorted(found)
 
@@ -102,20 +117,31 @@ class Server:
                 os.kill(pid, signum)
 
     def signal_group(self, signum: int) -> None:
-        """Send ``signum`` to the process group this server started (its engine core and worker too)."""
+        """Send ``signum`` to every process this server started (its engine core and workers too)."""
+        workers = self.workers()  # found first: a worker whose parent a SIGKILL ended is no longer its child
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signum)
+        for pid in workers:  # each in a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the group, up to ``grace_s`` for the leader, then SIGKILL to the group."""
+        """SIGTERM to the group, up to ``grace_s`` for the leader, then SIGKILL to every process it started
+        that is left (found before: a worker whose parent died is no longer its child)."""
         try:
+            started = self.tree()
             if self.alive():
-                self.signal_group(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGTERM)
                 try:
                     self.process.wait(timeout=grace_s)
                 except subprocess.TimeoutExpired:
                     pass
-            self.signal_group(signal.SIGKILL)  # whatever of the group is left (children that outlived it)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group is left
+            for pid in started[1:]:  # and of the processes that left it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.process.wait(timeout=30)
         finally:
             if self._file is not None:

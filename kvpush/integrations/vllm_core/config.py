@@ -44,7 +44,8 @@ class ConnectorConfig:
     ``ids_wait_ms`` how long a prefill holds a request whose decode sends block ids before its forward,
     waiting for them (so every layer is pushed as it is computed; 0: never held); ``idle_wait_ms`` how long
     an engine step that computes nothing waits for a transfer's news before vLLM takes the next one (0: not
-    at all; vLLM's worker then spins between such steps);
+    at all; vLLM's worker then spins between such steps); ``own_sched_group`` (true): a worker bound to some of
+    the cores takes a session, so a scheduling group, of its own (``kvpush.integrations.sched_group``);
     ``abort_grace_s`` how long a decode waits, after an abort or timeout, for the prefill to confirm
     nothing more will land; ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms``
     bounds linking.
@@ -59,6 +60,7 @@ class ConnectorConfig:
     ids_timeout_s: float = 30.0
     ids_wait_ms: int = IDS_WAIT_MS
     idle_wait_ms: int = IDLE_WAIT_MS
+    own_sched_group: bool = True
     abort_grace_s: float = 5.0
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 5000
@@ -143,6 +145,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
                     _count),
     **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url"), _text),
     "insecure": _flag,
+    "own_sched_group": _flag,
     "engine_options": _string_map,
 }
 
