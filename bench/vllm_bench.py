@@ -127,7 +127,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the servers get it on PYTHONPATH too
 
-from kvpush.integrations.first_token import event_of, lead_of  # noqa: E402 (pure: json only)
+from kvrouter.core.first_token import event_of, lead_of  # noqa: E402 (pure: json only)
 
 RESULTS = HERE / "results"
 NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
@@ -716,7 +716,7 @@ class Route:
                     prefilled = pool.submit(drain, prefilling)
                     sample = stream(decode, ids, max_tokens, to_decode, started)
                     lead_at, lead = prefilled.result()
-                    # the proxy's lead (kvpush.integrations.first_token): a greedy stream's first token is the
+                    # the proxy's lead (kvrouter.core.first_token): a greedy stream's first token is the
                     # prefill's when that comes first; the decode's copy of it must be the same token
                     if lead_at is not None and lead_at < started + sample.ttft_s:
                         if sample.tokens[:1] != lead:

@@ -63,7 +63,9 @@ class Load:
 class Instance:
     """One registered vLLM instance. ``kv``: every rank's kvpush address ``HOST:PORT`` (a prefill's; a
     decode that only dials has none); ``compat``: a fingerprint of the KV geometry (model architecture,
-    KV dtype, block size): only instances with the same one are paired."""
+    KV dtype, block size): only instances with the same one are paired. ``events``/``events_replay``: where
+    it publishes its KV cache events (``tcp://HOST:PORT``; empty: it publishes none); ``block_size``: its
+    prefix cache's block size (0: not said)."""
 
     id: str
     role: str
@@ -76,6 +78,9 @@ class Instance:
     state: str = "ready"
     load: Load = field(default_factory=Load)
     started: float = field(default_factory=time.time)
+    events: str = ""
+    events_replay: str = ""
+    block_size: int = 0
 
     @property
     def key(self) -> str:
@@ -95,7 +100,9 @@ class Instance:
             instance = cls(str(body["id"]), str(body["role"]), str(body["url"]), str(body["model"]),
                            str(body["compat"]), tuple(str(k) for k in body.get("kv", ())),
                            tuple(int(c) for c in body.get("cluster_ids", ())), int(body.get("tp", 1)),
-                           str(body.get("state", "ready")), load, float(body.get("started", 0.0)))
+                           str(body.get("state", "ready")), load, float(body.get("started", 0.0)),
+                           str(body.get("events", "")), str(body.get("events_replay", "")),
+                           int(body.get("block_size", 0)))
         except (ValueError, KeyError, TypeError) as error:
             raise FleetError(f"registry entry {key}: {error}") from None
         if instance.role not in ROLES or instance.state not in STATES or instance.key != key:
@@ -106,6 +113,10 @@ class Instance:
 
     def with_state(self, state: str, load: Load | None = None) -> Instance:
         return replace(self, state=state, load=self.load if load is None else load)
+
+    def events_source(self) -> tuple[str, str | None] | None:
+        """(endpoint, replay endpoint or None) where it publishes its KV events, or None."""
+        return (self.events, self.events_replay or None) if self.events else None
 
     def kv_address(self) -> tuple[str, int]:
         """Rank 0's kvpush address (host, port)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -31,7 +32,8 @@ def _role(kv_role: str) -> str:
 class FleetMember:
     """Registers this instance for as long as it lives (``close`` leaves)."""
 
-    def __init__(self, settings: ConnectorSettings, served_model: str, pending: Callable[[], bool]) -> None:
+    def __init__(self, settings: ConnectorSettings, served_model: str, pending: Callable[[], bool],
+                 events_config: Any = None) -> None:
         discovery, url = settings.config.discovery, settings.config.advertise_url
         assert discovery is not None and url is not None
         endpoints = parse_discovery(discovery)
@@ -44,8 +46,10 @@ class FleetMember:
                 host = f"[{address.host}]" if ":" in address.host else address.host
                 kv.append(f"{host}:{address.port}")
                 clusters.append(address.cluster_id)
+        events, replay = events_endpoints(events_config, settings.listen[0] if settings.listen else None)
         self.instance = Instance(uuid.uuid4().hex[:12], _role(settings.role), url.rstrip("/"), served_model,
-                                 settings.compat, tuple(kv), tuple(clusters), settings.tp_size)
+                                 settings.compat, tuple(kv), tuple(clusters), settings.tp_size, events=events,
+                                 events_replay=replay, block_size=settings.block_size)
         self._pending = pending
         self._thread = Portal("kvpush-fleet")
         self._registrar = Registrar(endpoints, self.instance, load=self._load)
@@ -81,4 +85,24 @@ def fleet_member(settings: ConnectorSettings, vllm_config: Any, pending: Callabl
     if settings.config.discovery is None:
         return None
     model = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None) or "model"
-    return FleetMember(settings, model[0] if isinstance(model, list) else str(model), pending)
+    return FleetMember(settings, model[0] if isinstance(model, list) else str(model), pending,
+                       getattr(vllm_config, "kv_events_config", None))
+
+
+def events_endpoints(config: Any, host: str | None) -> tuple[str, str]:
+    """Where a vLLM ``KVEventsConfig`` publishes (its endpoint and replay endpoint, ``tcp://*:PORT`` read as
+    ``host``), as others reach it; ("", "") when it publishes none over TCP."""
+    if config is None or not getattr(config, "enable_kv_cache_events", False) or getattr(config, "publisher",
+                                                                                          "") != "zmq":
+        return "", ""
+    name = host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+    name = f"[{name}]" if ":" in name else name
+
+    def reachable(endpoint: Any) -> str:
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            return ""
+        bound, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return f"tcp://{name if bound in ('*', '0.0.0.0', '::', '[::]', '') else bound}:{port}"
+
+    endpoint = reachable(getattr(config, "endpoint", None))
+    return endpoint, reachable(getattr(config, "replay_endpoint", None)) if endpoint else ""

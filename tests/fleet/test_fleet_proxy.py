@@ -17,9 +17,10 @@ import pytest
 from etcdserver import Etcd
 from fakevllm import FakeVllm
 
-from kvpush.integrations import proxy
 from kvpush.integrations.fleet import Instance, parse_discovery
 from kvpush.integrations.fleet_etcd import Registrar
+from kvrouter import server as proxy
+from kvrouter.core.placement import Policy
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -81,7 +82,8 @@ async def test_the_proxy_routes_over_the_registered_fleet_as_it_changes(etcd: Et
     decode = await fleet.add("decode-1", "decode")
     odd = await fleet.add("prefill-odd", "prefill", 14700, compat="geometry-2")  # another model: never paired
     # kv_probe_s=0: nothing listens on these registered instances' kvpush ports (tests/integration/test_probe.py)
-    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0)
+    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0,
+                                 policy=Policy(static=True), follow_events=False)
     runner = await proxy.start(config, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{proxy.bound_port(runner)}"
     try:
@@ -125,7 +127,8 @@ async def test_the_proxy_routes_over_the_registered_fleet_as_it_changes(etcd: Et
 async def test_a_request_waits_for_the_fleets_first_decode(etcd: Etcd, fleet: Fleet) -> None:
     await fleet.add("prefill-1", "prefill", 14600)
     # kv_probe_s=0: nothing listens on these registered instances' kvpush ports (tests/integration/test_probe.py)
-    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0)
+    config = proxy.ProxyConfig([], [], discovery=etcd.url, retry_for_s=10, kv_probe_s=0,
+                                 policy=Policy(static=True), follow_events=False)
     runner = await proxy.start(config, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{proxy.bound_port(runner)}"
     try:

@@ -21,7 +21,8 @@ from kvtest import EngineFactory
 from peer import Peer
 
 from kvpush import LLMException, LLMStatusCode, probe
-from kvpush.integrations import proxy
+from kvrouter import server as proxy
+from kvrouter.core.placement import Policy
 
 
 def closed_port() -> int:
@@ -89,7 +90,8 @@ async def test_the_proxy_holds_out_a_prefill_whose_kvpush_side_does_not_answer(f
     with Peer(11) as kv1, Peer(12) as kv2:
         config = proxy.ProxyConfig([proxy.parse_prefill(f"{fakes['prefill1'].url}#kv={kv1.port}"),
                                     proxy.parse_prefill(f"{fakes['prefill2'].url}#kv={kv2.port}")],
-                                   [fakes["decode"].url], kv_probe_s=0.2, kv_probe_timeout_s=0.5)
+                                   [fakes["decode"].url], kv_probe_s=0.2, kv_probe_timeout_s=0.5,
+                                   policy=Policy(static=True), follow_events=False)
         runner = await proxy.start(config, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{proxy.bound_port(runner)}"
         try:

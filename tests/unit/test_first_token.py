@@ -1,4 +1,4 @@
-"""kvpush.integrations.first_token: which requests get the prefill's first token, the client's first event
+"""kvrouter.core.first_token: which requests get the prefill's first token, the client's first event
 made of the prefill's answer, and the decode's stream after it (its copy of the token dropped and checked)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.integrations.first_token import Follow, Mismatch, is_content, lead_of, leads
+from kvrouter.core.first_token import Follow, Mismatch, is_content, lead_of, leads
 
 GREEDY = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "stream": True}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpush.integrations.fleet import FleetError, Instance, Load, Membership, parse_discovery, parse_load
-from kvpush.integrations.routing import Pool
+from kvrouter.core.pools import Pool
 
 
 def test_discovery_addresses() -> None:

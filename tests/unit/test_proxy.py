@@ -1,4 +1,4 @@
-"""kvpush.integrations.proxy: routing only. Small aiohttp servers stand in for a vLLM prefill and decode
+"""kvrouter (kvpush proxy): routing only. Small aiohttp servers stand in for a vLLM prefill and decode
 (loopback) so the proxy's own behaviour can be checked: the two copies of a request, their
 kv_transfer_params, the prefill accepting before the decode gets its copy, the decode computing alone
 when no prefill accepts, streaming chunk by chunk, passthrough of usage and errors, spreading, back-off,
@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 from fakevllm import USAGE, FakeVllm
 
-from kvpush.integrations import proxy
+from kvrouter import server as proxy
+from kvrouter.core.placement import Policy
 
 
 def _free_port() -> int:
@@ -61,6 +62,10 @@ async def start_proxy() -> AsyncIterator[Start]:
 
     async def start(prefills: list[str], decodes: list[str], **options: Any) -> str:
         options.setdefault("kv_probe_s", 0)  # these fakes have no kvpush side (tests/integration/test_probe.py)
+        # every request through a prefill: these tests are about the two copies of a request (placement by
+        # cache and load: tests/router)
+        options.setdefault("policy", Policy(static=True))
+        options.setdefault("follow_events", False)
         config = proxy.ProxyConfig([proxy.parse_prefill(spec) for spec in prefills],
                                    [proxy.base_url(url) for url in decodes], **options)
         runner = await proxy.start(config, "127.0.0.1", 0)

@@ -6,6 +6,7 @@ gets (``prefill_body``, ``decode_body``, ``plain_body``). The aiohttp side is ``
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from .vllm_core import decode_request_params, prefill_request_params
+from kvpush.integrations.vllm_core import decode_request_params, prefill_request_params
+
+from .kv_events import Source
 
 DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig.kv_port default: a prefill's connector listens there
 T = TypeVar("T")
@@ -54,16 +57,42 @@ def _port(text: str, spec: str) -> int:
     return int(text)
 
 
+def _fragment(spec: str, keys: tuple[str, ...]) -> dict[str, str]:
+    fields = parse_qs(urlsplit(spec.strip()).fragment, keep_blank_values=True, strict_parsing=False)
+    if set(fields) - set(keys) or any(len(values) > 1 for values in fields.values()):
+        raise SpecError(f"{spec!r}: the fragment takes {', '.join(f'{k}=...' for k in keys)}, once each")
+    return {key: values[0] for key, values in fields.items()}
+
+
+def parse_events(spec: str) -> Source | None:
+    """Where an upstream publishes its KV events, if its spec says (``#events=tcp://HOST:PORT`` and
+    optionally ``&replay=tcp://HOST:PORT``); None: the router asks the instance. Raises SpecError."""
+    fields = _fragment(spec, ("kv", "cluster", "events", "replay"))
+    endpoint, replay = fields.get("events"), fields.get("replay")
+    for name, value in (("events", endpoint), ("replay", replay)):
+        if value is not None and not re.fullmatch(r"tcp://[^\s/]+:\d+", value):
+            raise SpecError(f"{spec!r}: {name}={value!r} is not tcp://HOST:PORT")
+    if endpoint is None:
+        if replay is not None:
+            raise SpecError(f"{spec!r}: replay= goes with events=")
+        return None
+    return Source(endpoint, replay)
+
+
+def parse_decode(spec: str) -> tuple[str, Source | None]:
+    """``URL`` with an optional ``#events=...&replay=...`` -> (base URL, where it publishes)."""
+    _fragment(spec, ("events", "replay"))
+    return base_url(spec), parse_events(spec)
+
+
 def parse_prefill(spec: str, default_kv_port: int = DEFAULT_KV_PORT) -> Prefill:
     """``URL``, ``URL#kv=PORT``, ``URL#kv=HOST:PORT`` or ``[HOST]:PORT`` for IPv6, each with an optional
-    ``&cluster=ID`` -> a Prefill; raises SpecError."""
+    ``&cluster=ID`` (and ``&events=...&replay=...``, see ``parse_events``) -> a Prefill; raises SpecError."""
     url = base_url(spec)
     host = urlsplit(spec.strip()).hostname or ""
     port, cluster_id = default_kv_port, None
-    fields = parse_qs(urlsplit(spec.strip()).fragment, keep_blank_values=True, strict_parsing=False)
-    unknown = set(fields) - {"kv", "cluster"}
-    if unknown or any(len(values) > 1 for values in fields.values()):
-        raise SpecError(f"{spec!r}: the fragment takes kv=[HOST:]PORT and cluster=ID, once each")
+    fields = {key: [value] for key, value in _fragment(spec, ("kv", "cluster", "events", "replay")).items()}
+    parse_events(spec)
     if "kv" in fields:
         kv = fields["kv"][0]
         if kv.startswith("["):
@@ -158,6 +187,24 @@ class Pool(Generic[T]):
         chosen = min(up, key=lambda m: m.in_flight + self.load.get(m.target, 0))  # ties: the first, in turn
         self._next = (self.members.index(chosen) + 1) % count
         return chosen.target
+
+    def up(self) -> list[T]:
+        """Members not backing off nor held out, in turn: the one after the last picked first."""
+        now, count = self.clock(), len(self.members)
+        order = [self.members[(self._next + i) % count] for i in range(count)]
+        return [m.target for m in order if m.down_until <= now and not m.held_out]
+
+    def in_flight(self, target: T) -> int:
+        """Requests in flight on ``target`` from here (0 for one that is not a member)."""
+        try:
+            return self._member(target).in_flight
+        except KeyError:
+            return 0
+
+    def turn(self) -> None:
+        """The next ``up`` starts one member later (ties between equally good members go in turn)."""
+        if self.members:
+            self._next = (self._next + 1) % len(self.members)
 
     def next_up_at(self, exclude: Sequence[T] = ()) -> float | None:
         """When the first member now backing off may be tried again (None: no member left to wait for)."""

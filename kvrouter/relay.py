@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .first_token import Follow, Lead, Mismatch, event_of, is_content, lead_of
-from .routing import Pool, Prefill
+from .core.first_token import Follow, Lead, Mismatch, event_of, is_content, lead_of
+from .core.pools import Pool, Prefill
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ def describe(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Hop:
-    """One request to an upstream: ``method`` on ``upstream`` + the client's path; ``route`` goes back to
-    the client as X-Kvpush-Route; ``resend``: a connection closed before any answer raises Unanswered."""
+    """One request to an upstream: ``method`` on ``upstream`` + the client's path; ``route`` and ``reason`` go
+    back to the client as X-Kvpush-Route and X-Kvpush-Reason; ``resend``: a connection closed before any answer
+    raises Unanswered."""
 
     method: str
     upstream: str
@@ -51,6 +52,7 @@ class Hop:
     headers: Mapping[str, str] | None = None
     route: str | None = None
     resend: bool = False
+    reason: str | None = None
 
 
 class Unanswered(Exception):
@@ -130,6 +132,8 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
             passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
             if hop.route is not None:
                 passed["X-Kvpush-Route"] = hop.route
+            if hop.reason is not None:
+                passed["X-Kvpush-Reason"] = hop.reason.encode("ascii", "replace").decode("ascii")
             response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
             await response.prepare(request)
             if leading is not None and reply.status == 200 and reply.content_type == "text/event-stream":
@@ -246,8 +250,10 @@ def target_url(target: str | Prefill) -> str:
     return target if isinstance(target, str) else target.url
 
 
-def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str]) -> str:
-    """The proxy's counters and upstream states in Prometheus' text exposition format."""
+def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str],
+                   indexes: Mapping[str, tuple[int, bool]] | None = None) -> str:
+    """The proxy's counters and upstream states in Prometheus' text exposition format; ``indexes``: each
+    instance's cache index (block hashes, and whether its KV events are followed)."""
     def label(text: str) -> str:
         return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -285,4 +291,19 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
             url = label(target_url(target))
             lines.append(f'kvpush_proxy_upstream_in_flight{{role="{role}",url="{url}"}} {state["in_flight"]}')
             lines.append(f'kvpush_proxy_upstream_up{{role="{role}",url="{url}"}} {int(state["up"])}')
+    lines += ["# HELP kvpush_proxy_decisions_total Placement decisions, by route and why.",
+              "# TYPE kvpush_proxy_decisions_total counter"]
+    lines += [f'kvpush_proxy_decisions_total{{route="{key.split(":")[1]}",why="{label(key.split(":", 2)[2])}"}} '
+              f'{value}' for key, value in sorted(counters.items()) if key.startswith("decision:")]
+    lines += ["# HELP kvpush_proxy_tokenize_failed_total Prompts placed by load alone: they could not be tokenized.",
+              "# TYPE kvpush_proxy_tokenize_failed_total counter",
+              f"kvpush_proxy_tokenize_failed_total {counters.get('tokenize_failed', 0)}",
+              "# HELP kvpush_proxy_kv_events_total Instances' KV event batches, by what became of them.",
+              "# TYPE kvpush_proxy_kv_events_total counter"]
+    lines += [f'kvpush_proxy_kv_events_total{{kind="{label(key[len("events_"):])}"}} {value}'
+              for key, value in sorted(counters.items()) if key.startswith("events_")]
+    lines += ["# HELP kvpush_proxy_index_blocks Block hashes the proxy knows an instance holds.",
+              "# TYPE kvpush_proxy_index_blocks gauge"]
+    lines += [f'kvpush_proxy_index_blocks{{url="{label(url)}",source="{"events" if following else "guessed"}"}} '
+              f'{blocks}' for url, (blocks, following) in sorted((indexes or {}).items())]
     return "\n".join(lines) + "\n"

@@ -2,21 +2,26 @@
 endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
 
     kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    kvpush proxy --both http://127.0.0.1:8100 --both http://127.0.0.1:8200 --port 8000   # kv_both instances
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, for each request:
 
-1. A decode is picked (fewest requests in flight, ties in turn; see ``routing.Pool``).
-2. A prefill gets a copy with a fresh transfer id (``do_remote_decode``, ``max_tokens=1``, streamed) and
-   must *accept* it - answer the head of its response - within ``accept_timeout_s``. A prefill that is
-   refused, reset, times out or answers an error before that is skipped for a back-off and the next one
-   is tried.
+1. The request is placed (``kvrouter.core.placement``): its prompt's token ids (``kvrouter.tokens``) are
+   hashed into prefix-cache blocks as vLLM hashes them (``kvrouter.core.hashing``), matched against what
+   each instance holds (``kvrouter.caches``: its KV events, or the requests sent to it), and the decision is
+   a decode alone or a prefill and a decode, with its reason (``X-Kvpush-Reason``, the log at info,
+   ``kvpush_proxy_decisions_total``). ``policy.static``: every request through a prefill, as before.
+2. For a prefill and a decode, the prefill gets a copy with a fresh transfer id (``do_remote_decode``,
+   ``max_tokens=1``, streamed) and must *accept* it - answer the head of its response - within
+   ``accept_timeout_s``; one that is refused, reset, times out or answers an error before that is skipped for
+   a back-off, and the decode computes the request alone.
 3. The decode gets the client's request: with the accepting prefill's kvpush address in its
    ``kv_transfer_params`` (it allocates the blocks and sends their ids to that prefill, which pushes the
    KV layer by layer; the prefill holds its copy until those ids came, at most its connector's
-   ``ids_wait_ms``, so it pushes each layer as its forward computes it), or - when no prefill accepted - as
-   a plain request that the decode computes alone,
+   ``ids_wait_ms``, so it pushes each layer as its forward computes it), or - decode alone - as
+   a plain request that the decode computes itself,
    whatever its ``kv_load_failure_policy`` says. The response carries ``X-Kvpush-Route: pd`` or
-   ``decode-only``, the proxy logs why, and ``/metrics`` counts it. The decode only ever waits for KV
+   ``decode-only``, and ``/metrics`` counts it. The decode only ever waits for KV
    from a prefill that holds the request, so a prefill that is down or starting up never makes it wait.
 4. The client gets the decode's response as it comes (status, body, usage), chunk by chunk, so a
    ``stream`` request is streamed. The prefill's stream is drained meanwhile; once the decode answered,
@@ -55,7 +60,8 @@ saw and reconnects. Static ``prefills``/``decodes`` may be given beside it.
 
 ``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's ``/health``
 does, else 503 naming those that did not; ``GET /metrics`` is the proxy's counters in Prometheus' text
-format (requests by route, errors by status, retries, and each upstream's requests in flight and state).
+format (requests by route, decisions by why, errors by status, retries, each upstream's requests in flight and
+state, the KV events followed and each instance's index size).
 
 Clients: with ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (as
 vLLM's ``--api-key``; else 401), and that header goes on to the upstreams, unless ``upstream_api_key``
@@ -63,7 +69,6 @@ is set, which the upstreams get instead. A request body above ``max_body_bytes``
 proxy keeps nothing of one request that another could read: each answer is relayed from its own upstream
 request to its own client, and an error the proxy writes names upstreams and reasons, never request data.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -77,11 +82,28 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush import LLMException, probe
+from kvpush.integrations.fleet import Membership, parse_discovery
+from kvpush.integrations.vllm_core import new_transfer_id
 
-from .first_token import leads
-from .fleet import Membership, parse_discovery
-from .proxy_http import (
+from . import probing
+from .caches import Caches
+from .config import GUESS_BLOCK_SIZE, ProxyConfig
+from .core.first_token import leads
+from .core.hashing import BlockHasher
+from .core.kv_events import Source
+from .core.placement import DECODE_ONLY, PD, Candidate, Decision, Prompt, place
+from .core.pools import (
+    DEFAULT_KV_PORT,
+    Pool,
+    Prefill,
+    SpecError,
+    base_url,
+    decode_body,
+    parse_prefill,
+    plain_body,
+    prefill_body,
+)
+from .relay import (
     Hop,
     Leading,
     PrefillRun,
@@ -93,75 +115,18 @@ from .proxy_http import (
     render_metrics,
     target_url,
 )
-from .routing import (
-    DEFAULT_KV_PORT,
-    Pool,
-    Prefill,
-    SpecError,
-    base_url,
-    decode_body,
-    parse_prefill,
-    plain_body,
-    prefill_body,
-)
-from .vllm_core import new_transfer_id
+from .tokens import Tokens
 
 __all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
-           "start"]
+           "start"]  # (what tests and tools used from here before the router had a package of its own)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 600.0
-ACCEPT_TIMEOUT_S = 5.0  # a healthy vLLM answers a streamed request's head within milliseconds
-RETRY_FOR_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 UPSTREAM_KEEPALIVE_S = 4.0
-PREFILL_GRACE_S = 2.0  # after the decode answered, how long a prefill's answer may still come (then cancelled)
-MAX_BODY_BYTES = 32 << 20  # far above a 128k-token prompt as JSON (~1 MB); images inline may need more
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# A prefill whose kvpush engine does not answer within KV_PROBE_TIMEOUT_S gets no request until it does: a
-# decode sent to it would wait for a link it cannot make (its own link timeout is 3 s)
-KV_PROBE_S = 1.0
-KV_PROBE_TIMEOUT_S = 1.5
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
-
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """What ``kvpush proxy`` serves. ``timeout_s`` bounds a client's request from its arrival to the last
-    byte of the answer; ``accept_timeout_s`` how long a prefill may take to accept its copy;
-    ``retry_for_s`` how long a request waits for a decode to accept it; ``prefill_grace_s`` how long a
-    prefill may still run after the decode answered."""
-
-    prefills: Sequence[Prefill]
-    decodes: Sequence[str]  # base URLs
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    prefill_grace_s: float = PREFILL_GRACE_S
-    accept_timeout_s: float = ACCEPT_TIMEOUT_S
-    retry_for_s: float = RETRY_FOR_S
-    api_key: str | None = None  # clients must send it (Authorization: Bearer)
-    upstream_api_key: str | None = None  # what the upstreams get instead of the client's Authorization
-    max_body_bytes: int = MAX_BODY_BYTES
-    discovery: str | None = None  # etcd://HOST:PORT[,...]: the fleet's registry
-    kv_probe_s: float = KV_PROBE_S  # how often each prefill's kvpush side is probed (0: never)
-    kv_probe_timeout_s: float = KV_PROBE_TIMEOUT_S  # a probe unanswered this long holds the prefill out
-
-    def __post_init__(self) -> None:
-        if self.discovery is not None:
-            parse_discovery(self.discovery)  # FleetError (a ValueError) naming what is wrong
-        elif not self.prefills or not self.decodes:
-            raise SpecError("a proxy needs at least one prefill and one decode, or a fleet to discover them in")
-        if not (self.timeout_s > 0 and self.accept_timeout_s > 0 and self.prefill_grace_s >= 0
-                and self.retry_for_s >= 0):
-            raise SpecError(f"timeout {self.timeout_s} and accept timeout {self.accept_timeout_s} must be > 0, "
-                            f"prefill grace {self.prefill_grace_s} and retry window {self.retry_for_s} >= 0")
-        if not (self.kv_probe_s >= 0 and self.kv_probe_timeout_s > 0):
-            raise SpecError(f"kv probe interval {self.kv_probe_s} must be >= 0 and its timeout "
-                            f"{self.kv_probe_timeout_s} > 0")
-        if self.max_body_bytes < 1:
-            raise SpecError(f"max body size {self.max_body_bytes} must be >= 1 byte")
 
 
 class _Refused(Exception):
@@ -170,21 +135,33 @@ class _Refused(Exception):
         self.client_error = client_error
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """One request's prompt, as placement reads it: its length in tokens and its blocks' hashes."""
+
+    tokens: int
+    hashes: tuple[int, ...]
+    exact: bool  # tokenized (else its length is estimated and it has no hashes)
+
 
 class Proxy:
-    """The proxy's state: the two pools, the counters and one client session (opened and closed with the
-    app)."""
+    """The proxy's state: the two pools, the caches' views, the counters and one client session (opened and
+    closed with the app)."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefills: Pool[Prefill] = Pool(config.prefills)
-        self.decodes: Pool[str] = Pool(config.decodes)
-        #: requests by route (pd, decode_only), errors by status, resends, clients that left
+        self.prefills: Pool[Prefill] = Pool([*config.prefills, *config.both])
+        self.decodes: Pool[str] = Pool([*config.decodes, *(b.url for b in config.both)])
+        #: requests by route (pd, decode_only), decisions, errors by status, resends, clients that left, events
         self.counters: Counter[str] = Counter()
+        self.caches = Caches(self.counters, config.index_capacity, config.follow_events, config.block_size)
+        self.tokens = Tokens(config.tokenizer)
+        self._hashers: dict[int, BlockHasher] = {}
         self._session: aiohttp.ClientSession | None = None
         self.membership = Membership() if config.discovery is not None else None
         self._compat: dict[str, str] = {}  # upstream URL -> its KV-geometry fingerprint (fleet members)
         self._unpaired: set[str] = set()  # fleet members already logged as matching no peer
+        self._registered_sources: dict[str, Any] = {}  # fleet members' event sources, by URL
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -226,57 +203,37 @@ class Proxy:
         # Idle pooled connections are dropped before vLLM's HTTP server (uvicorn, 5 s keep-alive) closes
         # them: a POST on a connection the server is closing fails ("Server disconnected").
         connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        watching = None
-        probing = (asyncio.get_running_loop().create_task(self._probe_prefills(), name="kvpush-proxy-kv-probe")
-                   if self.config.kv_probe_s > 0 else None)
-        if self.membership is not None and self.config.discovery is not None:
-            from .fleet_etcd import Watcher  # the fleet extra: a clear ImportError without it
-
-            watcher = Watcher(parse_discovery(self.config.discovery), self.membership, self._sync)
-            watching = asyncio.get_running_loop().create_task(watcher.run(), name="kvpush-proxy-fleet")
+        loop = asyncio.get_running_loop()
+        tasks = []
         try:
             async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
                                              connector=connector) as self._session:
+                self.caches.start(self._session)
+                self._sync_caches()
+                if self.config.kv_probe_s > 0:
+                    tasks.append(loop.create_task(probing.watch(self.prefills, self.counters, self.config.kv_probe_s,
+                                                                self.config.kv_probe_timeout_s),
+                                                  name="kvpush-proxy-kv-probe"))
+                if self.membership is not None and self.config.discovery is not None:
+                    from kvpush.integrations.fleet_etcd import Watcher  # the fleet extra: an ImportError without it
+
+                    watcher = Watcher(parse_discovery(self.config.discovery), self.membership, self._sync)
+                    tasks.append(loop.create_task(watcher.run(), name="kvpush-proxy-fleet"))
                 yield
         finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.caches.close()
             self._session = None
-            for task in (watching, probing):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-
-    async def _probe_prefills(self) -> None:
-        """Every ``kv_probe_s``: probe each prefill's kvpush side (``kvpush.probe``). One that does not answer
-        within ``kv_probe_timeout_s`` gets no request until it does, however its HTTP side answers: its
-        process may take requests while its kvpush engine's loop does not run (starved of its cores), and a
-        decode sent there would wait for a link it cannot make. Until cancelled."""
-        while True:
-            started = asyncio.get_running_loop().time()
-            prefills = self.prefills.targets
-            answers = await asyncio.gather(*(self._probe(p) for p in prefills))
-            for prefill, problem in zip(prefills, answers):
-                if problem is None:
-                    if self.prefills.restore(prefill):
-                        log.warning("prefill %s: its kvpush side answers again; it gets requests", prefill.url)
-                    continue
-                self.counters["kv_probe_failed"] += 1
-                if self.prefills.hold_out(prefill, f"kvpush side not answering: {problem}"):
-                    log.warning("prefill %s: its kvpush side does not answer (%s); it gets no request until it "
-                                "does", prefill.url, problem)
-            await asyncio.sleep(max(0.0, self.config.kv_probe_s - (asyncio.get_running_loop().time() - started)))
-
-    async def _probe(self, prefill: Prefill) -> str | None:
-        try:
-            await probe(prefill.kv_host, prefill.kv_port, self.config.kv_probe_timeout_s)
-        except LLMException as error:
-            return str(error).partition(": ")[2] or str(error)
-        return None
 
     def _sync(self) -> None:
         """The fleet's membership changed: the pools become its ready members (beside the static ones)."""
         assert self.membership is not None
-        prefills, decodes = list(self.config.prefills), list(self.config.decodes)
+        prefills, decodes = [*self.config.prefills, *self.config.both], [*self.config.decodes,
+                                                                          *(b.url for b in self.config.both)]
         compat: dict[str, str] = {}
+        sources: dict[str, Any] = {}
         for instance in self.membership.ready("prefill"):
             host, port = instance.kv_address()
             cluster = instance.cluster_ids[0] if instance.cluster_ids else None
@@ -285,7 +242,12 @@ class Proxy:
         for instance in self.membership.ready("decode"):
             decodes.append(instance.url)
             compat[instance.url] = instance.compat
-        self._compat = compat
+        for instance in self.membership.instances.values():
+            registered = instance.events_source()
+            sources[instance.url] = Source(*registered) if registered is not None else None
+            if instance.block_size and self.caches.block_size is None:
+                self.caches.block_size = instance.block_size
+        self._compat, self._registered_sources = compat, sources
         for role, pool, targets in (("prefill", self.prefills, prefills), ("decode", self.decodes, decodes)):
             added, removed = pool.update(targets)  # type: ignore[arg-type]
             for target in added:
@@ -301,13 +263,13 @@ class Proxy:
                 self._unpaired.add(url)
                 log.warning("fleet: %s has a KV geometry (%s) no other instance shares: it is never paired", url,
                             fingerprint)
+        self._sync_caches()
 
-    def _incompatible(self, decode: str) -> list[Prefill]:
-        """Prefills whose KV geometry differs from ``decode``'s (fleet members; static ones always pair)."""
-        mine = self._compat.get(decode)
-        if mine is None:
-            return []
-        return [p for p in self.prefills.targets if self._compat.get(p.url, mine) != mine]
+    def _sync_caches(self) -> None:
+        """The caches' views follow the instances routed to: each with the source it was given or registered."""
+        urls = {p.url for p in self.prefills.targets} | set(self.decodes.targets)
+        given = self.config.sources
+        self.caches.update((url, given.get(url) or self._registered_sources.get(url)) for url in urls)
 
     # -- completions -------------------------------------------------------------------------------
     async def completion(self, request: web.Request) -> web.StreamResponse:
@@ -319,6 +281,7 @@ class Proxy:
         deadline = loop.time() + self.config.timeout_s
         give_up_waiting = min(deadline, loop.time() + self.config.retry_for_s)
         resends = 0
+        prompt: _Prompt | None = None
         try:
             while True:
                 decode = await self._next_decode(deadline, give_up_waiting)
@@ -329,17 +292,22 @@ class Proxy:
                     if problem is not None:
                         self.decodes.failed(decode, problem)
                         continue
+                if prompt is None:
+                    prompt = await self._prompt(request.path, body, decode)
+                decision = self._place(prompt)
+                if decision is None:
+                    continue  # every decode went down meanwhile: wait for one
                 try:
-                    return await self._attempt(request, body, headers, decode, deadline)
+                    return await self._attempt(request, body, headers, decision, prompt, deadline)
                 except Unanswered as error:
-                    backoff = self.decodes.failed(decode, str(error))
+                    backoff = self.decodes.failed(decision.decode, str(error))
                     resends += 1
                     self.counters["resent"] += 1
                     log.warning("decode %s did not take the request (%s); skipped for %.2f s, the request goes "
-                                "again", decode, error, backoff)
+                                "again", decision.decode, error, backoff)
                     if resends > MAX_RESENDS:
                         return self._fail(502, f"decode instances closed the connection {resends} times before "
-                                          f"answering; last: {decode}: {error}")
+                                          f"answering; last: {decision.decode}: {error}")
         except asyncio.CancelledError:
             self.counters["client_left"] += 1
             raise
@@ -359,10 +327,10 @@ class Proxy:
         return body
 
     async def _next_decode(self, deadline: float, give_up_waiting: float) -> str | web.Response:
-        """A decode to try, waiting while every one sits out a back-off (or a fleet has none yet) until
+        """A decode that is up, waiting while every one sits out a back-off (or a fleet has none yet) until
         ``give_up_waiting``; then the error answer (503, or 504 past ``deadline``)."""
         loop = asyncio.get_running_loop()
-        while (decode := self.decodes.pick()) is None:
+        while not (up := self.decodes.up()):
             wake = self.decodes.next_up_at()
             now = loop.time()
             if wake is None and self.membership is not None:
@@ -372,27 +340,79 @@ class Proxy:
                 return self._fail(504 if now >= deadline else 503, "no decode instance accepted the request "
                                   f"within {waited:.1f} s: {self._down(self.decodes)}", {"Retry-After": "1"})
             await asyncio.sleep(min(max(wake - now, 0.01), give_up_waiting - now))
-        return decode
+        return up[0]
 
-    async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str], decode: str,
-                       deadline: float) -> web.StreamResponse:
-        """One try: a prefill (if any accepts), then the decode's answer relayed. Raises Unanswered."""
+    def _hasher(self) -> BlockHasher:
+        size = self.config.block_size or self.caches.block_size_seen() or GUESS_BLOCK_SIZE
+        hasher = self._hashers.get(size)
+        if hasher is None:
+            hasher = self._hashers[size] = BlockHasher(size, self.config.hash_algorithm, self.config.hash_seed)
+        return hasher
+
+    async def _prompt(self, path: str, body: Mapping[str, Any], instance: str) -> _Prompt:
+        """The request's prompt for placement: tokenized and hashed, or its length estimated (4 bytes a token)."""
+        ids = await self.tokens.ids(path, body, self.session, instance)
+        if ids is None:
+            self.counters["tokenize_failed"] += 1
+            text = body.get("prompt") if "prompt" in body else body.get("messages")
+            return _Prompt(max(1, len(str(text)) // 4), (), False)
+        return _Prompt(len(ids), tuple(self._hasher().block_hashes(ids)), True)
+
+    def _place(self, prompt: _Prompt) -> Decision | None:
+        """The decision for ``prompt`` among the instances up now (ties: in turn)."""
+        decodes, prefills = self.decodes.up(), self.prefills.up()
+        self.decodes.turn()
+        prefill_urls = {p.url for p in prefills}
+        decode_urls = set(decodes)
+        hashes = prompt.hashes
+        candidates = []
+        for url in [*decodes, *(p.url for p in prefills if p.url not in decode_urls)]:
+            load = self.decodes.load.get(url, 0) if url in decode_urls else 0
+            candidates.append(Candidate(url, url in prefill_urls, url in decode_urls, self.caches.match(url, hashes),
+                                        self.decodes.in_flight(url) + load, self._prefilling(url),
+                                        self._compat.get(url, "")))
+        return place(Prompt(prompt.tokens, self._hasher().block_size), candidates, self.config.policy)
+
+    def _prefilling(self, url: str) -> int:
+        return sum(self.prefills.in_flight(p) for p in self.prefills.targets if p.url == url)
+
+    def _incompatible(self, decode: str) -> list[Prefill]:
+        """Prefills whose KV geometry differs from ``decode``'s (fleet members; static ones always pair)."""
+        mine = self._compat.get(decode)
+        if mine is None:
+            return []
+        return [p for p in self.prefills.targets if self._compat.get(p.url, mine) != mine]
+
+    async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str],  # noqa: PLR0913
+                       decision: Decision, prompt: _Prompt, deadline: float) -> web.StreamResponse:
+        """One try of ``decision``: its prefill (if it accepts), then the decode's answer relayed. Raises
+        Unanswered."""
         transfer_id = new_transfer_id()
+        decode, reason = decision.decode, decision.reason
         leading = None
-        if leads(request.path, body):
+        if decision.route == PD and leads(request.path, body):
             leading = Leading(asyncio.get_running_loop().create_future(), body.get("return_token_ids") is True)
-        prefill = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
-                                           self._incompatible(decode), leading)
+        prefill = None
+        if decision.route == PD:
+            chosen = [p for p in self.prefills.targets if p.url == decision.prefill]
+            prefill, refusal = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
+                                                        chosen if not self.config.policy.static else None,
+                                                        self._incompatible(decode), leading)
+            if prefill is None:
+                reason = f"{reason}; then the decode alone: {refusal}"
+                log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone",
+                            transfer_id, refusal)
         answered = False
         try:
             if prefill is None:
-                copy, route, leading = plain_body(body), "decode-only", None
+                copy, route, leading = plain_body(body), DECODE_ONLY, None
             else:
-                copy, route = decode_body(body, transfer_id, prefill.prefill), "pd"
-                log.debug("transfer %s: prefill %s, decode %s", transfer_id, prefill.prefill.url, decode)
+                copy, route = decode_body(body, transfer_id, prefill.prefill), PD
+            log.info("transfer %s: %s: decode %s%s: %s", transfer_id, route, decode,
+                     f", prefill {prefill.prefill.url}" if prefill is not None else "", reason)
             self.decodes.acquire(decode)
             try:
-                hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True)
+                hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True, reason=reason)
                 response = await relay(self.session, request, hop, deadline, self._fail, leading)
             finally:
                 self.decodes.release(decode)
@@ -402,21 +422,32 @@ class Proxy:
             answered = True
             self.decodes.accepted(decode)
             self.counters[f"route_{route.replace('-', '_')}"] += 1
+            self.counters[f"decision:{route}:{_why(decision.reason)}"] += 1
+            self.caches.sent(decode, prompt.hashes)
+            if prefill is not None:
+                self.caches.sent(prefill.prefill.url, prompt.hashes)
             return response
         finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
             if prefill is not None:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
     async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str],  # noqa: PLR0913
-                            transfer_id: str, deadline: float, skip: Sequence[Prefill] = (),
-                            leading: Leading | None = None) -> PrefillRun | None:
-        """The first prefill (in the pool's order, ``skip`` aside) that accepts its copy of the request, or
-        None: then the decode computes the request alone. ``leading``: the prefill's first token is
-        asked for (with its token id) and handed to it."""
+                            transfer_id: str, deadline: float, only: Sequence[Prefill] | None,
+                            skip: Sequence[Prefill] = (),
+                            leading: Leading | None = None) -> tuple[PrefillRun | None, str]:
+        """The first prefill that accepts its copy of the request - ``only`` these, else each in the pool's
+        order - or (None, why none did): then the decode computes the request alone. ``leading``: the
+        prefill's first token is asked for (with its token id) and handed to it."""
         loop = asyncio.get_running_loop()
         tried: list[Prefill] = list(skip)
         reasons: list[str] = []
-        while (prefill := self.prefills.pick(exclude=tried)) is not None:
+        while True:
+            if only is None:
+                prefill = self.prefills.pick(exclude=tried)
+            else:
+                prefill = next((p for p in only if p not in tried), None)
+            if prefill is None:
+                break
             tried.append(prefill)
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -436,7 +467,7 @@ class Proxy:
                 if reply is not None:
                     reply.close()
                 reason = describe(error)
-                reasons.append(f"{prefill.url}: {reason}")
+                reasons.append(f"prefill {prefill.url} did not accept it: {reason}")
                 if isinstance(error, _Refused) and error.client_error:
                     break  # the request itself was refused: the decode answers it (and says what is wrong)
                 backoff = self.prefills.failed(prefill, reason)
@@ -449,14 +480,8 @@ class Proxy:
                     reply.close()
                 raise
             self.prefills.accepted(prefill)
-            return PrefillRun(self.prefills, prefill, reply, transfer_id, leading)
-        if reasons:
-            log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone", transfer_id,
-                        "; ".join(reasons))
-        else:  # every prefill sits out a back-off (its failure was logged when it began)
-            log.debug("transfer %s: every prefill is skipped (%s); the decode computes the request alone", transfer_id,
-                      self._down(self.prefills))
-        return None
+            return PrefillRun(self.prefills, prefill, reply, transfer_id, leading), ""
+        return None, "; ".join(reasons) or f"every prefill is skipped ({self._down(self.prefills)})"
 
     def _fail(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
         self.counters[f"error_{status}"] += 1
@@ -471,15 +496,15 @@ class Proxy:
 
     # -- the rest ----------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.StreamResponse:
-        decode = self.decodes.pick()
-        if decode is None:
+        up = self.decodes.up()
+        if not up:
             return self._fail(503, f"no decode instance is up: {self._down(self.decodes)}")
         deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        hop = Hop("GET", decode, headers=self._upstream_headers(request))
+        hop = Hop("GET", up[0], headers=self._upstream_headers(request))
         return await relay(self.session, request, hop, deadline, self._fail)
 
     async def health(self, request: web.Request) -> web.Response:
-        urls = [prefill.url for prefill in self.prefills.targets] + list(self.decodes.targets)
+        urls = sorted({prefill.url for prefill in self.prefills.targets} | set(self.decodes.targets))
         if not urls:
             return error_response(503, "unhealthy: no prefill and no decode instance (is the fleet registry "
                                   "reachable?)")
@@ -491,8 +516,16 @@ class Proxy:
         return web.json_response({"status": "ok", "upstreams": urls})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes),
+        indexes = {url: (len(view.exact if view.following else view.guessed), view.following)
+                   for url, view in self.caches.views.items()}
+        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes, indexes),
                             content_type="text/plain", charset="utf-8")
+
+
+def _why(reason: str) -> str:
+    """A decision's reason without its numbers: what ``/metrics`` counts it under."""
+    words = [w for w in reason.split(";")[0].split() if not any(ch.isdigit() for ch in w)]
+    return " ".join(words)[:80]
 
 
 async def start(config: ProxyConfig, host: str = "127.0.0.1", port: int = 8000) -> web.AppRunner:
