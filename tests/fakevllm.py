@@ -29,6 +29,9 @@ class FakeVllm:
         self.health_status = 200
         self.runner: web.AppRunner | None = None
         self.url = ""
+        #: what GET /kv_event_sources answers (vLLM: its KVEventsConfig per data parallel rank); None: 404
+        self.event_sources: dict[str, Any] | None = None
+        self.tokenized: list[dict[str, Any]] = []  # POST /tokenize bodies (answered: one token per character)
 
     async def start(self, port: int = 0) -> FakeVllm:
         app = web.Application()
@@ -36,6 +39,8 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self.completion)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        app.router.add_post("/tokenize", self.tokenize)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
@@ -70,3 +75,14 @@ class FakeVllm:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        if self.event_sources is None:
+            return web.Response(status=404)
+        return web.json_response(self.event_sources)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenized.append(body)
+        text = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))
+        return web.json_response({"tokens": [ord(c) % 2000 for c in str(text)], "count": len(str(text))})
