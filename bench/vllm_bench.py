@@ -534,6 +534,7 @@ class Settings:
     kv_cache_gib: int = 2
     nixl_install: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    prefix_caching: bool = False  # vLLM's prefix cache (and the stats that count what it saves)
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
@@ -557,9 +558,10 @@ def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, 
                "--host", "127.0.0.1", "--port", str(port), "--model", str(settings.model), "--served-model-name",
                SERVED, "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
                "--max-model-len", str(settings.max_model_len), "--max-num-batched-tokens", "2048",
-               "--max-num-seqs", "4", "--no-enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
-               "--distributed-executor-backend", "uni" if tp == 1 else "mp", "--tensor-parallel-size", str(tp),
-               "--disable-log-stats"]
+               "--max-num-seqs", "4", "--seed", "0", "--enable-prompt-tokens-details",
+               "--distributed-executor-backend", "uni" if tp == 1 else "mp", "--tensor-parallel-size", str(tp)]
+    command += ["--enable-prefix-caching"] if settings.prefix_caching else ["--no-enable-prefix-caching",
+                                                                          "--disable-log-stats"]
     if kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(kv_config)]
     command += list(args)

@@ -8,11 +8,21 @@
 Setups (each engine pinned to its own core; the client and the proxy float):
 - ``rr``: two independent instances (cores 0 and 1, no connector) behind a round-robin proxy
   (bench/load_proxy.py rr): each request is computed whole by one instance.
-- ``kvpush``: a prefill (core 1) and a decode (core 0) with KvpushConnector, its defaults
-  (transport auto, ``kv_load_failure_policy`` recompute), behind ``kvpush proxy``.
+- ``router``: two instances with KvpushConnector as ``kv_both`` (each may prefill for the other or serve a
+  request, request by request) publishing their KV events, behind ``kvpush proxy --both``: placement by what
+  each holds and how busy it is (kvrouter).
+- ``static``: a prefill (core 1) and a decode (core 0) with KvpushConnector behind ``kvpush proxy --static``:
+  every request through the prefill, as the proxy placed them before it knew what instances cache.
+- ``vllm-router``, ``vllm-router-kv``: the ``router`` setup's instances behind vLLM's own router
+  (``vllm-router`` from PyPI, bench/peers/setup.sh) with its ``cache_aware`` and ``kv_aware`` policies
+  (the latter reading the same KV events), data parallel: it does not disaggregate.
+- ``vllm-router-pd``: the ``static`` setup's prefill and decode behind ``vllm-router --vllm-pd-disaggregation``
+  (its prefill-first flow: the prefill's answer, then the decode with its ``kv_transfer_params``).
 - ``nixl``: the same pair with vLLM's NixlConnector (``kv_buffer_device`` cpu, NIXL 1.5.1's UCX backend
-  on loopback, installed as bench/vllm_bench.py does) behind vLLM's own P/D flow (bench/load_proxy.py
+  on loopback, installed as bench/vllm_bench.py does) behind vLLM's P/D flow (bench/load_proxy.py
   nixl: the prefill's answer, then the decode, which pulls the KV).
+
+Every engine runs with prefix caching and its stats on (what the multi-turn workload counts).
 
 Workload: ``--requests`` prompts, lengths drawn from 32/128/512/2048 tokens with weights 40/30/20/10 %
 (seeded; distinct random token ids; the same prompts in the same order for every rate and setup), 16
@@ -53,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +72,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench import multiturn  # noqa: E402
 from bench.vllm_bench import (  # noqa: E402
     _STARTED,
+    BLOCK_SIZE,
     RESULTS,
     ROOT,
     SERVED,
@@ -84,7 +97,9 @@ from bench.vllm_bench import (  # noqa: E402
     wait_healthy,
 )
 
-SETUPS = ("rr", "kvpush", "nixl")
+SETUPS = ("rr", "router", "static", "vllm-router", "vllm-router-kv", "vllm-router-pd", "nixl")
+WORKLOADS = ("mixed", "multiturn")
+ROUTER_VENV = HERE / "peers" / "venv-router" / "bin" / "vllm-router"
 MIX = ((32, 0.4), (128, 0.3), (512, 0.2), (2048, 0.1))
 OUTPUT_TOKENS = 16
 TTFT_FACTOR, TTFT_SLACK_S, TPOT_FACTOR = 2.0, 0.25, 2.0
@@ -199,6 +214,65 @@ def load_record(setup: str, fraction: float, rate: float, outcomes: Sequence[Out
     return record
 
 
+def multiturn_record(setup: str, fraction: float, rate: float, outcomes: Sequence[multiturn.TurnOutcome],
+                     references: dict[tuple[int, int, int], list[int]], unloaded: dict[tuple[int, int, int], float],
+                     tpot_target_s: float, computed: float | None, floor: float,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One (setup, rate) record of the multi-turn workload. A request meets its targets when its answer is the
+    single instance's, its TTFT at most 2x that same request's unloaded TTFT (the single instance, history
+    cached) + 250 ms, and its TPOT at most 2x the unloaded median."""
+    record: dict[str, Any] = {"workload": "VLLM-MULTITURN", "case": setup, "load": fraction,
+                              "offered_conv_per_s": round(rate, 4), "n": len(outcomes), **(extra or {})}
+    done = [o for o in outcomes if not o.error]
+    wrong = [o for o in done if o.tokens != references.get(o.key)]
+    record["ok"], record["outputs_equal"] = f"{len(done)}/{len(outcomes)}", f"{len(done) - len(wrong)}/{len(done)}"
+    if failed := [o for o in outcomes if o.error]:
+        record["errors"] = sorted({(o.error or "")[:160] for o in failed})[:3]
+    routes = [o.route for o in done if o.route]
+    if routes:
+        record["routes"] = {r: routes.count(r) for r in sorted(set(routes))}
+    if wrong or not done:
+        record.update(result="FAIL", error=f"{len(wrong)} of {len(done)} answers differ from the single instance's"
+                      if wrong else "no request completed")
+        return record
+    span = max(o.sent + (o.e2e_s or 0.0) for o in done) - min(o.sent for o in outcomes)
+    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+    gaps = [g for o in done for g in o.gaps_s]
+
+    def met(o: multiturn.TurnOutcome) -> bool:
+        tpot = o.tpot_s
+        return (not o.error and o.ttft_s is not None and o.tokens == references.get(o.key)
+                and o.ttft_s <= TTFT_FACTOR * unloaded.get(o.key, 0.0) + TTFT_SLACK_S
+                and (tpot is None or tpot <= tpot_target_s))
+    good = sum(1 for o in outcomes if met(o))
+    record.update(throughput_rps=round(len(done) / span, 3), ttft_p50_ms=_ms(ttft, 50), ttft_p90_ms=_ms(ttft, 90),
+                  ttft_p99_ms=_ms(ttft, 99), itl_p99_ms=_ms(gaps, 99), goodput_rps=round(good / span, 3),
+                  met_targets=f"{good}/{len(outcomes)}")
+    if computed is not None:
+        per_request = computed / len(outcomes)
+        record.update(computed_per_request=round(per_request, 1), floor_per_request=round(floor, 1),
+                      computed_vs_floor=round(per_request / floor, 3) if floor else None)
+    return record
+
+
+def multiturn_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| setup | load | conv/s | req/s | TTFT p50 / p90 ms | ITL p99 ms | goodput req/s (met) | "
+             "prompt tokens computed per request (x floor) | routes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r.get("workload") != "VLLM-MULTITURN":
+            continue
+        head = f"| {r['case']} | {r['load']:g} | {r['offered_conv_per_s']:.3f} "
+        if r.get("result"):
+            lines.append(head + f"| {r['result']}: {r.get('error', '')} | | | | | |")
+            continue
+        computed = (f"{r['computed_per_request']:.0f} ({r['computed_vs_floor']:.2f}x)"
+                    if r.get("computed_vs_floor") is not None else "-")
+        routes = ", ".join(f"{k} {v}" for k, v in (r.get("routes") or {}).items()) or "-"
+        lines.append(head + f"| {r['throughput_rps']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} "
+                     f"| {r['itl_p99_ms']:.0f} | {r['goodput_rps']:.2f} ({r['met_targets']}) | {computed} | {routes} |")
+    return lines
+
+
 def table(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| setup | load | offered req/s | req/s | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "E2E p50 / p99 ms | goodput req/s (met) | KV used / routes |",
@@ -299,6 +373,24 @@ def kvpush_cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvpush"]
 
 
+def _kvpush(role: str, kv_port: int) -> dict[str, Any]:
+    return {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm",
+            "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute"}
+
+
+def _events(port: int) -> list[str]:
+    """vLLM's flags for KV events on ``port`` (and the replay socket on ``port + 1``)."""
+    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"})]
+
+
+def _vllm_router(settings: Settings) -> str:
+    binary = settings.extra_env.get("VLLM_ROUTER") or (str(ROUTER_VENV) if ROUTER_VENV.exists() else "vllm-router")
+    if not Path(binary).exists() and subprocess.run(["which", binary], capture_output=True).returncode != 0:
+        raise RuntimeError("vllm-router is not installed: bash bench/peers/setup.sh (or pip install vllm-router)")
+    return binary
+
+
 def start_setup(setup: str, settings: Settings, startup_s: float) -> tuple[str, list[Server], list[Any],
                                                                            dict[str, Any]]:
     """The setup's engines and proxy: (the proxy's URL, the engines, the processes to end, notes)."""
@@ -314,6 +406,22 @@ def start_setup(setup: str, settings: Settings, startup_s: float) -> tuple[str, 
                                                    *[a for s in servers for a in ("--upstream", f"http://{s.url}")]],
                                       settings.work)
             return url, servers, [*servers, proxy], notes
+        if setup in ("router", "vllm-router", "vllm-router-kv"):
+            kv, events = [free_port() for _ in (0, 1)], [free_port() for _ in (0, 1)]
+            for core in (0, 1):
+                servers.append(start_server(settings, f"{setup}-{core}", core, _kvpush("kv_both", kv[core]),
+                                            args=[*extra_args, *_events(events[core])]))
+            wait_healthy(servers, startup_s)
+            urls = [f"http://{s.url}" for s in servers]
+            if setup == "router":
+                command = [*kvpush_cli(), "proxy", "--host", "127.0.0.1", "--port", "0", "--block-size",
+                           str(BLOCK_SIZE), *[a for core in (0, 1) for a in (
+                               "--both", f"{urls[core]}#kv=127.0.0.1:{kv[core]}&events=tcp://127.0.0.1:{events[core]}"
+                                         f"&replay=tcp://127.0.0.1:{events[core] + 1}")]]
+                url, proxy = start_helper(setup, command, settings.work)
+            else:
+                url, proxy = _start_vllm_router(setup, settings, urls, [], [], events)
+            return url, servers, [*servers, proxy], notes
         kv_port = free_port()
         env: dict[str, str] = {}
         if setup == "nixl":
@@ -324,29 +432,63 @@ def start_setup(setup: str, settings: Settings, startup_s: float) -> tuple[str, 
                 env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
             prefill_kv, decode_kv = kv_configs("nixl", kv_port, settings.work)
         else:
-            def kvpush(role: str) -> dict[str, Any]:
-                return {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm",
-                        "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute"}
-            prefill_kv, decode_kv = kvpush("kv_producer"), kvpush("kv_consumer")
-        for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
+            prefill_kv, decode_kv = _kvpush("kv_producer", kv_port), _kvpush("kv_consumer", kv_port)
+        for name, core, kv_config in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
             own = dict(env)
             if setup == "nixl":
                 own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                         "UCX_NET_DEVICES": "lo"}
-            servers.append(start_server(settings, f"{setup}-{name}", core, kv, own, args=extra_args))
+            servers.append(start_server(settings, f"{setup}-{name}", core, kv_config, own, args=extra_args))
         wait_healthy(servers, startup_s)
         prefill, decode = (f"http://{s.url}" for s in servers)
-        if setup == "kvpush":
-            command = [*kvpush_cli(), "proxy", "--host", "127.0.0.1", "--port", "0",
+        if setup == "static":
+            command = [*kvpush_cli(), "proxy", "--host", "127.0.0.1", "--port", "0", "--static",
                        "--prefill", f"{prefill}#kv=127.0.0.1:{kv_port}", "--decode", decode]
+            url, proxy = start_helper(f"{setup}-proxy", command, settings.work)
+        elif setup == "vllm-router-pd":
+            url, proxy = _start_vllm_router(setup, settings, [], [prefill], [decode], [])
         else:
             command = [sys.executable, str(HERE / "load_proxy.py"), "nixl", "--prefill", prefill, "--decode", decode]
-        url, proxy = start_helper(f"{setup}-proxy", command, settings.work)
+            url, proxy = start_helper(f"{setup}-proxy", command, settings.work)
         return url, servers, [*servers, proxy], notes
     except BaseException:
         for process in [*servers, *processes]:
             _end(process.process if isinstance(process, Server) else process)
         raise
+
+
+def _start_vllm_router(setup: str, settings: Settings, workers: list[str], prefills: list[str], decodes: list[str],
+                       events: list[int]) -> tuple[str, Any]:
+    """vLLM's router on a free port; ready once its /health answers (it prints no address)."""
+    port, metrics_port = free_port(), free_port()
+    command = [_vllm_router(settings), "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+               str(metrics_port), "--worker-startup-check-interval", "1", "--request-timeout-secs", "600"]
+    if prefills:
+        command += ["--vllm-pd-disaggregation", *[a for p in prefills for a in ("--prefill", p)],
+                    *[a for d in decodes for a in ("--decode", d)], "--policy", "cache_aware"]
+    else:
+        command += ["--worker-urls", *workers, "--policy", "kv_aware" if setup.endswith("-kv") else "cache_aware"]
+        if setup.endswith("-kv"):
+            command += ["--kv-event-model", SERVED, "--kv-event-block-size", str(BLOCK_SIZE),
+                        *[a for w, e in zip(workers, events) for a in ("--kv-event-source", f"{w}=tcp://127.0.0.1:{e}")]]
+    log = settings.work / f"{setup}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, process_group=0,
+                                   env=dict(os.environ, RUST_LOG="warn"))
+    _STARTED.append(process)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return url, process
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{setup} did not start: {log.read_text(errors='replace')[-800:]}")
 
 
 def warm_up(url: str, servers: Sequence[Server], vocab: int, timeout_s: float) -> None:
@@ -363,21 +505,60 @@ def warm_up(url: str, servers: Sequence[Server], vocab: int, timeout_s: float) -
 
 # -- main ---------------------------------------------------------------------------------------------------
 
-def calibrate(settings: Settings, jobs: Sequence[Job], vocab: int, startup_s: float, timeout_s: float
-              ) -> tuple[dict[int, list[int]], list[Outcome]]:
-    """The single instance's outputs (the reference) and unloaded latencies, one request at a time."""
+def computed(servers: Sequence[Server]) -> float:
+    """Prompt tokens the servers computed themselves so far (vLLM's local_compute counter, summed)."""
+    total = 0.0
+    for server in servers:
+        with urllib.request.urlopen(f"http://{server.url}/metrics", timeout=10) as answer:
+            total += multiturn.computed_tokens(answer.read().decode("utf-8", "replace"))
+    return total
+
+
+@dataclass
+class Calibration:
+    """What the single instance answered and how fast, alone, one request at a time."""
+
+    references: dict[int, list[int]]
+    unloaded: list[Outcome]
+    system: tuple[int, ...] = ()
+    levels: list[list[multiturn.Conversation]] = field(default_factory=list)
+    answers: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)
+    turn_ttft_s: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    turn_tpot_s: float = 0.0
+    turn_e2e_s: float = 0.0
+    floor_per_request: float = 0.0
+
+
+def calibrate(settings: Settings, jobs: Sequence[Job], vocab: int, startup_s: float, timeout_s: float,
+              multiturn_levels: int, conversations: int, turns: int) -> Calibration:
+    """The single instance's outputs (the references) and unloaded latencies, one request at a time: the
+    mixed prompts, then every multi-turn conversation in order (its answers build the histories), counting
+    the prompt tokens it computed (the floor)."""
     server = start_server(settings, "single", 1, None)
     try:
         wait_healthy([server], startup_s)
         url = f"http://{server.url}"
         warm_up(url, [server], vocab, timeout_s)
-        outcomes = asyncio.run(run_rate(url, jobs, None, timeout_s))
+        outcomes = asyncio.run(run_rate(url, jobs, None, timeout_s)) if jobs else []
+        if broken := [o for o in outcomes if o.error]:
+            raise RuntimeError(f"the single instance failed a request: {broken[0].error}")
+        result = Calibration({o.index: o.tokens for o in outcomes}, outcomes)
+        if multiturn_levels:
+            result.system, result.levels = multiturn.conversations(multiturn_levels, conversations, turns, vocab)
+            before = computed([server])
+            turns_done: list[multiturn.TurnOutcome] = []
+            for level in result.levels:
+                turns_done += asyncio.run(multiturn.run_level(url, result.system, level, None, None, SERVED, timeout_s))
+            if broken_turns := [o for o in turns_done if o.error]:
+                raise RuntimeError(f"the single instance failed a turn: {broken_turns[0].error}")
+            result.floor_per_request = (computed([server]) - before) / len(turns_done)
+            result.answers = {o.key: o.tokens for o in turns_done}
+            result.turn_ttft_s = {o.key: o.ttft_s or 0.0 for o in turns_done}
+            result.turn_tpot_s = median([o.tpot_s for o in turns_done if o.tpot_s is not None])
+            result.turn_e2e_s = sum(o.e2e_s or 0.0 for o in turns_done) / len(turns_done)
+        return result
     finally:
         _end(server.process)
-    broken = [o for o in outcomes if o.error]
-    if broken:
-        raise RuntimeError(f"the single instance failed a request: {broken[0].error}")
-    return {o.index: o.tokens for o in outcomes}, outcomes
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run's steps in order
@@ -385,10 +566,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="12 requests at loads 0.5 and 1.0")
     parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, from {','.join(SETUPS)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 40, quick 12)")
     parser.add_argument("--load", default=None,
                         help="rates as fractions of 2/S, S the unloaded mean end-to-end time "
                              "(default 0.25,0.5,0.75,1,1.25; quick 0.5,1)")
+    parser.add_argument("--multiturn-load", default=None, help="the multi-turn workload's rates, fractions of "
+                        "2/(S*turns) conversations/s (default 0.5,1,1.5; quick 1)")
+    parser.add_argument("--conversations", type=int, default=None, help="per rate (default 8, quick 4)")
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
     parser.add_argument("--model", default=None, help="model directory (default: built by bench/vllm_model.py)")
     parser.add_argument("--out", default=str(RESULTS), help=f"results directory (default {RESULTS})")
@@ -399,8 +585,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     setups = [s for s in args.setups.split(",") if s]
     if unknown := [s for s in setups if s not in SETUPS]:
         parser.error(f"unknown setups {unknown}; known: {', '.join(SETUPS)}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     requests = args.requests or (12 if args.quick else 40)
     fractions = [float(f) for f in (args.load or ("0.5,1" if args.quick else "0.25,0.5,0.75,1,1.25")).split(",")]
+    mt_fractions = [float(f) for f in (args.multiturn_load or ("1" if args.quick else "0.5,1,1.5")).split(",")]
+    conversations = args.conversations or (4 if args.quick else 8)
     built = subprocess.run(["taskset", "-c", "1", args.python, str(HERE / "vllm_model.py"),
                             *([args.model] if args.model else [])], capture_output=True, text=True, timeout=600)
     if built.returncode != 0:
@@ -410,11 +601,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     model = Path(model_info["model"])
     vocab = vocab_of(model)
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-load-"))
-    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install)
+    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install, prefix_caching=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "load-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
-    jobs = workload(requests, vocab)
+    jobs = workload(requests, vocab) if "mixed" in workloads else []
+    levels = len(mt_fractions) if "multiturn" in workloads else 0
     started = time.monotonic()
 
     def interrupted(signum: int, frame: Any) -> None:
@@ -431,54 +623,86 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
             sink.flush()
 
         try:
-            sys.stderr.write(f"calibrating: {requests} prompts one at a time on one instance\n")
-            references, unloaded = calibrate(settings, jobs, vocab, args.startup_timeout, args.request_timeout)
-            targets = Targets.from_unloaded(unloaded)
-            service_s = sum(o.e2e_s or 0.0 for o in unloaded) / len(unloaded)
-            capacity = 2.0 / service_s
-            rates = [f * capacity for f in fractions]
-            emit({"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
-                  "python": platform.python_version(), "model": model_info, "requests": requests,
-                  "mix": dict(MIX), "output_tokens": OUTPUT_TOKENS, "max_num_seqs": MAX_NUM_SEQS,
-                  "unloaded_e2e_mean_ms": round(service_s * 1e3, 1), "two_core_rps": round(capacity, 3),
-                  "ttft_target_ms": {str(n): round(v * 1e3) for n, v in sorted(targets.ttft_s.items())},
-                  "tpot_target_ms": round(targets.tpot_s * 1e3, 1), "logs": str(work),
-                  "loadavg_start": os.getloadavg()})
-            emit(load_record("single", 0.0, 0.0, unloaded, references, targets, {"note": "unloaded, one at a time"}))
+            sys.stderr.write("calibrating: every request one at a time on one instance\n")
+            cal = calibrate(settings, jobs, vocab, args.startup_timeout, args.request_timeout, levels, conversations,
+                            args.turns)
+            machine: dict[str, Any] = {"workload": "-", "case": "machine", "cpus": os.cpu_count(),
+                                       "platform": platform.platform(), "python": platform.python_version(),
+                                       "model": model_info, "max_num_seqs": MAX_NUM_SEQS, "logs": str(work),
+                                       "loadavg_start": os.getloadavg()}
+            rates: list[float] = []
+            targets = None
+            if jobs:
+                targets = Targets.from_unloaded(cal.unloaded)
+                service_s = sum(o.e2e_s or 0.0 for o in cal.unloaded) / len(cal.unloaded)
+                rates = [f * 2.0 / service_s for f in fractions]
+                machine.update(requests=requests, mix=dict(MIX), output_tokens=OUTPUT_TOKENS,
+                               unloaded_e2e_mean_ms=round(service_s * 1e3, 1), two_core_rps=round(2.0 / service_s, 3),
+                               ttft_target_ms={str(n): round(v * 1e3) for n, v in sorted(targets.ttft_s.items())},
+                               tpot_target_ms=round(targets.tpot_s * 1e3, 1))
+            mt_rates: list[float] = []
+            if levels:
+                mt_rates = [f * 2.0 / (cal.turn_e2e_s * args.turns) for f in mt_fractions]
+                machine.update(conversations=conversations, turns=args.turns, system_tokens=multiturn.SYSTEM_TOKENS,
+                               message_tokens=multiturn.MESSAGE_TOKENS, answer_tokens=multiturn.ANSWER_TOKENS,
+                               think_s=multiturn.THINK_S, turn_unloaded_e2e_mean_ms=round(cal.turn_e2e_s * 1e3, 1),
+                               floor_computed_per_request=round(cal.floor_per_request, 1))
+            emit(machine)
+            if targets is not None:
+                emit(load_record("single", 0.0, 0.0, cal.unloaded, cal.references, targets,
+                                 {"note": "unloaded, one at a time"}))
             for setup in setups:
                 sys.stderr.write(f"{setup}: starting\n")
                 try:
                     url, servers, processes, notes = start_setup(setup, settings, args.startup_timeout)
                 except Exception as error:  # noqa: BLE001 - one broken setup must not hide the others
-                    emit({"workload": "VLLM-LOAD", "case": setup, "load": 0, "offered_rps": 0,
-                          "result": "not run", "error": f"{type(error).__name__}: {str(error)[-600:]}"})
+                    emit({"workload": "-", "case": setup, "load": 0, "result": "not run",
+                          "error": f"{type(error).__name__}: {str(error)[-600:]}"})
                     continue
                 try:
                     warm_up(url, servers, vocab, args.request_timeout)
                     notes["idle_core_share"] = idle_load(servers)
                     for fraction, rate in zip(fractions, rates):
-                        sys.stderr.write(f"  {setup} at {rate:.2f} req/s ({fraction:g} x 2/S)\n")
+                        assert targets is not None
+                        sys.stderr.write(f"  {setup} mixed at {rate:.2f} req/s ({fraction:g} x 2/S)\n")
                         outcomes = asyncio.run(run_rate(url, jobs, rate, args.request_timeout))
-                        emit(load_record(setup, fraction, rate, outcomes, references, targets,
+                        emit(load_record(setup, fraction, rate, outcomes, cal.references, targets,
                                          dict(notes, loadavg=round(os.getloadavg()[0], 2))))
                         time.sleep(2)
+                    for level, (fraction, rate) in enumerate(zip(mt_fractions, mt_rates)):
+                        sys.stderr.write(f"  {setup} multi-turn at {rate:.3f} conversations/s\n")
+                        before = computed(servers)
+                        turns = asyncio.run(multiturn.run_level(url, cal.system, cal.levels[level], cal.answers,
+                                                                rate, SERVED, args.request_timeout))
+                        emit(multiturn_record(setup, fraction, rate, turns, cal.answers, cal.turn_ttft_s,
+                                              TPOT_FACTOR * cal.turn_tpot_s, computed(servers) - before,
+                                              cal.floor_per_request, dict(notes, loadavg=round(os.getloadavg()[0], 2))))
+                        time.sleep(2)
                 except Exception as error:  # noqa: BLE001
-                    emit({"workload": "VLLM-LOAD", "case": setup, "load": 0, "offered_rps": 0,
-                          "result": "not run", "error": f"{type(error).__name__}: {str(error)[-600:]}"})
+                    emit({"workload": "-", "case": setup, "load": 0, "result": "not run",
+                          "error": f"{type(error).__name__}: {str(error)[-600:]}"})
                 finally:
                     for process in processes:
                         _end(process.process if isinstance(process, Server) else process)
         finally:
             _end_all()
     elapsed = time.monotonic() - started
-    lines = table(records)
-    head = [f"# {stamp}", "", f"{requests} requests per rate; prompts {', '.join(f'{n} ({w:.0%})' for n, w in MIX)};"
-            f" {OUTPUT_TOKENS} output tokens; elapsed {elapsed:.0f} s", ""]
-    machine = next((r for r in records if r.get("case") == "machine"), None)
-    if machine:
-        head += [f"unloaded mean end-to-end {machine['unloaded_e2e_mean_ms']} ms -> 2/S = {machine['two_core_rps']} "
-                 f"req/s; targets: TTFT <= {machine['ttft_target_ms']} ms by prompt length, TPOT <= "
-                 f"{machine['tpot_target_ms']} ms", ""]
+    lines = table(records) + [""] + multiturn_table(records)
+    head = [f"# {stamp}", "", f"elapsed {elapsed:.0f} s", ""]
+    machine_record = next((r for r in records if r.get("case") == "machine"), None)
+    if machine_record and jobs:
+        m = machine_record
+        head += [f"mixed: {requests} requests per rate; prompts {', '.join(f'{n} ({w:.0%})' for n, w in MIX)}; "
+                 f"{OUTPUT_TOKENS} output tokens; unloaded mean end-to-end {m['unloaded_e2e_mean_ms']} ms "
+                 f"-> 2/S = {m['two_core_rps']} req/s; targets: TTFT <= {m['ttft_target_ms']} ms by prompt length, "
+                 f"TPOT <= {m['tpot_target_ms']} ms", ""]
+    if machine_record and levels:
+        low, high = multiturn.MESSAGE_TOKENS
+        head += [f"multi-turn: {conversations} conversations per rate, {args.turns} turns, a "
+                 f"{multiturn.SYSTEM_TOKENS}-token system prompt, messages of {low}-{high} tokens, "
+                 f"{multiturn.ANSWER_TOKENS}-token answers, think time {multiturn.THINK_S} s (mean); the floor: "
+                 f"{machine_record['floor_computed_per_request']} prompt tokens computed per request by one instance",
+                 ""]
     (out / f"{stamp}.md").write_text("\n".join(head + lines) + "\n")
     print("\n".join(lines))
     print(f"\nresults: {out / stamp}.{{jsonl,md}} ({elapsed:.0f} s); logs in {work}")

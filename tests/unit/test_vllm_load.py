@@ -62,3 +62,36 @@ def test_an_output_that_differs_fails_the_record_with_no_number() -> None:
     assert record["result"] == "FAIL" and "differ" in record["error"]
     assert not any(k.endswith("_ms") or k.endswith("_rps") for k in record if k != "offered_rps")
     assert "FAIL" in "\n".join(table([record]))
+
+
+def test_multiturn_conversations_share_a_system_prompt_and_build_on_their_answers() -> None:
+    from bench import multiturn
+
+    system, levels = multiturn.conversations(2, 3, 4, vocab=2000)
+    again = multiturn.conversations(2, 3, 4, vocab=2000)
+    assert (system, levels) == again and len(system) == multiturn.SYSTEM_TOKENS
+    assert len(levels) == 2 and all(len(level) == 3 for level in levels)
+    assert levels[0][0].messages != levels[1][0].messages  # every level its own conversations
+    conv = levels[0][1]
+    answers = [[7] * multiturn.ANSWER_TOKENS, [8] * multiturn.ANSWER_TOKENS]
+    third = multiturn.turn_prompt(system, conv, 2, answers)
+    assert third == [*system, *conv.messages[0], *answers[0], *conv.messages[1], *answers[1], *conv.messages[2]]
+    assert multiturn.turn_prompt(system, conv, 0, []) == [*system, *conv.messages[0]]
+
+
+def test_a_multiturn_record_counts_what_was_computed_against_the_floor() -> None:
+    from bench import multiturn
+    from bench.vllm_load import multiturn_record, multiturn_table
+
+    outcomes = [multiturn.TurnOutcome(0, c, t, 600, sent=float(c), ttft_s=0.1 * (t + 1), e2e_s=1.0,
+                                      tokens=[c, t], route="decode-only") for c in range(2) for t in range(2)]
+    references = {o.key: [o.conversation, o.turn] for o in outcomes}
+    unloaded = {o.key: 0.1 for o in outcomes}
+    outcomes[3].ttft_s = 0.5  # over 2 x 0.1 + 0.25
+    record = multiturn_record("router", 1.0, 0.05, outcomes, references, unloaded, tpot_target_s=2.0,
+                              computed=480.0, floor=100.0)
+    assert record["computed_per_request"] == 120.0 and record["computed_vs_floor"] == 1.2
+    assert record["met_targets"] == "3/4"
+    assert "router" in "\n".join(multiturn_table([record]))
+    wrong = multiturn_record("router", 1.0, 0.05, outcomes, {**references, (0, 0, 0): [9]}, unloaded, 2.0, 1.0, 1.0)
+    assert wrong["result"] == "FAIL" and "computed_per_request" not in wrong
