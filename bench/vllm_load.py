@@ -255,6 +255,10 @@ def multiturn_record(setup: str, fraction: float, rate: float, outcomes: Sequenc
     return record
 
 
+def _n(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def multiturn_table(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| setup | load | conv/s | req/s | TTFT p50 / p90 ms | ITL p99 ms | goodput req/s (met) | "
              "prompt tokens computed per request (x floor) | routes |", "|---|---|---|---|---|---|---|---|---|"]
@@ -268,8 +272,8 @@ def multiturn_table(records: Sequence[dict[str, Any]]) -> list[str]:
         computed = (f"{r['computed_per_request']:.0f} ({r['computed_vs_floor']:.2f}x)"
                     if r.get("computed_vs_floor") is not None else "-")
         routes = ", ".join(f"{k} {v}" for k, v in (r.get("routes") or {}).items()) or "-"
-        lines.append(head + f"| {r['throughput_rps']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} "
-                     f"| {r['itl_p99_ms']:.0f} | {r['goodput_rps']:.2f} ({r['met_targets']}) | {computed} | {routes} |")
+        lines.append(head + f"| {r['throughput_rps']:.2f} | {_n(r['ttft_p50_ms'])} / {_n(r['ttft_p90_ms'])} "
+                     f"| {_n(r['itl_p99_ms'])} | {r['goodput_rps']:.2f} ({r['met_targets']}) | {computed} | {routes} |")
     return lines
 
 
