@@ -389,7 +389,7 @@ def _events(port: int) -> list[str]:
 
 
 def _vllm_router(settings: Settings) -> str:
-    binary = settings.extra_env.get("VLLM_ROUTER") or (str(ROUTER_VENV) if ROUTER_VENV.exists() else "vllm-router")
+    binary = os.environ.get("VLLM_ROUTER") or (str(ROUTER_VENV) if ROUTER_VENV.exists() else "vllm-router")
     if not Path(binary).exists() and subprocess.run(["which", binary], capture_output=True).returncode != 0:
         raise RuntimeError("vllm-router is not installed: bash bench/peers/setup.sh (or pip install vllm-router)")
     return binary
