@@ -80,8 +80,9 @@ def main() -> int:
                 if i == 0:
                     index.store(hashes[: len(hashes) // 2])
                 indexes.append(index)
-            emit("match", length, count, timed(lambda hashes=hashes, indexes=indexes: [i.match(hashes) for i in indexes],
-                                               args.reps))
+            def match_all(hashes: list[int] = hashes, indexes: list[PrefixIndex] = indexes) -> list[int]:
+                return [index.match(hashes) for index in indexes]
+            emit("match", length, count, timed(match_all, args.reps))
             candidates = [Candidate(f"http://10.0.0.{i}:8000", True, True, indexes[i].match(hashes), i % 3, 0)
                           for i in range(count)]
             emit("place", length, count, timed(lambda length=length, candidates=candidates: place(
