@@ -69,3 +69,24 @@ def test_pools_follow_the_membership_and_weigh_registered_load() -> None:
     pool.load = {"b": 0, "c": 0}
     assert pool.pick() == "b"
     assert pool.update([]) == ([], ["b", "c"]) and pool.pick() is None
+
+
+def test_an_instance_registers_where_it_publishes_its_kv_events() -> None:
+    from types import SimpleNamespace
+
+    from kvpush.integrations.fleet import Instance
+    from kvpush.integrations.vllm_fleet import events_endpoints
+
+    config = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
+                             replay_endpoint="tcp://*:5558")
+    assert events_endpoints(config, "10.0.0.5") == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    assert events_endpoints(SimpleNamespace(**{**vars(config), "replay_endpoint": None}), "::1") == (
+        "tcp://[::1]:5557", "")
+    assert events_endpoints(SimpleNamespace(**{**vars(config), "enable_kv_cache_events": False}), "h") == ("", "")
+    assert events_endpoints(SimpleNamespace(**{**vars(config), "endpoint": "ipc:///tmp/x"}), "h") == ("", "")
+    assert events_endpoints(None, "h") == ("", "")
+    instance = Instance("i1", "both", "http://10.0.0.5:8000", "m", "c", ("10.0.0.5:14579",), events="tcp://e:1",
+                        events_replay="tcp://e:2", block_size=32)
+    again = Instance.from_json(instance.key, instance.to_json())
+    assert again == instance and again.events_source() == ("tcp://e:1", "tcp://e:2")
+    assert Instance("i2", "decode", "http://h:1", "m", "c").events_source() is None
