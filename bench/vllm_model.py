@@ -4,7 +4,7 @@ prefill compute and real KV sizes, built once and reused.
     python bench/vllm_model.py [DIR]        # prints the directory; builds it unless it is already there
 
 Geometry (``GEOMETRY``): hidden 512, 24 layers, 8 query and 8 KV heads of 64 (no grouping, as in
-Llama-2-7B), MLP 1536, a byte-level BPE vocabulary of ~2k trained here (tests/vllm/tiny_model.py does
+Llama-2-7B), MLP 1536, a byte-level BPE vocabulary of ~2k trained here (kvpush.cli.tiny_model does
 the building): 83 M parameters, 334 MB of random float32 weights; 96 KiB of KV per token (24 layers x
 2 x 8 heads x 64 x 4 B), so a 2048-token prompt is 192 MiB of KV, 64 blocks of 32 tokens per layer.
 
@@ -50,10 +50,10 @@ def ensure_model(path: Path | None = None) -> Path:
     done = out / ".complete"
     if done.exists():
         return out
-    sys.path.insert(0, str(HERE.parent / "tests" / "vllm"))
-    from tiny_model import make_tiny_model
+    sys.path.insert(0, str(HERE.parent))
+    from kvpush.cli.tiny_model import Shape, make_tiny_model
 
-    make_tiny_model(out, **GEOMETRY)
+    make_tiny_model(out, Shape(**{k: v for k, v in GEOMETRY.items() if k != "seed"}), seed=GEOMETRY["seed"])
     done.write_text(json.dumps(GEOMETRY))
     return out
 

@@ -59,9 +59,9 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The tiny Llama of tiny_model.py, built once per session (in a subprocess: torch stays out of
+    """The tiny Llama of kvpush.cli.tiny_model, built once per session (in a subprocess: torch stays out of
     the test process)."""
     _require_vllm()
     path = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "kvpush.cli.tiny_model", str(path)], check=True, capture_output=True)
     yield path

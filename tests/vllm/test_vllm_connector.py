@@ -80,7 +80,7 @@ def test_a_prefill_with_other_weights_changes_the_outputs(tiny_model: Path, refe
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
     """Negative control: the decode really uses the pushed KV (a prefill with other weights pushes other KV)."""
     other = tmp_path_factory.mktemp("other-weights")
-    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(other), "--weight-seed", "1"], check=True,
+    subprocess.run([sys.executable, "-m", "kvpush.cli.tiny_model", str(other), "--weight-seed", "1"], check=True,
                    capture_output=True)
     result = _pd(tiny_model, reference, tmp_path, "--prefill-model", str(other))
     differing = [row for row in result["rows"] if not row["equal"]]

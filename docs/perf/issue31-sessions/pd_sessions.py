@@ -4,7 +4,7 @@
     python docs/perf/issue31-sessions/pd_sessions.py fleet MODEL_DIR WORKDIR [-n 20]      # 2 prefills + 1 decode
     python docs/perf/issue31-sessions/pd_sessions.py tp MODEL_DIR WORKDIR --ptp 2 --dtp 1  # one TP prefill, decode
 
-MODEL_DIR: ``python tests/vllm/tiny_model.py MODEL_DIR``. Prints, per request: status, seconds, prompt tokens,
+MODEL_DIR: ``python -m kvpush.cli.tiny_model MODEL_DIR``. Prints, per request: status, seconds, prompt tokens,
 the tokens the decode reports cached (the prompt's length when its KV came from the prefill), and a summary.
 """
 

@@ -1,6 +1,7 @@
-"""A tiny Llama-style model made on this machine: no download, deterministic, loads in vLLM's CPU build.
+"""A tiny Llama-style model made on this machine: no download, deterministic, loads in vLLM's CPU build
+(``kvpush demo --vllm`` serves it; the vLLM tests and the benchmark's model are built with it too).
 
-    python tests/vllm/tiny_model.py /tmp/tiny-llama            # or: make_tiny_model(path)
+    python -m kvpush.cli.tiny_model /tmp/tiny-llama            # or: make_tiny_model(path)
 
 The weights are random (fixed seed) and float32: bf16 changed greedy tokens against fp32 on this
 host, and the P/D tests compare greedy tokens. The tokenizer is a byte-level BPE trained here on
@@ -16,7 +17,9 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 WORDS = (
     "the a an of to in and is was for on with as by at from that this it be are were or not but "
@@ -43,9 +46,14 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return text
 
 
-def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def _train_tokenizer(vocab_size: int, seed: int) -> Any:  # a transformers.PreTrainedTokenizerFast
+    import importlib
+
+    tokenizers: Any = importlib.import_module("tokenizers")  # untyped for mypy: the CLI's typing stops here
+    transformers: Any = importlib.import_module("transformers")
+    Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
+    pre_tokenizers, trainers = tokenizers.pre_tokenizers, tokenizers.trainers
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -57,19 +65,22 @@ def _train_tokenizer(vocab_size: int, seed: int):  # -> transformers.PreTrainedT
                                    eos_token="</s>", model_max_length=1 << 20)
 
 
-def make_tiny_model(
-    path: str | os.PathLike[str],
-    num_layers: int = 2,
-    hidden: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    intermediate: int | None = None,
-    vocab_size: int = 2048,
-    max_position_embeddings: int = 4096,
-    seed: int = 0,
-    weight_seed: int | None = None,
-) -> Path:
+@dataclass(frozen=True)
+class Shape:
+    """The model's geometry (the default: 2 layers, 4 query and 2 KV heads of 32, ~2k vocabulary)."""
+
+    num_layers: int = 2
+    hidden: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int | None = None
+    vocab_size: int = 2048
+    max_position_embeddings: int = 4096
+
+
+def make_tiny_model(path: str | os.PathLike[str], shape: Shape | None = None, seed: int = 0,
+                    weight_seed: int | None = None) -> Path:
     """Write a Llama-style model (config, safetensors weights, tokenizer) into ``path`` and return it.
 
     Same arguments, same bytes: the weights come from ``torch.manual_seed(seed)`` and the tokenizer
@@ -78,21 +89,25 @@ def make_tiny_model(
     the tokenizer's (BPE may stop short of ``vocab_size`` on a small corpus), so every id vLLM
     samples decodes.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import importlib
 
+    torch: Any = importlib.import_module("torch")
+    transformers: Any = importlib.import_module("transformers")
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+
+    g = shape or Shape()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size, seed)
+    tokenizer = _train_tokenizer(g.vocab_size, seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate if intermediate is not None else 4 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=g.hidden,
+        intermediate_size=g.intermediate if g.intermediate is not None else 4 * g.hidden,
+        num_hidden_layers=g.num_layers,
+        num_attention_heads=g.num_heads,
+        num_key_value_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        max_position_embeddings=g.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
@@ -122,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-seed", type=int, default=None)
     args = parser.parse_args(argv)
     started = time.monotonic()
-    out = make_tiny_model(args.path, num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                          num_kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                          vocab_size=args.vocab, seed=args.seed, weight_seed=args.weight_seed)
+    shape = Shape(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab)
+    out = make_tiny_model(args.path, shape, seed=args.seed, weight_seed=args.weight_seed)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"{out}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")
     return 0
