@@ -45,6 +45,11 @@ def add_parser(commands: Subcommands) -> None:
     _workload_args(demo)
     demo.add_argument("--reps", type=int, default=3, help="pushes to time (default 3)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument("--vllm", action="store_true",
+                      help="P/D serving instead: a tiny model served by a plain vLLM instance, then by a prefill and a "
+                           "decode behind the router; routes, KV loaded, first tokens, time to first token "
+                           "(needs pip install 'kvpush[vllm,proxy]')")
+    demo.add_argument("--model", default=None, help="with --vllm: a model directory (default: the tiny demo model)")
 
 
 def add_decode_parser(commands: Subcommands) -> None:
@@ -148,7 +153,12 @@ async def _prefill(args: argparse.Namespace, port: int) -> tuple[list[float], st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the decode process, push, have it verify, report; exit status 0 only if verified."""
+    """Start the decode process, push, have it verify, report; exit status 0 only if verified. ``--vllm``:
+    P/D serving instead (``demo_vllm``)."""
+    if getattr(args, "vllm", False):
+        from . import demo_vllm
+
+        return demo_vllm.run(args)
     _check_workload(args)
     argv = [sys.executable, "-m", "kvpush", "_decode", "--layers", str(args.layers), "--blocks", str(args.blocks),
             "--dst-blocks", str(args.dst_blocks), "--block-kib", str(args.block_kib), "--seed", str(args.seed)]
