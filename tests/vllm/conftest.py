@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,3 +66,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("tiny-llama")
     subprocess.run([sys.executable, "-m", "kvpush.cli.tiny_model", str(path)], check=True, capture_output=True)
     yield path
+
+
+# -- where the run is: these tests take most of the suite's time, a few minutes each ---------------------------
+
+_REPORTER: dict[str, object] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _REPORTER["plugin"] = config.pluginmanager.get_plugin("terminalreporter")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    reporter = _REPORTER.get("plugin")
+    if reporter is not None and "tests/vllm/" in nodeid:
+        _REPORTER["started"] = time.monotonic()
+        reporter.write_line(f"[vLLM, real servers] {nodeid.split('tests/vllm/', 1)[1]} ...")  # type: ignore[attr-defined]
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    reporter, started = _REPORTER.get("plugin"), _REPORTER.get("started")
+    if reporter is not None and isinstance(started, float) and "tests/vllm/" in nodeid:
+        elapsed = time.monotonic() - started
+        reporter.write_line(f"[vLLM, real servers] ... done in {elapsed:.0f} s")  # type: ignore[attr-defined]
