@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
 PORTS = (8000, 8100, 8200, 14579, 14580)
@@ -72,6 +74,7 @@ def test_readme_carries_the_quick_start_block() -> None:
     assert block(ROOT / "README.md") == block(ROOT / "docs" / "quickstart.md")
 
 
+@pytest.mark.timeout(1000)
 def test_quick_start_by_hand(tmp_path: Path) -> None:
     taken = [port for port in PORTS if not free(port)]
     assert not taken, f"the quick start uses ports {PORTS}; taken here: {taken}"
@@ -83,10 +86,11 @@ def test_quick_start_by_hand(tmp_path: Path) -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("VLLM_", "KVPUSH_"))}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT))
     script = block(ROOT / "docs" / "quickstart.md")
-    shell = subprocess.Popen(["bash", "-c", script], cwd=checkout, env=env, stdout=subprocess.PIPE,
+    # pasted into a shell: bash reads it from its input (its own command line stays "bash")
+    shell = subprocess.Popen(["bash"], cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = shell.communicate(timeout=900)
+        output, _ = shell.communicate(script, timeout=900)
     finally:
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
@@ -114,6 +118,7 @@ def test_quick_start_by_hand(tmp_path: Path) -> None:
     assert not ours(checkout), "processes the quick start started outlived its last step"
 
 
+@pytest.mark.timeout(1000)
 def test_kvpush_demo_vllm(tmp_path: Path) -> None:
     """The README's one command: the plain instance, then P/D through the router; every process stopped."""
     home = tmp_path / "home"
