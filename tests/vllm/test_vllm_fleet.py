@@ -103,7 +103,8 @@ def test_a_fleet_registers_itself_and_serves_through_instances_coming_dying_and_
         wait_healthy([servers["prefill-a"], servers["decode"]], STARTUP_S)
         assert reference_run.wait(timeout=STARTUP_S) == 0
         reference = [row["tokens"] for row in json.loads((tmp_path / "reference.json").read_text())["prompts"]]
-        servers["proxy"] = start_proxy("proxy", [], [], tmp_path, "--discovery", etcd.url, "--retry-for", "60")
+        servers["proxy"] = start_proxy("proxy", [], [], tmp_path, "--discovery", etcd.url, "--retry-for", "60",
+                                       "--static")
         assert wait_for(lambda: _urls(_fleet(etcd.url), "prefill") == {servers["prefill-a"].url}
                         and _urls(_fleet(etcd.url), "decode") == {servers["decode"].url}, 20)
         print(f"\nregistered: {[(r['role'], r['url'], r['kv'], r['state']) for r in _fleet(etcd.url)]}")

@@ -167,7 +167,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         assert reference.wait(timeout=max(10.0, STARTUP_S - (time.monotonic() - started))) == 0, \
             (work / "reference.log").read_text()[-4000:]
         servers["proxy"] = start_proxy("proxy", [f"{servers['prefill'].url}#kv={kv_port}"], [servers["decode"].url],
-                                       work)
+                                       work, "--static")
         wait_healthy([servers["proxy"]], 30)
         yield Stack(servers["prefill"], servers["decode"], servers["proxy"], json.loads(reference_out.read_text()),
                     time.monotonic() - started, start_prefill)

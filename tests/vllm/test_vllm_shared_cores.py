@@ -79,7 +79,7 @@ def test_two_prefills_and_a_decode_on_two_cores_each_in_its_own_session(tiny_mod
         reference = [row["tokens"] for row in json.loads((tmp_path / "reference.json").read_text())["prompts"]]
         servers["proxy"] = start_proxy(
             "proxy", [f"{servers[p].url}#kv=127.0.0.1:{kv[p]}" for p in ("prefill1", "prefill2")],
-            [servers["decode"].url], tmp_path)
+            [servers["decode"].url], tmp_path, "--static")
 
         answers = [_ask(servers["proxy"].url, prompt) for prompt in SEQUENTIAL]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

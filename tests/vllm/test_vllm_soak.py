@@ -126,7 +126,7 @@ def soak(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         wait_healthy([servers["prefill"], servers["decode"]], STARTUP_S)
         assert reference.wait(timeout=STARTUP_S) == 0, (work / "reference.log").read_text()[-4000:]
         servers["proxy"] = start_proxy("proxy", [f"{servers['prefill'].url}#kv={kv_port}"], [servers["decode"].url],
-                                       work, "--retry-for", str(BOUND_S), timeout_s=BOUND_S)
+                                       work, "--retry-for", str(BOUND_S), "--static", timeout_s=BOUND_S)
         rows = json.loads((work / "reference.json").read_text())["prompts"]
         yield SoakStack(servers, [row["tokens"] for row in rows], {"prefill": start_prefill, "decode": start_decode})
     finally:

@@ -101,7 +101,7 @@ def _start(model: Path, work: Path, p_tp: int, d_tp: int, transport: str) -> Ite
             status, answer = post(f"{server.url}/v1/completions", {"model": MODEL_NAME, "prompt": [5, 6, 7],
                                                                      "max_tokens": 2}, timeout=STARTUP_S)
             assert status == 200, answer
-        servers.append(start_proxy("proxy", [f"{servers[0].url}#kv={kv_port}"], [servers[1].url], work))
+        servers.append(start_proxy("proxy", [f"{servers[0].url}#kv={kv_port}"], [servers[1].url], work, "--static"))
         yield TpStack(p_tp, d_tp, *servers)
     finally:
         for server in reversed(servers):
