@@ -25,7 +25,8 @@ Setups (each engine pinned to its own core; the client and the proxy float):
 Every engine runs with prefix caching and its stats on (what the multi-turn workload counts).
 
 Workload: ``--requests`` prompts, lengths drawn from 32/128/512/2048 tokens with weights 40/30/20/10 %
-(seeded; distinct random token ids; the same prompts in the same order for every rate and setup), 16
+(seeded; distinct random token ids; the same prompts in the same order for every rate and setup, each rate
+starting with every engine's prefix cache emptied), 16
 output tokens each (greedy, ``ignore_eos``), streamed. Arrival times: one seeded sequence of unit-rate
 exponential gaps, divided by the rate, so every rate and setup sees the same order of prompts.
 
@@ -507,6 +508,22 @@ def warm_up(url: str, servers: Sequence[Server], vocab: int, timeout_s: float) -
             pin_tree(server.process.pid, server.core)
 
 
+def forget(servers: Sequence[Server], timeout_s: float = 60.0) -> None:
+    """Every engine's prefix cache emptied (vLLM's ``/reset_prefix_cache``, served with VLLM_SERVER_DEV_MODE):
+    each rate sends the same prompts, which the last rate left cached. A reset fails while blocks are held
+    (requests still running, transfers in flight): retried until it succeeds or ``timeout_s`` passed."""
+    for server in servers:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            request = urllib.request.Request(f"http://{server.url}/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                if json.loads(answer.read()).get("success"):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name}: its prefix cache could not be reset within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+
 # -- main ---------------------------------------------------------------------------------------------------
 
 def computed(servers: Sequence[Server]) -> float:
@@ -605,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     model = Path(model_info["model"])
     vocab = vocab_of(model)
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-load-"))
-    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install, prefix_caching=True)
+    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install, prefix_caching=True,
+                        extra_env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache between rates
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "load-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
@@ -669,12 +687,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                     for fraction, rate in zip(fractions, rates):
                         assert targets is not None
                         sys.stderr.write(f"  {setup} mixed at {rate:.2f} req/s ({fraction:g} x 2/S)\n")
+                        forget(servers)
                         outcomes = asyncio.run(run_rate(url, jobs, rate, args.request_timeout))
                         emit(load_record(setup, fraction, rate, outcomes, cal.references, targets,
                                          dict(notes, loadavg=round(os.getloadavg()[0], 2))))
                         time.sleep(2)
                     for level, (fraction, rate) in enumerate(zip(mt_fractions, mt_rates)):
                         sys.stderr.write(f"  {setup} multi-turn at {rate:.3f} conversations/s\n")
+                        forget(servers)
                         before = computed(servers)
                         turns = asyncio.run(multiturn.run_level(url, cal.system, cal.levels[level], cal.answers,
                                                                 rate, SERVED, args.request_timeout))
