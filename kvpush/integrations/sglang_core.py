@@ -1,0 +1,265 @@
+"""The SGLang-free core of kvpush's SGLang transfer backend: how SGLang's KV pool is registered as kvpush
+blocks, which blocks a prefill rank writes to a decode rank, the backend's two wire messages and its
+settings. Pure (no SGLang, torch, sockets or threads); it shares ``vllm_core``'s tensor-parallel maths
+(``Sharding``, ``Leg``), cluster ids and engine options rather than copying them.
+
+SGLang's MHA pool keeps one buffer per layer for K and one for V (``KVArgs.kv_data_ptrs``: K layers, then V
+layers), each ``[tokens, local_heads, head_dim]``, addressed by page (``page_size`` tokens). One head of one
+token is the smallest contiguous piece a rank of another tensor-parallel size may need, so every buffer is
+registered as ``tokens * local_heads`` kvpush blocks of one head each (token ``t``, local head ``h`` -> block
+``t * local_heads + h``); a prefill rank writes a decode rank the heads they share (``overlap``) of every
+token of the pages it was sent, computed with numpy; kvpush merges touching blocks into runs, so with equal
+TP sizes a page moves as one run per buffer. MLA pools have one latent "head" every rank holds whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpush import AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, is_loopback
+
+from .vllm_core import ConnectorConfig, Leg, ParamsError, Sharding, TopologyError, derive_cluster_id
+
+__all__ = [
+    "BACKEND_NAME", "BackendSettings", "Done", "LayoutError", "PoolLayout", "Registration", "cluster_id_of",
+    "decode_done", "encode_done", "incompatibility", "overlap", "slab_ids",
+]
+
+BACKEND_NAME = "kvpush"  # the value of --disaggregation-transfer-backend
+_DONE_MAGIC = b"KSD1"  # kvpush-SGLang done, version 1
+_DONE_HEADER = struct.Struct("<4sQII")  # magic, room, prefill rank, number of aux buffers
+
+
+class LayoutError(ValueError):
+    """A KV pool kvpush cannot register or two pools it cannot move KV between; says which value."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """One rank's KV pool as kvpush registers it: ``buffers`` buffers of ``pages`` pages of ``page_size``
+    tokens, each token ``local_heads`` slabs of ``slab_bytes``; the rank is ``tp_rank`` of ``tp_size``
+    sharding ``total_heads`` heads (MLA: ``mla``, one latent head every rank holds)."""
+
+    buffers: int
+    pages: int
+    page_size: int
+    local_heads: int
+    slab_bytes: int
+    total_heads: int
+    tp_size: int
+    tp_rank: int
+    mla: bool = False
+
+    @classmethod
+    def of(cls, kv_args: Any, tp_size: int, tp_rank: int, mla: bool) -> PoolLayout:
+        """From SGLang's ``KVArgs`` (its buffers' and pages' byte counts, page size, KV heads); refuses pools
+        whose buffers differ (a draft model's pool beside the target's) or whose pages do not cut into head
+        slabs."""
+        data_lens, item_lens = list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
+        page_size = int(kv_args.page_size)
+        local_heads = int(getattr(kv_args, "kv_head_num", 1) or 1)
+        total_heads = int(getattr(kv_args, "total_kv_head_num", 1) or 1)
+        if not data_lens or len(data_lens) != len(item_lens):
+            raise LayoutError(f"{len(data_lens)} KV buffers with {len(item_lens)} page sizes")
+        if len(set(data_lens)) != 1 or len(set(item_lens)) != 1:
+            raise LayoutError(f"KV buffers of different sizes ({sorted(set(data_lens))} bytes, pages of "
+                              f"{sorted(set(item_lens))} bytes): kvpush registers one page size per pool (a "
+                              f"speculative draft model's KV beside the target's is not supported yet)")
+        if mla:
+            local_heads, total_heads = 1, 1
+        data_len, item_len = int(data_lens[0]), int(item_lens[0])
+        slabs = page_size * local_heads
+        if page_size < 1 or local_heads < 1 or item_len < 1 or item_len % slabs or data_len % item_len:
+            raise LayoutError(f"pages of {item_len} bytes in buffers of {data_len} bytes do not cut into "
+                              f"{page_size} tokens x {local_heads} heads")
+        layout = cls(len(data_lens), data_len // item_len, page_size, local_heads, item_len // slabs, total_heads,
+                     tp_size, tp_rank, mla)
+        try:
+            if layout.sharding().local != local_heads:
+                raise LayoutError(f"{local_heads} KV heads on this rank; {total_heads} over {tp_size} ranks "
+                                  f"would be {layout.sharding().local}")
+        except TopologyError as error:
+            raise LayoutError(str(error)) from None
+        return layout
+
+    @property
+    def blocks(self) -> int:
+        """kvpush blocks per buffer: one per head of every token."""
+        return self.pages * self.page_size * self.local_heads
+
+    def sharding(self) -> Sharding:
+        return Sharding(self.total_heads, 1 if self.mla else self.tp_size)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, body: Any) -> PoolLayout:
+        if not isinstance(body, Mapping):
+            raise LayoutError(f"a pool layout is an object, got {type(body).__name__}")
+        try:
+            numbers = {key: int(body[key]) for key in ("buffers", "pages", "page_size", "local_heads", "slab_bytes",
+                                                        "total_heads", "tp_size", "tp_rank")}
+            layout = cls(**numbers, mla=bool(body["mla"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise LayoutError(f"bad pool layout {body!r}: {error}") from None
+        if min(layout.buffers, layout.pages, layout.page_size, layout.local_heads, layout.slab_bytes,
+               layout.total_heads, layout.tp_size) < 1 or not 0 <= layout.tp_rank < layout.tp_size:
+            raise LayoutError(f"bad pool layout {body!r}")
+        return layout
+
+
+def incompatibility(prefill: PoolLayout, decode: PoolLayout) -> str | None:
+    """Why the decode's pool cannot take the prefill's KV (each differing value named on both sides), or
+    None. Different tensor-parallel sizes are bridged head by head; nothing else is."""
+    problems = [f"{what}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}"
+                for key, what in (("buffers", "KV buffers (layers x K/V)"), ("page_size", "page size"),
+                                  ("slab_bytes", "bytes per head per token (head size x dtype)"),
+                                  ("total_heads", "KV heads"), ("mla", "MLA"))
+                if getattr(prefill, key) != getattr(decode, key)]
+    return "; ".join(problems) or None
+
+
+def overlap(prefill: PoolLayout, decode: PoolLayout) -> Leg | None:
+    """The heads prefill rank ``prefill.tp_rank`` writes to decode rank ``decode.tp_rank``: those both
+    hold (None: none). SGLang's own rank mapping decides which prefill ranks a decode rank hears from;
+    when heads are replicated, two prefill ranks may write the same head with the same bytes."""
+    if prefill.mla:
+        return Leg(prefill.tp_rank, decode.tp_rank, 0, 0, 1)
+    src, dst = prefill.sharding(), decode.sharding()
+    mine, theirs = src.heads(prefill.tp_rank), dst.heads(decode.tp_rank)
+    first, last = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+    if first >= last:
+        return None
+    return Leg(prefill.tp_rank, decode.tp_rank, first - mine.start, first - theirs.start, last - first)
+
+
+def _tokens(pages: Any, page_size: int) -> np.ndarray[Any, Any]:
+    return (np.asarray(pages, np.int64)[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+
+
+def slab_ids(leg: Leg, src_pages: Any, dst_pages: Any, prefill: PoolLayout,
+             decode: PoolLayout) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The kvpush block ids ``leg`` moves for pages ``src_pages`` (prefill) into ``dst_pages`` (decode),
+    pairwise: every token of every page, the leg's heads of each (``vllm_core.Leg.block_ids`` over tokens)."""
+    return leg.block_ids(_tokens(src_pages, prefill.page_size), _tokens(dst_pages, decode.page_size),
+                         prefill.local_heads, decode.local_heads)
+
+
+def cluster_id_of(host: str, zmq_port: int) -> int:
+    """A backend engine's kvpush cluster id: derived from its SGLang rank's control (ZMQ) address, which
+    both sides know from SGLang's bootstrap, so a decode can grant a prefill before it links."""
+    return derive_cluster_id(host, zmq_port)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a decode rank tells a prefill rank once, beside SGLang's own registration fields: where its
+    kvpush engine listens, its cluster id, its pool and its aux (metadata) buffers' item sizes."""
+
+    host: str
+    port: int
+    cluster_id: int
+    layout: PoolLayout
+    aux_item_lens: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": 1, "host": self.host, "port": self.port, "cluster_id": self.cluster_id,
+                           "layout": self.layout.to_wire(), "aux_item_lens": list(self.aux_item_lens)}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Registration:
+        """Raises LayoutError for anything but a complete registration of version 1."""
+        try:
+            body = json.loads(data)
+            if body.get("v") != 1:
+                raise LayoutError(f"registration version {body.get('v')!r}; this side speaks 1")
+            return cls(str(body["host"]), int(body["port"]), int(body["cluster_id"]),
+                       PoolLayout.from_wire(body["layout"]), tuple(int(n) for n in body["aux_item_lens"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise LayoutError(f"bad kvpush registration: {error}") from None
+
+
+@dataclass(frozen=True)
+class Done:
+    """Prefill -> decode, delivered by kvpush after the last byte of a room's KV landed: the room, the
+    prefill rank, and the request's aux (metadata) row, one bytes per aux buffer."""
+
+    room: int
+    prefill_rank: int
+    aux: tuple[bytes, ...]
+
+
+def encode_done(done: Done) -> bytes:
+    data = _DONE_HEADER.pack(_DONE_MAGIC, done.room, done.prefill_rank, len(done.aux))
+    data += b"".join(struct.pack("<I", len(row)) for row in done.aux) + b"".join(done.aux)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise LayoutError(f"the aux (metadata) row of room {done.room} is {len(data)} bytes; a kvpush "
+                          f"notification carries {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode_done(data: bytes) -> Done:
+    """Raises LayoutError for anything but a well-formed ``Done``."""
+    try:
+        magic, room, rank, count = _DONE_HEADER.unpack_from(data)
+        if magic != _DONE_MAGIC:
+            raise LayoutError(f"not a kvpush-SGLang done message ({magic!r})")
+        offset = _DONE_HEADER.size
+        sizes = struct.unpack_from(f"<{count}I", data, offset)
+        offset += 4 * count
+        if offset + sum(sizes) != len(data):
+            raise LayoutError(f"done message of {len(data)} bytes, its rows say {offset + sum(sizes)}")
+        rows = []
+        for size in sizes:
+            rows.append(bytes(data[offset:offset + size]))
+            offset += size
+        return Done(room, rank, tuple(rows))
+    except struct.error as error:
+        raise LayoutError(f"bad done message: {error}") from None
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The backend's settings, from the environment (SGLang has no per-backend options): ``KVPUSH_TRANSPORT``
+    (kvpush's transport: ``auto``, ``cma``, ``tcp``, ``ucx``), ``KVPUSH_AUTH_TOKEN`` (the shared secret every
+    link proves; required for a listener another host can reach unless ``KVPUSH_INSECURE=1``),
+    ``KVPUSH_SYNC_KV_TIMEOUT_MS`` (kvpush's per-layer deadline), ``KVPUSH_LINK_TIMEOUT_MS``."""
+
+    transport: str = "auto"
+    auth_token: str | None = None
+    insecure: bool = False
+    sync_kv_timeout_ms: int = 5000
+    link_timeout_ms: int = 3000
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendSettings:
+        env = os.environ if environ is None else environ
+        try:
+            return cls(env.get("KVPUSH_TRANSPORT", "auto"), env.get(AUTH_TOKEN_ENV) or None,
+                       env.get("KVPUSH_INSECURE", "") in ("1", "true", "yes"),
+                       int(env.get("KVPUSH_SYNC_KV_TIMEOUT_MS", "5000")),
+                       int(env.get("KVPUSH_LINK_TIMEOUT_MS", "3000")))
+        except ValueError as error:
+            raise ParamsError(f"kvpush SGLang backend: {error}") from None
+
+    def check_listener(self, host: str) -> None:
+        """The vLLM connector's rule: no unauthenticated listener another host can reach, unless asked."""
+        if not self.auth_token and not is_loopback(host) and not self.insecure:
+            raise ParamsError(
+                f"kvpush SGLang backend: the decode's kvpush engine would listen on {host}, which other hosts may "
+                f"reach, with no auth token: any of them could link to it and write the KV it grants. Give every "
+                f"prefill and decode the same secret in {AUTH_TOKEN_ENV}, or set KVPUSH_INSECURE=1 on a private "
+                f"network")
+
+    def engine_options(self, listen: tuple[str, int] | None) -> dict[str, str]:
+        config = ConnectorConfig(transport=self.transport, auth_token=self.auth_token,
+                                 sync_kv_timeout_ms=self.sync_kv_timeout_ms, link_timeout_ms=self.link_timeout_ms)
+        return config.engine_options_for(listen)

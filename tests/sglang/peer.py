@@ -1,0 +1,207 @@
+"""One side of the two-process backend test, run in the SGLang test venv: SGLang's real disaggregation classes
+(``get_kv_class`` through kvpush's plugin, SGLang's bootstrap server, its ``Common*`` senders/receivers) over
+CPU tensors laid out as SGLang's MHA pool lays them out (``MHATokenToKVPool``: per layer a K and a V buffer of
+``[tokens + page_size, kv_heads, head_dim]``, K layers then V layers in ``KVArgs``; page ``p`` holds tokens
+``p * page_size ..``), and aux buffers as ``MetadataBuffers`` hands them (one row per request slot).
+
+``python peer.py prefill|decode PORT TP_RANK TP_SIZE``: prints one JSON line when ready, then answers JSON
+commands on stdin, one per line (see ``Peer.handle``). Nothing of SGLang is stubbed: only what a scheduler
+process would have set (its runtime context and parallel ranks) is set here, as SGLang's own tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+
+import torch  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class  # noqa: E402
+from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
+
+LAYERS, TOTAL_HEADS, HEAD_DIM, PAGE, TOKENS = 3, 4, 16, 4, 256
+AUX_ITEMS = (16 * 4, 8 * 4)  # two aux buffers: bytes per row
+AUX_SLOTS = 8
+
+
+def prefill_kv(layer: int, head: int) -> torch.Tensor:
+    """The prefill's content of one buffer's global head: deterministic, different everywhere."""
+    generator = torch.Generator().manual_seed(1000 * layer + head)
+    return torch.randn(TOKENS + PAGE, HEAD_DIM, generator=generator).to(torch.bfloat16)
+
+
+class Peer:
+    def __init__(self, role: str, port: int, tp_rank: int, tp_size: int) -> None:
+        self.role, self.tp_rank, self.tp_size = role, tp_rank, tp_size
+        get_context().override_server_args(disaggregation_bootstrap_port=port, host="127.0.0.1",
+                                           disaggregation_mode=role, tp_size=tp_size).install()
+        get_parallel().override_permanently(attn_tp_rank=tp_rank, attn_cp_rank=0, attn_dp_rank=0, tp_rank=tp_rank,
+                                            attn_tp_size=tp_size, attn_dcp_rank=0, pp_group=None)
+        backend = TransferBackend("kvpush")
+        self.server = None
+        if role == "prefill" and tp_rank == 0:
+            self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+        local = max(1, TOTAL_HEADS // tp_size)
+        first = (tp_rank // max(1, tp_size // TOTAL_HEADS)) * local
+        self.heads = range(first, first + local)
+        self.k = [self._buffer(layer, 0) for layer in range(LAYERS)]
+        self.v = [self._buffer(layer, 1) for layer in range(LAYERS)]
+        buffers = self.k + self.v
+        self.aux = [torch.zeros(AUX_SLOTS, size, dtype=torch.uint8) for size in AUX_ITEMS]
+        args = KVArgs()
+        args.engine_rank = tp_rank
+        args.pp_rank = 0
+        args.system_dp_rank = 0
+        args.rust_http_port = None
+        args.kv_cache_dtype_str = "bfloat16"
+        args.kv_layout = None
+        args.prefill_start_layer = 0
+        args.prefill_end_layer = LAYERS
+        args.kv_data_ptrs = [b.data_ptr() for b in buffers]
+        args.kv_data_lens = [b.nbytes for b in buffers]
+        args.kv_item_lens = [b[0].nbytes * PAGE for b in buffers]
+        args.num_draft_entries = 0
+        args.kv_layer_ids = list(range(LAYERS)) * 2
+        args.kv_head_num = local
+        args.total_kv_head_num = TOTAL_HEADS
+        args.page_size = PAGE
+        args.aux_data_ptrs = [a.data_ptr() for a in self.aux]
+        args.aux_data_lens = [a.nbytes for a in self.aux]
+        args.aux_item_lens = [a[0].nbytes for a in self.aux]
+        args.ib_device = None
+        args.gpu_id = 0
+        for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids",
+                     "state_dim_per_tensor", "state_slice_outer_counts", "state_conv_shard_groups"):
+            setattr(args, name, [])
+        args.is_hybrid_mla_backend = False
+        args.swa_kv_cache_layout = None
+        mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+        self.manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, get_context().server_args, False)
+        self.backend = backend
+        self.rooms: dict[int, Any] = {}
+
+    def _buffer(self, layer: int, kv: int) -> torch.Tensor:
+        if self.role == "decode":
+            return torch.zeros(TOKENS + PAGE, len(self.heads), HEAD_DIM, dtype=torch.bfloat16)
+        return torch.stack([prefill_kv(2 * layer + kv, head) for head in self.heads], dim=1).contiguous()
+
+    # -- commands ------------------------------------------------------------------------------------
+    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+        op = command["op"]
+        return getattr(self, f"op_{op}")(**{k: v for k, v in command.items() if k != "op"})
+
+    def op_receive(self, room: int, pages: list[int], aux: int, bootstrap: str) -> dict[str, Any]:
+        """Decode: a receiver for ``room`` (SGLang's order: parallel info, init, metadata)."""
+        deadline = time.monotonic() + 10
+        while not self.manager.try_ensure_parallel_info(bootstrap):
+            if time.monotonic() > deadline:
+                return {"error": "no parallel info"}
+            time.sleep(0.05)
+        receiver = get_kv_class(self.backend, KVClassType.RECEIVER)(mgr=self.manager, bootstrap_addr=bootstrap,
+                                                                     bootstrap_room=room)
+        receiver.init(0)
+        receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux)
+        self.rooms[room] = (receiver, pages, aux)
+        return {"status": int(receiver.poll())}
+
+    def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,
+                fill_aux: int = 7) -> dict[str, Any]:
+        """Prefill: a sender for ``room``; once the decode's metadata is in, send ``pages`` in ``chunks``."""
+        sender = get_kv_class(self.backend, KVClassType.SENDER)(mgr=self.manager, bootstrap_addr=bootstrap,
+                                                                 bootstrap_room=room)
+        sender.init(len(pages), aux)
+        self.rooms[room] = (sender, pages, aux)
+        deadline = time.monotonic() + 10
+        while sender.poll() == KVPoll.Bootstrapping:
+            if time.monotonic() > deadline:
+                return {"error": "decode never sent its metadata", "status": int(sender.poll())}
+            time.sleep(0.01)
+        for i, buffer in enumerate(self.aux):
+            buffer[aux] = torch.arange(buffer.shape[1], dtype=torch.uint8) + fill_aux + i
+        for part in np.array_split(np.asarray(pages, dtype=np.int32), chunks):
+            sender.send(part)
+        return {"status": int(sender.poll())}
+
+    def op_wait(self, room: int, timeout: float) -> dict[str, Any]:
+        endpoint = self.rooms[room][0]
+        started = time.monotonic()
+        status = endpoint.poll()
+        while status not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() - started < timeout:
+            time.sleep(0.01)
+            status = endpoint.poll()
+        reply: dict[str, Any] = {"status": int(status), "seconds": time.monotonic() - started}
+        if status == KVPoll.Failed:
+            try:
+                endpoint.failure_exception()
+            except Exception as error:  # noqa: BLE001 - the reason is the answer
+                reply["reason"] = str(error)
+        return reply
+
+    def op_check(self, room: int, src_pages: list[int], src_tp_size: int, fill_aux: int = 7) -> dict[str, Any]:
+        """Decode: do the room's pages hold the prefill's KV of ``src_pages`` (every head this rank holds),
+        and its aux slot the prefill's row?"""
+        _, pages, aux = self.rooms[room]
+        mismatches = 0
+        offsets = np.arange(PAGE)
+        dst_tokens = (np.asarray(pages)[:, None] * PAGE + offsets).ravel()
+        src_tokens = (np.asarray(src_pages)[:, None] * PAGE + offsets).ravel()
+        for index, buffer in enumerate(self.k + self.v):
+            layer, kv = index % LAYERS, index // LAYERS
+            for local, head in enumerate(self.heads):
+                expected = prefill_kv(2 * layer + kv, head)[src_tokens]
+                mismatches += int((buffer[dst_tokens, local] != expected).any())
+        aux_ok = all(bool((a[aux] == torch.arange(a.shape[1], dtype=torch.uint8) + fill_aux + i).all())
+                     for i, a in enumerate(self.aux))
+        untouched = [p for p in range(TOKENS // PAGE) if p not in pages]
+        others = sum(int(b.view(-1, PAGE, *b.shape[1:])[untouched].abs().sum().item() != 0) for b in self.k + self.v)
+        return {"mismatched_buffers": mismatches, "aux_ok": aux_ok, "written_elsewhere": others}
+
+    def op_abort(self, room: int) -> dict[str, Any]:
+        endpoint = self.rooms[room][0]
+        endpoint.abort()
+        return {"status": int(endpoint.poll())}
+
+    def op_clear(self, room: int) -> dict[str, Any]:
+        endpoint = self.rooms.pop(room)[0]
+        endpoint.clear()
+        return {}
+
+    def op_stats(self) -> dict[str, Any]:
+        """What the manager still holds: rooms, grants, pushes (a leak shows here)."""
+        manager = self.manager
+
+        async def count() -> dict[str, int]:
+            return {"grants": sum(len(g) for g in manager._grants.values()), "pushes": len(manager._pushes),
+                    "room_prefills": len(manager._room_prefills)}
+        counts = manager.portal.run(count(), timeout=5)
+        return {"request_status": len(manager.request_status), **counts}
+
+
+def main() -> None:
+    role, port, tp_rank, tp_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    peer = Peer(role, port, tp_rank, tp_size)
+    print(json.dumps({"ready": True, "cluster_id": peer.manager.cluster_id}), flush=True)
+    for line in sys.stdin:
+        try:
+            reply = peer.handle(json.loads(line))
+        except Exception as error:  # noqa: BLE001 - reported to the test, which fails on it
+            reply = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(reply), flush=True)
+    peer.manager.teardown()
+    if peer.server is not None:
+        peer.server.close()
+
+
+if __name__ == "__main__":
+    main()
