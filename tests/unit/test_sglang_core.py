@@ -1,0 +1,125 @@
+"""kvpush.integrations.sglang_core: SGLang's pool as kvpush blocks, heads between TP sizes, the backend's
+messages and settings. Pure: no SGLang."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvpush import MAX_MESSAGE_BYTES
+from kvpush.integrations import sglang_core as core
+from kvpush.integrations.vllm_core import ParamsError
+
+HEAD_DIM, ITEM = 8, 2  # bf16
+
+
+def kv_args(pages: int = 10, page_size: int = 4, local: int = 2, total: int = 4, layers: int = 3) -> SimpleNamespace:
+    page_bytes = page_size * local * HEAD_DIM * ITEM
+    return SimpleNamespace(kv_data_lens=[pages * page_bytes] * 2 * layers, kv_item_lens=[page_bytes] * 2 * layers,
+                           page_size=page_size, kv_head_num=local, total_kv_head_num=total)
+
+
+def layout(tp_size: int, tp_rank: int, total: int = 4, **kwargs: int) -> core.PoolLayout:
+    local = max(1, total // tp_size)
+    return core.PoolLayout.of(kv_args(local=local, total=total, **kwargs), tp_size, tp_rank, False)
+
+
+def test_a_pool_is_one_block_per_head_of_every_token() -> None:
+    pool = layout(2, 1)
+    assert (pool.buffers, pool.pages, pool.page_size, pool.local_heads, pool.slab_bytes) == (6, 10, 4, 2, 16)
+    assert pool.blocks == 10 * 4 * 2
+    assert core.PoolLayout.from_wire(pool.to_wire()) == pool
+
+
+def test_pools_kvpush_cannot_register_are_refused_naming_the_values() -> None:
+    args = kv_args()
+    args.kv_data_lens = [*args.kv_data_lens[:-1], 1]
+    with pytest.raises(core.LayoutError, match="different sizes"):
+        core.PoolLayout.of(args, 1, 0, False)
+    with pytest.raises(core.LayoutError, match="heads"):
+        core.PoolLayout.of(kv_args(local=3, total=4), 2, 0, False)  # 4 heads over 2 ranks are 2 each
+    with pytest.raises(core.LayoutError, match="bad pool layout"):
+        core.PoolLayout.from_wire({**layout(1, 0).to_wire(), "tp_rank": 3})
+
+
+def test_equal_tp_moves_whole_pages_as_one_run() -> None:
+    prefill, decode = layout(1, 0), layout(1, 0)
+    leg = core.overlap(prefill, decode)
+    assert leg is not None and leg.heads == 4
+    src, dst = core.slab_ids(leg, [2, 3], [7, 8], prefill, decode)
+    per_page = 4 * 4  # tokens x heads
+    assert np.array_equal(src, np.arange(2 * per_page, 4 * per_page))
+    assert np.array_equal(dst, np.arange(7 * per_page, 9 * per_page))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4)])
+def test_between_tp_sizes_every_decode_head_comes_from_exactly_one_prefill_rank(prefill_tp: int,
+                                                                                decode_tp: int) -> None:
+    """Simulate the bytes: each rank's pool as [token, local head] cells holding (token, global head)."""
+    page_size, pages = 4, 6
+    src_pages, dst_pages = np.array([1, 4]), np.array([5, 0])
+    for d in range(decode_tp):
+        decode = layout(decode_tp, d)
+        received = np.full((pages * page_size * decode.local_heads, 2), -1)
+        for p in range(prefill_tp):
+            prefill = layout(prefill_tp, p)
+            leg = core.overlap(prefill, decode)
+            if leg is None:
+                continue
+            cells = np.array([(t, prefill.sharding().heads(p)[h]) for t in range(pages * page_size)
+                              for h in range(prefill.local_heads)])
+            src, dst = core.slab_ids(leg, src_pages, dst_pages, prefill, decode)
+            received[dst] = cells[src]
+        tokens = lambda ps: (ps[:, None] * page_size + np.arange(page_size)).ravel()  # noqa: E731
+        for local, head in enumerate(decode.sharding().heads(d)):
+            got = received[tokens(dst_pages) * decode.local_heads + local]
+            assert np.array_equal(got[:, 0], tokens(src_pages)) and (got[:, 1] == head).all()
+        assert (received[:, 0] == -1).sum() == received.shape[0] - len(src_pages) * page_size * decode.local_heads
+
+
+def test_mla_pools_move_whole_pages_whatever_the_tp_sizes() -> None:
+    prefill = core.PoolLayout.of(kv_args(local=1, total=1), 2, 1, True)
+    decode = core.PoolLayout.of(kv_args(local=1, total=1), 4, 3, True)
+    leg = core.overlap(prefill, decode)
+    assert leg is not None and (leg.src_head, leg.dst_head, leg.heads) == (0, 0, 1)
+
+
+def test_incompatible_pools_are_named_on_both_sides() -> None:
+    problem = core.incompatibility(layout(1, 0), layout(1, 0, page_size=8))
+    assert problem == "page size: prefill 4, decode 8"
+    assert core.incompatibility(layout(1, 0), layout(2, 1)) is None
+
+
+def test_registration_and_done_round_trip_and_refuse_garbage() -> None:
+    registration = core.Registration("127.0.0.1", 4242, 77, layout(2, 0), (64, 32))
+    assert core.Registration.decode(registration.encode()) == registration
+    with pytest.raises(core.LayoutError):
+        core.Registration.decode(b'{"v": 2}')
+    done = core.Done(2**63 + 5, 3, (b"abc", b"", bytes(100)))
+    assert core.decode_done(core.encode_done(done)) == done
+    for garbage in (b"", b"XXXX" + bytes(16), core.encode_done(done)[:-1]):
+        with pytest.raises(core.LayoutError):
+            core.decode_done(garbage)
+    with pytest.raises(core.LayoutError, match="notification carries"):
+        core.encode_done(core.Done(1, 0, (bytes(MAX_MESSAGE_BYTES),)))
+
+
+def test_cluster_ids_come_from_the_control_address_both_sides_know() -> None:
+    assert core.cluster_id_of("127.0.0.1", 5000) == core.cluster_id_of("localhost", 5000)
+    assert core.cluster_id_of("127.0.0.1", 5000) != core.cluster_id_of("127.0.0.1", 5001)
+
+
+def test_settings_come_from_the_environment_and_keep_the_listener_rule() -> None:
+    settings = core.BackendSettings.from_env({"KVPUSH_TRANSPORT": "tcp", "KVPUSH_AUTH_TOKEN": "s3cret"})
+    options = settings.engine_options(("10.0.0.5", 0))
+    assert options["kvpush.transport"] == "tcp" and options["kvpush.auth_token"] == "s3cret"
+    assert options["llm.listenIpInfo"] == "10.0.0.5:0"
+    settings.check_listener("10.0.0.5")  # a token: fine
+    with pytest.raises(ParamsError, match="KVPUSH_AUTH_TOKEN"):
+        core.BackendSettings.from_env({}).check_listener("10.0.0.5")
+    core.BackendSettings.from_env({}).check_listener("127.0.0.1")
+    core.BackendSettings.from_env({"KVPUSH_INSECURE": "1"}).check_listener("10.0.0.5")
+    with pytest.raises(ParamsError):
+        core.BackendSettings.from_env({"KVPUSH_SYNC_KV_TIMEOUT_MS": "soon"})
