@@ -9,5 +9,10 @@
 - ``kvpush.integrations.vllm``: ``KvpushConnector``, the ``KVConnectorBase_V1`` vLLM loads with
   ``kv_connector="KvpushConnector", kv_connector_module_path="kvpush.integrations.vllm"``.
 
+- ``kvpush.integrations.sglang``: the SGLang plugin (entry point ``sglang.srt.plugins``) that makes ``kvpush`` a
+  ``--disaggregation-transfer-backend``; ``kvpush.integrations.sglang_backend``: the backend's classes, SGLang's
+  ``Common*`` with kvpush moving the pages; ``kvpush.integrations.sglang_core``: its SGLang-free core (the pool
+  as kvpush blocks, heads between TP sizes, its messages and settings), sharing ``vllm_core``'s TP maths.
+
 These modules use kvpush's public API only.
 """

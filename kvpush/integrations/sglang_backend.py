@@ -399,10 +399,14 @@ class KvpushKVManager(CommonKVManager):
             if parsed is None:
                 continue
             room, status, prefill_rank, reason = parsed
-            # success comes with the aux row over kvpush (``_on_done``); this channel carries failures
+            # a success counts only with its aux row, which comes over kvpush after the last byte (``_on_done``);
+            # this channel carries failures (and, with --disaggregation-decode-allocation-policy prefill_complete,
+            # SGLang's readiness notice)
+            if status == KVPoll.Success:
+                continue
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
+                                      failure_reason=reason)
             if status == KVPoll.Failed:
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
-                                          failure_reason=reason)
                 self.release(room)
 
     def grant(self, room: int, bootstrap_infos: list[dict[str, Any]], kv_indices: np.ndarray[Any, Any],
