@@ -14,7 +14,7 @@ CPU fixes, both test infrastructure, neither a patch of SGLang:
   ``shim/sgl_kernel`` (the two functions SGLang calls here, in numpy) is copied into the venv.
 
 Last, kvpush itself is installed editable (``--no-deps``), which registers its ``sglang.srt.plugins`` entry point.
-Run ``python tests/sglang/venv.py`` to build it by hand; it prints the venv's Python.
+Run ``python tests/sglang/sglang_venv.py`` to build it by hand; it prints the venv's Python.
 """
 
 from __future__ import annotations

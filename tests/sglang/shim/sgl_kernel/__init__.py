@@ -1,5 +1,5 @@
 """Test infrastructure, not part of kvpush: the two ``sgl_kernel`` functions SGLang 0.5.23 calls on a CPU
-without AMX (its CPU kernel package is source-only on PyPI), in numpy. ``tests/sglang/venv.py`` copies this
+without AMX (its CPU kernel package is source-only on PyPI), in numpy. ``tests/sglang/sglang_venv.py`` copies this
 package into the SGLang test venv. Any other name imports, and raises NotImplementedError when called, so a
 code path that needs a real kernel fails loudly instead of computing something else.
 """
