@@ -112,7 +112,16 @@ class DecodePeer:
 
 
 class KvpushKVManager(CommonKVManager):
-    """One SGLang rank's kvpush engine and every transfer of that rank (see the module docstring)."""
+    """One SGLang rank's kvpush engine and every transfer of that rank (see the module docstring).
+
+    Aborts follow SGLang's deferred KV release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``, on by
+    default): a decode that aborts a room keeps its pages until each prefill rank acknowledges that no byte of
+    the room can still land; the prefill counts a room's pushes in ``_staging_outstanding`` (SGLang's counter
+    for this) and acknowledges once the cancelled ones drained.
+    """
+
+    supports_deferred_decode_kv_release = True
+    kv_status_msg_carries_reason = True  # a decode learns why a prefill failed a room (a refused link, ...)
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
@@ -293,6 +302,10 @@ class KvpushKVManager(CommonKVManager):
 
     def _queue_pushes(self, room: int, targets: list[TransferInfo], src_pages: np.ndarray[Any, Any],
                       index_slice: slice, last: bool, aux_index: int | None) -> None:
+        # on the loop thread, as aborts are (``_abort_room``): a room failed before its chunk got here never
+        # starts it, and one that did not is counted before an abort can look
+        if self.request_status.get(room) in (None, KVPoll.Failed):
+            return
         if not targets:
             if last:
                 self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=[])
@@ -300,6 +313,7 @@ class KvpushKVManager(CommonKVManager):
         self._room_waiting.setdefault(room, {info.session for info in targets})
         for info in targets:
             earlier = self._pushes.setdefault((room, info.session), [])
+            self._staging_outstanding[room] += 1
             task = self._tasks.spawn(self._push(info, src_pages, index_slice, last, aux_index, list(earlier)))
             earlier.append(task)
 
@@ -335,16 +349,29 @@ class KvpushKVManager(CommonKVManager):
             elif notify is not None:
                 await self.dd.send_notification(peer.registration.cluster_id, notify)
         except BaseException as error:
+            # kvpush returns (or raises) once no byte of the push can still land: the room's pages are idle
+            self._settled(room)
             reason = "aborted" if isinstance(error, asyncio.CancelledError) else describe_error(error)
             self.conclude_failure(bootstrap_room=room, failure_reason=f"kvpush: {reason}")
             self._forget_pushes(room)
+            self._maybe_ack_drained_abort(room)
             raise
+        self._settled(room)
         if last:
             waiting = self._room_waiting.get(room, set())
             waiting.discard(info.session)
             if not waiting:
                 self._forget_pushes(room)
                 self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=[])
+
+    def _settled(self, room: int) -> None:
+        """One of the room's pushes ended; the room's count goes once none is left (SGLang's sender reads a
+        count, even a zero one, as work still in flight)."""
+        left = self._staging_outstanding.get(room, 0) - 1
+        if left > 0:
+            self._staging_outstanding[room] = left
+        else:
+            self._staging_outstanding.pop(room, None)
 
     def _done(self, room: int, aux_index: int | None, count: int) -> bytes:
         """The room's aux row, read now (the last chunk's forward wrote it), as the ``Done`` notification."""
@@ -369,17 +396,33 @@ class KvpushKVManager(CommonKVManager):
         """Stop the room's pushes (any thread): each drains the buffer it started, then fails the room."""
         self.portal.call_soon(self._cancel_room, room)
 
+    def forget_room(self, room: int) -> None:
+        """The room's sender was cleared (any thread): cancel what is left of it and drop its bookkeeping."""
+        def forget() -> None:
+            self._cancel_room(room)
+            self._forget_pushes(room)
+        self.portal.call_soon(forget)
+
     def _on_abort(self, msg: list[bytes]) -> None:
-        """A decode aborted a room: fail it, stop its pushes, and acknowledge as SGLang's legacy abort does."""
         notification = AbortNotification.from_zmq(msg)
-        if notification is None:
-            return
+        if notification is not None:
+            self.portal.call_soon(self._abort_room, notification)
+
+    def _abort_room(self, notification: AbortNotification) -> None:
+        """A decode aborted a room (loop thread): fail it, cancel its pushes, and acknowledge: with deferred
+        release once they drained (``_push``), else at once, as SGLang's legacy abort does."""
         room = notification.room
         status = self.request_status.get(room)
         if status is not None and status != KVPoll.Success:
             self.record_failure(room, "Aborted by the decode")
             self.update_status(room, KVPoll.Failed)
-        self.cancel_room(room)
+        self._cancel_room(room)
+        if self.enable_deferred_decode_kv_release:
+            target = notification.deferred_ack_target()
+            if target is not None:
+                self.register_deferred_ack_target(room, target)
+                self._maybe_ack_drained_abort(room)
+            return
         if notification.decode_ip is not None and notification.decode_port is not None:
             address = NetworkAddress(notification.decode_ip, notification.decode_port)
             try:
@@ -517,6 +560,10 @@ class KvpushKVSender(CommonKVSender):
     def abort(self) -> None:
         super().abort()
         self.kv_mgr.cancel_room(self.bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget_room(self.bootstrap_room)
 
 
 class KvpushKVReceiver(CommonKVReceiver):

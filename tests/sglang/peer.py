@@ -110,14 +110,16 @@ class Peer:
             time.sleep(0.05)
         receiver = get_kv_class(self.backend, KVClassType.RECEIVER)(mgr=self.manager, bootstrap_addr=bootstrap,
                                                                      bootstrap_room=room)
+        self.before = [b.clone() for b in self.k + self.v]  # what "written elsewhere" compares with
         receiver.init(0)
         receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux)
         self.rooms[room] = (receiver, pages, aux)
         return {"status": int(receiver.poll())}
 
     def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,
-                fill_aux: int = 7) -> dict[str, Any]:
-        """Prefill: a sender for ``room``; once the decode's metadata is in, send ``pages`` in ``chunks``."""
+                fill_aux: int = 7, hold: int = 0) -> dict[str, Any]:
+        """Prefill: a sender for ``room``; once the decode's metadata is in, send ``pages`` in ``chunks``, all
+        but the last ``hold`` of them (``op_send_rest`` sends those)."""
         sender = get_kv_class(self.backend, KVClassType.SENDER)(mgr=self.manager, bootstrap_addr=bootstrap,
                                                                  bootstrap_room=room)
         sender.init(len(pages), aux)
@@ -129,7 +131,15 @@ class Peer:
             time.sleep(0.01)
         for i, buffer in enumerate(self.aux):
             buffer[aux] = torch.arange(buffer.shape[1], dtype=torch.uint8) + fill_aux + i
-        for part in np.array_split(np.asarray(pages, dtype=np.int32), chunks):
+        parts = np.array_split(np.asarray(pages, dtype=np.int32), chunks)
+        for part in parts[:chunks - hold]:
+            sender.send(part)
+        self.held = parts[chunks - hold:]
+        return {"status": int(sender.poll())}
+
+    def op_send_rest(self, room: int) -> dict[str, Any]:
+        sender = self.rooms[room][0]
+        for part in self.held:
             sender.send(part)
         return {"status": int(sender.poll())}
 
@@ -163,14 +173,28 @@ class Peer:
                 mismatches += int((buffer[dst_tokens, local] != expected).any())
         aux_ok = all(bool((a[aux] == torch.arange(a.shape[1], dtype=torch.uint8) + fill_aux + i).all())
                      for i, a in enumerate(self.aux))
-        untouched = [p for p in range(TOKENS // PAGE) if p not in pages]
-        others = sum(int(b.view(-1, PAGE, *b.shape[1:])[untouched].abs().sum().item() != 0) for b in self.k + self.v)
-        return {"mismatched_buffers": mismatches, "aux_ok": aux_ok, "written_elsewhere": others}
+        pages_of = [b.view(-1, PAGE, *b.shape[1:]) for b in self.k + self.v]
+        before = [b.view(-1, PAGE, *b.shape[1:]) for b in self.before]
+        others = [p for p in range(TOKENS // PAGE) if p not in pages]
+        return {"mismatched_buffers": mismatches, "aux_ok": aux_ok,
+                "written_elsewhere": sum(int(not torch.equal(a[others], b[others])) for a, b in zip(pages_of, before)),
+                "room_untouched": all(torch.equal(a[pages], b[pages]) for a, b in zip(pages_of, before))}
 
     def op_abort(self, room: int) -> dict[str, Any]:
         endpoint = self.rooms[room][0]
         endpoint.abort()
         return {"status": int(endpoint.poll())}
+
+    def op_released(self, room: int, prefill_ranks: int = 1, timeout: float = 10) -> dict[str, Any]:
+        """Decode: whether every prefill rank acknowledged the aborted room drained (SGLang's deferred KV
+        release: only then may the decode reuse its pages), and how long it took."""
+        started = time.monotonic()
+        while not self.manager.is_abort_release_safe(room, prefill_ranks):
+            if time.monotonic() - started > timeout:
+                return {"released": False, "seconds": timeout}
+            time.sleep(0.01)
+        self.manager.clear_deferred_abort_state(room)
+        return {"released": True, "seconds": time.monotonic() - started}
 
     def op_clear(self, room: int) -> dict[str, Any]:
         endpoint = self.rooms.pop(room)[0]
@@ -183,7 +207,8 @@ class Peer:
 
         async def count() -> dict[str, int]:
             return {"grants": sum(len(g) for g in manager._grants.values()), "pushes": len(manager._pushes),
-                    "room_prefills": len(manager._room_prefills)}
+                    "room_prefills": len(manager._room_prefills), "outstanding": len(manager._staging_outstanding),
+                    "transfer_infos": len(getattr(manager, "transfer_infos", {}))}
         counts = manager.portal.run(count(), timeout=5)
         return {"request_status": len(manager.request_status), **counts}
 

@@ -1,0 +1,131 @@
+"""kvpush's SGLang backend between processes over SGLang's real disaggregation classes (``peer.py``): pages of an
+MHA pool land where the decode asked, in chunks, with the aux row; an abort, a killed prefill and a peer without
+the token each end a room promptly and leave nothing behind. About 40 s, most of it importing SGLang."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+SUCCESS, FAILED = 4, 0  # SGLang's KVPoll
+TOKEN = "sglang-test-secret"
+PORT_A, PORT_B, PORT_C = 18931, 18933, 18935  # bootstrap: prefill A (shared), B (killed by a test), C (TP 2)
+BOOT_A, BOOT_B, BOOT_C = f"127.0.0.1:{PORT_A}", f"127.0.0.1:{PORT_B}", f"127.0.0.1:{PORT_C}"
+
+
+@pytest.fixture(scope="module")
+def peers(peer_factory: Any) -> dict[str, Any]:
+    """Prefill A and B, prefill C's two TP ranks, a decode, and a decode holding another token, all started at
+    once (their imports overlap)."""
+    token = {"KVPUSH_AUTH_TOKEN": TOKEN}
+    prefill_a, prefill_b, c0, c1, decode, stranger = peer_factory([
+        {"role": "prefill", "port": PORT_A, "env": token}, {"role": "prefill", "port": PORT_B, "env": token},
+        {"role": "prefill", "port": PORT_C, "tp_rank": 0, "tp_size": 2, "env": token},
+        {"role": "prefill", "port": PORT_C, "tp_rank": 1, "tp_size": 2, "env": token},
+        {"role": "decode", "port": PORT_A, "env": token},
+        {"role": "decode", "port": PORT_A, "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret"}}])
+    return {"prefill_a": prefill_a, "prefill_b": prefill_b, "prefill_c": (c0, c1), "decode": decode,
+            "stranger": stranger}
+
+
+def _no_leak(*endpoints: Any) -> None:
+    deadline = time.monotonic() + 5
+    for peer in endpoints:
+        stats = peer.ask("stats")
+        while any(stats.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stats = peer.ask("stats")
+        assert not any(stats.values()), f"{peer.role} still holds {stats}"
+
+
+def test_pages_and_aux_land_where_the_decode_asked(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    src, dst = [1, 2, 3, 4, 8, 30, 31], [5, 6, 7, 9, 10, 50, 2]
+    assert decode.ask("receive", room=101, pages=dst, aux=3, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("send", room=101, pages=src, aux=2, bootstrap=BOOT_A, chunks=3)
+    assert prefill.ask("wait", room=101, timeout=20)["status"] == SUCCESS
+    assert decode.ask("wait", room=101, timeout=20)["status"] == SUCCESS
+    check = decode.ask("check", room=101, src_pages=src, src_tp_size=1)
+    assert check == {"mismatched_buffers": 0, "aux_ok": True, "written_elsewhere": 0, "room_untouched": False}
+    decode.ask("clear", room=101)
+    prefill.ask("clear", room=101)
+    _no_leak(prefill, decode)
+
+
+def test_a_tp2_prefill_sends_each_rank_its_heads_into_a_tp1_decode(peers: dict[str, Any]) -> None:
+    """Heterogeneous TP: the decode holds all 4 KV heads, each prefill rank 2 of them; SGLang's rank mapping
+    sends the room to both ranks, and each pushes its heads' slabs into every token of the decode's pages."""
+    ranks, decode = peers["prefill_c"], peers["decode"]
+    src, dst = [3, 4, 5, 12], [20, 21, 22, 23]
+    assert decode.ask("receive", room=105, pages=dst, aux=2, bootstrap=BOOT_C)["status"] != FAILED
+    for rank in ranks:
+        rank.ask("send", room=105, pages=src, aux=1, bootstrap=BOOT_C, chunks=2)
+    assert decode.ask("wait", room=105, timeout=20)["status"] == SUCCESS
+    for rank in ranks:
+        assert rank.ask("wait", room=105, timeout=20)["status"] == SUCCESS
+    check = decode.ask("check", room=105, src_pages=src, src_tp_size=2)
+    assert check == {"mismatched_buffers": 0, "aux_ok": True, "written_elsewhere": 0, "room_untouched": False}
+    decode.ask("clear", room=105)
+    for rank in ranks:
+        rank.ask("clear", room=105)
+    _no_leak(decode, *ranks)
+
+
+def test_abort_on_the_decode_fails_the_room_on_both_sides_and_frees_everything(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    assert decode.ask("receive", room=102, pages=[11, 12, 13], aux=4, bootstrap=BOOT_A)["status"] != FAILED
+    assert decode.ask("abort", room=102)["status"] == FAILED
+    assert decode.ask("released", room=102)["released"]  # the prefill acknowledged: nothing of it can land
+    prefill.ask("send", room=102, pages=[20, 21, 22], aux=5, bootstrap=BOOT_A)
+    waited = prefill.ask("wait", room=102, timeout=20)
+    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    check = decode.ask("check", room=102, src_pages=[20, 21, 22], src_tp_size=1)
+    assert check["room_untouched"] and not check["written_elsewhere"], check
+    decode.ask("clear", room=102)
+    prefill.ask("clear", room=102)
+    _no_leak(prefill, decode)
+
+
+def test_an_abort_between_two_chunks_stops_the_room_and_is_acknowledged_once_drained(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    src, dst = [40, 41, 42, 43], [44, 45, 46, 47]
+    assert decode.ask("receive", room=106, pages=dst, aux=6, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("send", room=106, pages=src, aux=6, bootstrap=BOOT_A, chunks=2, hold=1)  # the first half goes
+    assert decode.ask("abort", room=106)["status"] == FAILED
+    assert decode.ask("released", room=106)["released"]
+    prefill.ask("send_rest", room=106)  # SGLang's scheduler sends the last chunk: it must not move
+    waited = prefill.ask("wait", room=106, timeout=20)
+    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    check = decode.ask("check", room=106, src_pages=src, src_tp_size=1)
+    assert not check["written_elsewhere"] and not check["aux_ok"], check
+    decode.ask("clear", room=106)
+    prefill.ask("clear", room=106)
+    _no_leak(prefill, decode)
+
+
+def test_a_peer_without_the_token_is_refused(peers: dict[str, Any]) -> None:
+    prefill, stranger = peers["prefill_a"], peers["stranger"]
+    assert stranger.ask("receive", room=103, pages=[1, 2], aux=1, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("send", room=103, pages=[3, 4], aux=1, bootstrap=BOOT_A)
+    sent = prefill.ask("wait", room=103, timeout=20)
+    received = stranger.ask("wait", room=103, timeout=20)
+    assert sent["status"] == FAILED and received["status"] == FAILED, (sent, received)
+    assert "LLM_LINK_FAILED" in received.get("reason", ""), received  # the decode's engine refused the link
+    check = stranger.ask("check", room=103, src_pages=[3, 4], src_tp_size=1)
+    assert check["room_untouched"] and not check["written_elsewhere"], check
+    stranger.ask("clear", room=103)
+    prefill.ask("clear", room=103)
+    _no_leak(prefill, stranger)
+
+
+def test_a_killed_prefill_fails_its_rooms_at_once_not_after_the_bootstrap_timeout(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_b"], peers["decode"]
+    assert decode.ask("receive", room=104, pages=[40, 41], aux=6, bootstrap=BOOT_B)["status"] != FAILED
+    time.sleep(0.5)  # the prefill links to the decode on its registration
+    prefill.kill()
+    waited = decode.ask("wait", room=104, timeout=60)
+    assert waited["status"] == FAILED and waited["seconds"] < 15, waited
+    decode.ask("clear", room=104)
+    _no_leak(decode)
