@@ -130,6 +130,10 @@ class KvpushKVManager(CommonKVManager):
             raise NotImplementedError("kvpush SGLang backend: this model keeps state beside its KV (mamba, SWA or "
                                       f"DSA pools: {args.state_types}); only full-attention KV pools move so far")
         self.settings = core.BackendSettings.from_env()
+        if not is_mla_backend and getattr(args, "kv_head_num", None) is None:
+            # SGLang 0.5.23's decode does not fill in KVArgs' head counts (its prefill does): read the model's
+            args.total_kv_head_num = _total_kv_heads(server_args)
+            args.kv_head_num = max(1, args.total_kv_head_num // self.attn_tp_size)
         self.layout = core.PoolLayout.of(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend))
         self.cluster_id = core.cluster_id_of(self.local_ip, self.rank_port)
         self.is_decode = disaggregation_mode == DisaggregationMode.DECODE
@@ -549,6 +553,19 @@ class KvpushKVManager(CommonKVManager):
                 self.record_failure(room, f"kvpush: the link to the prefill (cluster {peer}) closed: {reason}")
                 self.update_status(room, KVPoll.Failed)
                 self._revoke(room)
+
+
+def _total_kv_heads(server_args: Any) -> int:
+    """The model's KV heads, from its Hugging Face config (as SGLang's ModelConfig reads them)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(server_args.model_path,
+                                        trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise NotImplementedError(f"kvpush SGLang backend: no KV head count in {server_args.model_path}'s config")
+    return int(heads)
 
 
 class KvpushKVSender(CommonKVSender):
