@@ -75,7 +75,6 @@ def test_the_decode_loaded_the_prompts_kv_instead_of_computing_it(deployment: di
 
     def grew(name: str, key: str) -> float:
         return after[name].get(key, 0.0) - before[name].get(key, 0.0)
-    computed = 'sglang:realtime_tokens_total{mode="prefill_compute"}'
     computed_keys = [k for k in after["prefill"] if k.startswith("sglang:realtime_tokens_total") and "prefill" in k]
     assert computed_keys, sorted(k for k in after["prefill"] if "tokens" in k)
     computed = next((k for k in computed_keys if "compute" in k), computed_keys[0])
