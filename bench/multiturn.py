@@ -91,11 +91,40 @@ class TurnOutcome:
         return (self.e2e_s - self.ttft_s) / (len(self.tokens) - 1)
 
 
+async def read_stream(reply: Any, outcome: Any) -> list[float]:
+    """A streamed completion's chunks into ``outcome`` (its ``tokens`` and ``cached``); when each token came."""
+    import json
+
+    times: list[float] = []
+    async for raw in reply.content:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        for choice in chunk.get("choices") or ():
+            new = choice.get("token_ids") or []
+            times += [time.monotonic()] * len(new)
+            outcome.tokens += new
+        usage = chunk.get("usage")
+        if usage:
+            outcome.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return times
+
+
+def timed(outcome: Any, times: Sequence[float]) -> Any:
+    """``outcome`` with its TTFT, gaps and end-to-end time from its tokens' ``times`` (a miss without any)."""
+    if not times:
+        outcome.error = "the stream ended without a token"
+        return outcome
+    outcome.ttft_s = times[0] - outcome.sent
+    outcome.gaps_s = [b - a for a, b in zip(times, times[1:])]
+    outcome.e2e_s = time.monotonic() - outcome.sent
+    return outcome
+
+
 async def ask(session: Any, url: str, outcome: TurnOutcome, prompt: Sequence[int], model: str,
               timeout_s: float) -> TurnOutcome:
     """One streamed completion of ``prompt``, into ``outcome``."""
-    import json
-
     body = {"model": model, "prompt": list(prompt), "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
     times: list[float] = []
@@ -107,28 +136,11 @@ async def ask(session: Any, url: str, outcome: TurnOutcome, prompt: Sequence[int
                 outcome.reason = reply.headers.get("X-Kvpush-Reason")
                 if reply.status != 200:
                     raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
-                async for raw in reply.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    for choice in chunk.get("choices") or ():
-                        new = choice.get("token_ids") or []
-                        times += [time.monotonic()] * len(new)
-                        outcome.tokens += new
-                    usage = chunk.get("usage")
-                    if usage:
-                        outcome.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                times = await read_stream(reply, outcome)
     except Exception as error:  # noqa: BLE001 - a failed request is a miss, not the end of the run
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
-    if not times:
-        outcome.error = "the stream ended without a token"
-        return outcome
-    outcome.ttft_s = times[0] - outcome.sent
-    outcome.gaps_s = [b - a for a, b in zip(times, times[1:])]
-    outcome.e2e_s = time.monotonic() - outcome.sent
-    return outcome
+    return timed(outcome, times)
 
 
 async def run_level(url: str, system: Sequence[int], convs: Sequence[Conversation],

@@ -316,28 +316,11 @@ async def send(session: Any, url: str, job: Job, start: float, delay: float, tim
                 outcome.route = reply.headers.get("X-Kvpush-Route")
                 if reply.status != 200:
                     raise RuntimeError(f"HTTP {reply.status}: {(await reply.text())[:200]}")
-                async for raw in reply.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    for choice in chunk.get("choices") or ():
-                        new = choice.get("token_ids") or []
-                        times += [time.monotonic()] * len(new)
-                        outcome.tokens += new
-                    usage = chunk.get("usage")
-                    if usage:
-                        outcome.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                times = await multiturn.read_stream(reply, outcome)
     except Exception as error:  # noqa: BLE001 - a failed request is a miss, not the end of the run
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
-    if not times:
-        outcome.error = "the stream ended without a token"
-        return outcome
-    outcome.ttft_s = times[0] - outcome.sent
-    outcome.gaps_s = [b - a for a, b in zip(times, times[1:])]
-    outcome.e2e_s = time.monotonic() - outcome.sent
-    return outcome
+    return multiturn.timed(outcome, times)
 
 
 async def run_rate(url: str, jobs: Sequence[Job], rate: float | None, timeout_s: float) -> list[Outcome]:
