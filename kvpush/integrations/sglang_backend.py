@@ -147,6 +147,10 @@ class KvpushKVManager(CommonKVManager):
         self.peers: dict[str, DecodePeer] = {}
         self._pushes: dict[tuple[int, str], list[asyncio.Task[None]]] = {}
         self._room_waiting: dict[int, set[str]] = {}
+        # rooms aborted before the other side's part came (any thread): see ``sglang_core.AbortedRooms``
+        self._aborted_here = core.AbortedRooms()  # by this prefill, before the decode's destination came
+        self._aborted_by_decode = core.AbortedRooms()  # by a decode, before this prefill's request came
+        self._aborted_lock = threading.Lock()  # the two above, from SGLang's threads and the loop thread
         # decode side, on the loop thread: a room's grants, aux slot and prefill clusters
         self._grants: dict[int, list[BlockAccess]] = {}
         self._room_aux: dict[int, int] = {}
@@ -239,6 +243,18 @@ class KvpushKVManager(CommonKVManager):
             info = TransferInfo.from_zmq(msg)
             infos = self.transfer_infos.setdefault(info.room, {})
             infos[info.session] = info
+            with self._aborted_lock:  # checked after registering: see ``abort_own_room``
+                reason = self._aborted_here.reason(info.room)
+            if reason is not None:
+                # this prefill aborted the room before the decode's destination came: end the decode's side now
+                # (nothing of the room was pushed), rather than after SGLang's waiting timeout
+                infos.pop(info.session, None)
+                if not infos:
+                    self.transfer_infos.pop(info.room, None)
+                if not info.is_dummy:
+                    self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
+                                                status=KVPoll.Failed, failure_reason=reason)
+                return
             if len(infos) == info.required_dst_info_num:
                 self.resolve_kv_replica_factor(infos)
                 self.req_to_decode_prefix_len[info.room] = next(
@@ -356,7 +372,11 @@ class KvpushKVManager(CommonKVManager):
             # kvpush returns (or raises) once no byte of the push can still land: the room's pages are idle
             self._settled(room)
             reason = "aborted" if isinstance(error, asyncio.CancelledError) else describe_error(error)
-            self.conclude_failure(bootstrap_room=room, failure_reason=f"kvpush: {reason}")
+            # this push's decode rank is told even if the sender was cleared meanwhile (its ``transfer_infos`` gone)
+            targets = self._room_notify_targets(room)
+            if (info.endpoint, info.dst_port) not in targets:
+                targets.append((info.endpoint, info.dst_port))
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"kvpush: {reason}", targets=targets)
             self._forget_pushes(room)
             self._maybe_ack_drained_abort(room)
             raise
@@ -390,15 +410,43 @@ class KvpushKVManager(CommonKVManager):
         for key in [key for key in self._pushes if key[0] == room]:
             del self._pushes[key]
 
-    def _cancel_room(self, room: int) -> None:
+    def _cancel_room(self, room: int) -> set[str]:
+        """Cancel the room's pushes; returns the decode sessions that had one running (each tells its decode
+        rank once it drained, ``_push``)."""
+        running = set()
         for key, tasks in list(self._pushes.items()):
             if key[0] == room:
                 for task in tasks:
+                    if not task.done():
+                        running.add(key[1])
                     task.cancel()
+        return running
 
-    def cancel_room(self, room: int) -> None:
-        """Stop the room's pushes (any thread): each drains the buffer it started, then fails the room."""
-        self.portal.call_soon(self._cancel_room, room)
+    def abort_own_room(self, room: int) -> None:
+        """This prefill aborted the room (SGLang's scheduler thread): stop its pushes and end the decode's side
+        promptly, never before the last byte that may land did. A decode rank with a push running is told by that
+        push once it drained; one without is told now; one whose destination has not come yet is told when it
+        comes (the room is remembered before ``transfer_infos`` is read, and read after it is written, so one of
+        the two threads sees the other)."""
+        with self._aborted_lock:
+            self._aborted_here.add(room, "Aborted on the prefill")
+        infos = [info for info in self.transfer_infos.get(room, {}).values() if not info.is_dummy]
+        self.portal.call_soon(self._abort_own_room, room, infos)
+
+    def _abort_own_room(self, room: int, infos: list[TransferInfo]) -> None:
+        running = self._cancel_room(room)
+        idle = [(info.endpoint, info.dst_port) for info in infos if info.session not in running]
+        if idle:
+            self.conclude_failure(bootstrap_room=room, failure_reason="Aborted on the prefill", targets=idle)
+
+    def fail_if_aborted_by_decode(self, room: int) -> None:
+        """A sender for ``room`` was just made (scheduler thread): if a decode aborted the room before, fail it
+        now rather than wait for SGLang's bootstrap timeout for a destination that will never come."""
+        with self._aborted_lock:
+            reason = self._aborted_by_decode.reason(room)
+        if reason is not None:
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
 
     def forget_room(self, room: int) -> None:
         """The room's sender was cleared (any thread): cancel what is left of it and drop its bookkeeping."""
@@ -416,6 +464,9 @@ class KvpushKVManager(CommonKVManager):
         """A decode aborted a room (loop thread): fail it, cancel its pushes, and acknowledge: with deferred
         release once they drained (``_push``), else at once, as SGLang's legacy abort does."""
         room = notification.room
+        # remembered before the status is read, as a new sender sets it before it checks (``fail_if_aborted_by_decode``)
+        with self._aborted_lock:
+            self._aborted_by_decode.add(room, "Aborted by the decode")
         status = self.request_status.get(room)
         if status is not None and status != KVPoll.Success:
             self.record_failure(room, "Aborted by the decode")
@@ -574,9 +625,16 @@ class KvpushKVSender(CommonKVSender):
     supports_host_tensor_indices = False
     kv_mgr: KvpushKVManager
 
+    def __init__(self, mgr: KvpushKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        mgr.fail_if_aborted_by_decode(bootstrap_room)
+
     def abort(self) -> None:
+        succeeded = self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Success
         super().abort()
-        self.kv_mgr.cancel_room(self.bootstrap_room)
+        if not succeeded:  # a room the decode already has needs no word
+            self.kv_mgr.abort_own_room(self.bootstrap_room)
 
     def clear(self) -> None:
         super().clear()

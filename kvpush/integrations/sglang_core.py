@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,7 +29,8 @@ from kvpush import AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, is_loopback
 from .vllm_core import ConnectorConfig, Leg, ParamsError, Sharding, TopologyError, derive_cluster_id
 
 __all__ = [
-    "BACKEND_NAME", "BackendSettings", "Done", "LayoutError", "PoolLayout", "Registration", "cluster_id_of",
+    "BACKEND_NAME", "AbortedRooms", "BackendSettings", "Done", "LayoutError", "PoolLayout", "Registration",
+    "cluster_id_of",
     "decode_done", "encode_done", "incompatibility", "overlap", "slab_ids",
 ]
 
@@ -263,3 +265,31 @@ class BackendSettings:
         config = ConnectorConfig(transport=self.transport, auth_token=self.auth_token,
                                  sync_kv_timeout_ms=self.sync_kv_timeout_ms, link_timeout_ms=self.link_timeout_ms)
         return config.engine_options_for(listen)
+
+
+class AbortedRooms:
+    """Rooms one side aborted before the other side's part of them arrived, so that what arrives later ends at
+    once instead of waiting for SGLang's bootstrap or waiting timeout (300 s): a prefill remembers a room it
+    aborted before the decode's destination came, and one the decode aborted before the prefill's request came.
+    Bounded: the oldest of more than ``limit`` rooms is forgotten (that room falls back to SGLang's timeouts).
+    Not thread-safe: the backend serializes its threads' calls with a lock of its own."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._rooms: OrderedDict[int, str] = OrderedDict()
+
+    def add(self, room: int, reason: str) -> None:
+        self._rooms[room] = reason
+        self._rooms.move_to_end(room)
+        while len(self._rooms) > self.limit:
+            self._rooms.popitem(last=False)
+
+    def reason(self, room: int) -> str | None:
+        """Why ``room`` was aborted, or None if it was not (or was forgotten)."""
+        return self._rooms.get(room)
+
+    def discard(self, room: int) -> None:
+        self._rooms.pop(room, None)
+
+    def __len__(self) -> int:
+        return len(self._rooms)

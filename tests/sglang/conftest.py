@@ -34,9 +34,32 @@ def _required() -> bool:
             or bool(os.environ.get("KVPUSH_SGLANG_VENV")))
 
 
+_BUILD_ERROR: list[BaseException] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build (or check) the SGLang test venv once, after collection and before any test runs, so that no test's
+    timeout pays for the build; a failed build fails the SGLang tests with its error."""
+    if session.config.option.collectonly or not any(
+            "sglang_python" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    if not _required() and not (sglang_venv.venv_dir() / "bin" / "python").exists():
+        return
+    if not sglang_venv.ready():
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"building the SGLang test venv in {sglang_venv.venv_dir()} (a few minutes, once)")
+    try:
+        sglang_venv.ensure_venv(log=False)
+    except (OSError, subprocess.CalledProcessError) as error:
+        _BUILD_ERROR.append(error)
+
+
 @pytest.fixture(scope="session")
 def sglang_python() -> Path:
-    """The SGLang test venv's Python (built if this run requires SGLang)."""
+    """The SGLang test venv's Python (built before the tests by ``pytest_collection_finish``)."""
+    if _BUILD_ERROR:
+        pytest.fail(f"the SGLang test venv could not be built: {_BUILD_ERROR[0]}")
     if not _required() and not (sglang_venv.venv_dir() / "bin" / "python").exists():
         pytest.skip("the SGLang test venv is not built: python tests/sglang/sglang_venv.py "
                     "(or KVPUSH_REQUIRE_SGLANG=1)")

@@ -101,8 +101,10 @@ class Peer:
         op = command["op"]
         return getattr(self, f"op_{op}")(**{k: v for k, v in command.items() if k != "op"})
 
-    def op_receive(self, room: int, pages: list[int], aux: int, bootstrap: str) -> dict[str, Any]:
-        """Decode: a receiver for ``room`` (SGLang's order: parallel info, init, metadata)."""
+    def op_receive(self, room: int, pages: list[int], aux: int, bootstrap: str,
+                   metadata: bool = True) -> dict[str, Any]:
+        """Decode: a receiver for ``room`` (SGLang's order: parallel info, init, metadata; without ``metadata``,
+        as SGLang's prealloc queue holds it before it has pages: ``op_send_metadata`` sends them)."""
         deadline = time.monotonic() + 10
         while not self.manager.try_ensure_parallel_info(bootstrap):
             if time.monotonic() > deadline:
@@ -111,10 +113,24 @@ class Peer:
         receiver = get_kv_class(self.backend, KVClassType.RECEIVER)(mgr=self.manager, bootstrap_addr=bootstrap,
                                                                      bootstrap_room=room)
         self.before = [b.clone() for b in self.k + self.v]  # what "written elsewhere" compares with
-        receiver.init(0)
-        receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux)
         self.rooms[room] = (receiver, pages, aux)
+        receiver.init(0)
+        if metadata:
+            self.op_send_metadata(room)
         return {"status": int(receiver.poll())}
+
+    def op_send_metadata(self, room: int) -> dict[str, Any]:
+        receiver, pages, aux = self.rooms[room]
+        receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux)
+        return {"status": int(receiver.poll())}
+
+    def op_open(self, room: int, pages: list[int], aux: int, bootstrap: str) -> dict[str, Any]:
+        """Prefill: a sender for ``room``, as SGLang's bootstrap queue makes it, without waiting for the decode."""
+        sender = get_kv_class(self.backend, KVClassType.SENDER)(mgr=self.manager, bootstrap_addr=bootstrap,
+                                                                 bootstrap_room=room)
+        sender.init(len(pages), aux)
+        self.rooms[room] = (sender, pages, aux)
+        return {"status": int(sender.poll())}
 
     def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,
                 fill_aux: int = 7, hold: int = 0) -> dict[str, Any]:

@@ -85,12 +85,18 @@ def fix_torchvision(site: Path) -> bool:
     return fixed != text
 
 
+def ready() -> bool:
+    """Whether the venv is built from the current recipe."""
+    mark = venv_dir() / _MARK
+    return mark.exists() and mark.read_text() == _fingerprint()
+
+
 def ensure_venv(log: bool = True) -> Path:
     """The SGLang test venv's Python, built or completed as the module docstring says."""
     venv = venv_dir()
     python = _python(venv)
     mark = venv / _MARK
-    if mark.exists() and mark.read_text() == _fingerprint():
+    if ready():
         return python
     if log:
         print(f"building the SGLang test venv in {venv} (a few minutes)", file=sys.stderr, flush=True)

@@ -13,6 +13,9 @@ SUCCESS, FAILED = 4, 0  # SGLang's KVPoll
 TOKEN = "sglang-test-secret"
 PORT_A, PORT_B, PORT_C = 18931, 18933, 18935  # bootstrap: prefill A (shared), B (killed by a test), C (TP 2)
 BOOT_A, BOOT_B, BOOT_C = f"127.0.0.1:{PORT_A}", f"127.0.0.1:{PORT_B}", f"127.0.0.1:{PORT_C}"
+# the six peers import SGLang inside the first test's timeout (pytest-timeout times fixtures too): up to
+# ``Peer.wait_ready``'s 120 s each, side by side, and the test
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,67 @@ def test_an_abort_between_two_chunks_stops_the_room_and_is_acknowledged_once_dra
     assert not check["written_elsewhere"] and not check["aux_ok"], check
     decode.ask("clear", room=106)
     prefill.ask("clear", room=106)
+    _no_leak(prefill, decode)
+
+
+def _fails_promptly(peer: Any, room: int) -> dict[str, Any]:
+    """``room`` ends Failed on ``peer`` well before SGLang's bootstrap and waiting timeouts (300 s)."""
+    waited = peer.ask("wait", room=room, timeout=30)
+    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    return waited
+
+
+def test_an_abort_on_the_prefill_before_its_first_chunk_ends_the_decodes_room_at_once(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    assert decode.ask("receive", room=107, pages=[60, 61], aux=1, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("send", room=107, pages=[62, 63], aux=1, bootstrap=BOOT_A, chunks=1, hold=1)  # destination in, no chunk
+    assert prefill.ask("abort", room=107)["status"] == FAILED
+    assert "Abort" in _fails_promptly(decode, 107).get("reason", "")
+    assert decode.ask("check", room=107, src_pages=[62, 63], src_tp_size=1)["room_untouched"]
+    decode.ask("clear", room=107)
+    prefill.ask("clear", room=107)
+    _no_leak(prefill, decode)
+
+
+def test_an_abort_on_the_prefill_between_two_chunks_ends_the_decodes_room_at_once(peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    src, dst = [24, 25, 26, 27], [28, 29, 30, 31]
+    assert decode.ask("receive", room=108, pages=dst, aux=7, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("send", room=108, pages=src, aux=2, bootstrap=BOOT_A, chunks=2, hold=1, fill_aux=11)  # first half
+    time.sleep(0.5)  # and lands: no push of the room is running when it is aborted
+    assert prefill.ask("abort", room=108)["status"] == FAILED
+    prefill.ask("clear", room=108)  # SGLang clears the sender at once: the decode must still hear of it
+    _fails_promptly(decode, 108)
+    check = decode.ask("check", room=108, src_pages=src, src_tp_size=1, fill_aux=11)
+    assert not check["written_elsewhere"] and not check["aux_ok"], check
+    decode.ask("clear", room=108)
+    _no_leak(prefill, decode)
+
+
+def test_an_abort_on_the_prefill_before_the_decodes_destination_came_ends_it_when_it_comes(
+        peers: dict[str, Any]) -> None:
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    prefill.ask("open", room=109, pages=[32, 33], aux=3, bootstrap=BOOT_A)
+    assert prefill.ask("abort", room=109)["status"] == FAILED
+    prefill.ask("clear", room=109)
+    decode.ask("receive", room=109, pages=[34, 35], aux=3, bootstrap=BOOT_A)
+    _fails_promptly(decode, 109)
+    assert decode.ask("check", room=109, src_pages=[32, 33], src_tp_size=1)["room_untouched"]
+    decode.ask("clear", room=109)
+    _no_leak(prefill, decode)  # the late destination was not kept either
+
+
+def test_an_abort_on_the_decode_before_the_prefills_request_came_ends_it_when_it_comes(peers: dict[str, Any]) -> None:
+    """SGLang's prealloc queue: the decode aborts before it sent any pages; the prefill's request comes later
+    and must not wait 300 s for a destination that will never come."""
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    decode.ask("receive", room=110, pages=[36, 37], aux=4, bootstrap=BOOT_A, metadata=False)
+    assert decode.ask("abort", room=110)["status"] == FAILED
+    decode.ask("clear", room=110)
+    time.sleep(0.5)  # the abort reaches the prefill first
+    prefill.ask("open", room=110, pages=[38, 39], aux=4, bootstrap=BOOT_A)
+    _fails_promptly(prefill, 110)
+    prefill.ask("clear", room=110)
     _no_leak(prefill, decode)
 
 

@@ -24,6 +24,8 @@ PROMPTS = [sg.prompt(5, 1), sg.prompt(100, 2), sg.prompt(200, 3)]
 NEW_TOKENS = 24
 BASE = 18340  # single, prefill, decode, router: BASE .. BASE + 3; bootstrap: BASE + 10
 STARTUP_S = 420
+# the module's servers start inside its first test's timeout (pytest-timeout times fixtures too): room for them
+pytestmark = pytest.mark.timeout(STARTUP_S + 60 + 120)
 
 
 @pytest.fixture(scope="module")

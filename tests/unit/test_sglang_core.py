@@ -123,3 +123,17 @@ def test_settings_come_from_the_environment_and_keep_the_listener_rule() -> None
     core.BackendSettings.from_env({"KVPUSH_INSECURE": "1"}).check_listener("10.0.0.5")
     with pytest.raises(ParamsError):
         core.BackendSettings.from_env({"KVPUSH_SYNC_KV_TIMEOUT_MS": "soon"})
+
+
+def test_aborted_rooms_remember_why_and_forget_the_oldest_past_their_bound() -> None:
+    rooms = core.AbortedRooms(limit=3)
+    for room in range(5):
+        rooms.add(room, f"aborted {room}")
+    assert len(rooms) == 3
+    assert rooms.reason(0) is None and rooms.reason(1) is None  # the oldest went first
+    assert rooms.reason(4) == "aborted 4"
+    rooms.add(2, "again")  # re-added: now the newest
+    rooms.add(5, "aborted 5")
+    assert rooms.reason(2) == "again" and rooms.reason(3) is None
+    rooms.discard(2)
+    assert rooms.reason(2) is None and len(rooms) == 2
