@@ -106,6 +106,7 @@ class Proxy:
         self.decodes: Pool[str] = Pool([*config.decodes, *(b.url for b in config.both)])
         #: requests by route (pd, decode_only), decisions, errors by status, resends, clients that left, events
         self.counters: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()  # per instance: prompt tokens placed on it, not yet answered
         self.caches = Caches(self.counters, config.index_capacity, config.follow_events, config.block_size)
         self.tokens = Tokens(config.tokenizer)
         self._hashers: dict[int, BlockHasher] = {}
@@ -322,7 +323,7 @@ class Proxy:
             load = self.decodes.load.get(url, 0) if url in decode_urls else 0
             candidates.append(Candidate(url, url in prefill_urls, url in decode_urls, self.caches.match(url, hashes),
                                         self.decodes.in_flight(url) + load, self._prefilling(url),
-                                        self._compat.get(url, "")))
+                                        self._compat.get(url, ""), pending_tokens=self._pending[url]))
         return place(Prompt(prompt.tokens, self._hasher().block_size), candidates, self.config.policy)
 
     def _prefilling(self, url: str) -> int:
@@ -355,6 +356,10 @@ class Proxy:
                 log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone",
                             transfer_id, refusal)
         answered = False
+        # what each instance computes for this request, counted against it until it answered
+        computes = {decode: decision.computed if decision.route == DECODE_ONLY else prompt.tokens} \
+            if prefill is None else {prefill.prefill.url: decision.computed}
+        self._pending.update(computes)
         try:
             if prefill is None:
                 copy, route, leading = plain_body(body), DECODE_ONLY, None
@@ -380,6 +385,7 @@ class Proxy:
                 self.caches.sent(prefill.prefill.url, prompt.hashes)
             return response
         finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
+            self._pending.subtract(computes)
             if prefill is not None:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 

@@ -5,7 +5,9 @@ reason) in a response header, the log and ``/metrics``.
 
 The cost of a choice is counted in prompt tokens computed: a decode alone computes the prompt tokens it does
 not hold; a prefill computes those *it* does not hold, and the decode then loads the blocks it lacks. Load is
-counted in tokens too: each request an instance is running or queueing weighs ``Policy.request_tokens``.
+counted in tokens too: the prompt tokens still to be computed of the requests placed on an instance
+(``Candidate.pending_tokens``: a queued 2048-token prompt delays the next request more than two 32-token
+ones), and each request it is running or queueing weighs ``Policy.request_tokens`` besides (its decode steps).
 
 A request is disaggregated only where that pays (llm-d and NVIDIA Dynamo decide alike):
 - the decode would compute at least ``Policy.pd_min_tokens`` itself - below that, a prefill's round trip and
@@ -46,6 +48,7 @@ class Candidate:
     running: int = 0  # requests it serves or queues (whole ones, or as a decode)
     prefilling: int = 0  # prefills it computes for other instances
     group: str = ""  # its KV geometry's fingerprint: a prefill serves only decodes of its group ("": any)
+    pending_tokens: int = 0  # prompt tokens it was given to compute (alone or as a prefill) and has not answered
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def place(prompt: Prompt, candidates: Sequence[Candidate], policy: Policy) -> De
     load = policy.request_tokens
 
     def alone(c: Candidate) -> int:
-        return uncached(prompt, c.held_blocks) + load * (c.running + c.prefilling)
+        return uncached(prompt, c.held_blocks) + c.pending_tokens + load * (c.running + c.prefilling)
 
     best = min(decodes, key=alone)  # ties: the first, in the order handed in (the shell rotates it)
     local = uncached(prompt, best.held_blocks)
@@ -101,7 +104,7 @@ def place(prompt: Prompt, candidates: Sequence[Candidate], policy: Policy) -> De
             computed = uncached(prompt, prefill.held_blocks)
             if computed > policy.waste * local:
                 continue
-            cost = computed + load * (prefill.running + prefill.prefilling + decode.running)
+            cost = computed + prefill.pending_tokens + load * (prefill.running + prefill.prefilling + decode.running)
             pairs.append((cost, computed, prefill, decode))
     if not pairs:
         return Decision(DECODE_ONLY, best.name, None, _held(prompt, best, local) + "; no prefill is free to "

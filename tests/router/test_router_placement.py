@@ -69,3 +69,24 @@ def test_no_decode_no_decision_and_static_is_the_old_proxy() -> None:
     assert decision is not None and (decision.route, decision.prefill, decision.decode) == (PD, "p2", "d")
     alone = place(Prompt(64, BS), [Candidate("d", False, True)], static)
     assert alone is not None and alone.route == DECODE_ONLY
+
+
+def test_queued_prompt_tokens_weigh_more_than_a_count_of_requests() -> None:
+    """Two kv_both instances, each running one request: one is computing a 2048-token prompt, the other a
+    32-token one. A short request goes to the second, however the counts tie."""
+    heavy = Candidate("heavy", True, True, running=1, pending_tokens=2048)
+    light = Candidate("light", True, True, running=1, pending_tokens=32)
+    for order in ([heavy, light], [light, heavy]):
+        decision = place(Prompt(64, BS), order, POLICY)
+        assert decision is not None and (decision.route, decision.decode) == (DECODE_ONLY, "light")
+
+
+def test_a_conversation_leaves_its_history_only_for_an_instance_much_less_loaded() -> None:
+    """Its history (1,920 tokens held) is worth keeping against a short queue elsewhere, not against a long one."""
+    def fleet(pending: int) -> list[Candidate]:
+        return [Candidate("home", True, True, held_blocks=60, running=1, pending_tokens=pending),
+                Candidate("other", True, True)]
+    stays = place(Prompt(60 * BS + 200, BS), fleet(512), POLICY)
+    assert stays is not None and stays.decode == "home"
+    moves = place(Prompt(60 * BS + 200, BS), fleet(4096), POLICY)
+    assert moves is not None and "other" in (moves.decode, moves.prefill)  # computed where nothing queues
