@@ -29,12 +29,14 @@ from kvpush import AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, is_loopback
 from .vllm_core import ConnectorConfig, Leg, ParamsError, Sharding, TopologyError, derive_cluster_id
 
 __all__ = [
-    "BACKEND_NAME", "AbortedRooms", "BackendSettings", "Done", "LayoutError", "PoolLayout", "Registration",
-    "cluster_id_of",
-    "decode_done", "encode_done", "incompatibility", "overlap", "slab_ids",
+    "BACKEND_NAME", "MODEL_ID", "REGISTER_ROOM", "AbortedRooms", "BackendSettings", "Done", "LayoutError",
+    "PoolLayout", "Registration", "cluster_id_of", "decode_done", "encode_done", "incompatibility", "overlap",
+    "slab_ids",
 ]
 
 BACKEND_NAME = "kvpush"  # the value of --disaggregation-transfer-backend
+MODEL_ID = 0  # the one blocks cache of a rank: BlocksCacheKey(cluster_id, MODEL_ID)
+REGISTER_ROOM = b"None"  # SGLang's first frame of a decode rank's registration (its other messages carry a room)
 _DONE_MAGIC = b"KSD1"  # kvpush-SGLang done, version 1
 _DONE_HEADER = struct.Struct("<4sQII")  # magic, room, prefill rank, number of aux buffers
 

@@ -132,10 +132,12 @@ class Peer:
         self.rooms[room] = (sender, pages, aux)
         return {"status": int(sender.poll())}
 
-    def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,
-                fill_aux: int = 7, hold: int = 0) -> dict[str, Any]:
+    def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,  # noqa: PLR0913
+                fill_aux: int = 7, hold: int = 0, abort: bool = False, stall: float = 0) -> dict[str, Any]:
         """Prefill: a sender for ``room``; once the decode's metadata is in, send ``pages`` in ``chunks``, all
-        but the last ``hold`` of them (``op_send_rest`` sends those)."""
+        but the last ``hold`` of them (``op_send_rest`` sends those); with ``abort``, abort the room right after.
+        ``stall``: kvpush's loop thread does not run for that long first (as on a loaded host), so what the
+        scheduler hands it meanwhile runs in one go: pushes queued and cancelled before they started."""
         sender = get_kv_class(self.backend, KVClassType.SENDER)(mgr=self.manager, bootstrap_addr=bootstrap,
                                                                  bootstrap_room=room)
         sender.init(len(pages), aux)
@@ -148,10 +150,20 @@ class Peer:
         for i, buffer in enumerate(self.aux):
             buffer[aux] = torch.arange(buffer.shape[1], dtype=torch.uint8) + fill_aux + i
         parts = np.array_split(np.asarray(pages, dtype=np.int32), chunks)
+        if stall:
+            self.manager.portal.call_soon(time.sleep, stall)
         for part in parts[:chunks - hold]:
             sender.send(part)
+        if abort:
+            sender.abort()
         self.held = parts[chunks - hold:]
         return {"status": int(sender.poll())}
+
+    def op_stall(self, seconds: float) -> dict[str, Any]:
+        """kvpush's loop thread does not run for ``seconds`` (as on a loaded host): what SGLang's threads hand it
+        meanwhile waits, and runs in one go after."""
+        self.manager.portal.call_soon(time.sleep, seconds)
+        return {}
 
     def op_send_rest(self, room: int) -> dict[str, Any]:
         sender = self.rooms[room][0]

@@ -133,13 +133,28 @@ def test_an_abort_on_the_prefill_between_two_chunks_ends_the_decodes_room_at_onc
     assert decode.ask("receive", room=108, pages=dst, aux=7, bootstrap=BOOT_A)["status"] != FAILED
     prefill.ask("send", room=108, pages=src, aux=2, bootstrap=BOOT_A, chunks=2, hold=1, fill_aux=11)  # first half
     time.sleep(0.5)  # and lands: no push of the room is running when it is aborted
+    prefill.ask("stall", seconds=0.5)  # kvpush's loop hears of the abort only after SGLang cleared the sender
     assert prefill.ask("abort", room=108)["status"] == FAILED
-    prefill.ask("clear", room=108)  # SGLang clears the sender at once: the decode must still hear of it
+    prefill.ask("clear", room=108)  # as SGLang does at once: the decode must still hear of it
     _fails_promptly(decode, 108)
     check = decode.ask("check", room=108, src_pages=src, src_tp_size=1, fill_aux=11)
     assert not check["written_elsewhere"] and not check["aux_ok"], check
     decode.ask("clear", room=108)
     _no_leak(prefill, decode)
+
+
+def test_an_abort_on_the_prefill_right_after_its_chunk_ends_the_decodes_room_at_once(peers: dict[str, Any]) -> None:
+    """With kvpush's loop thread held up (a loaded host), the chunk's push is cancelled before it started (its
+    body never runs): the room still ends on both sides, and its count of pushes in flight too."""
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    for room in (111, 112, 113):
+        assert decode.ask("receive", room=room, pages=[40, 41], aux=5, bootstrap=BOOT_A)["status"] != FAILED
+        sent = prefill.ask("send", room=room, pages=[42, 43], aux=5, bootstrap=BOOT_A, abort=True, stall=0.3)
+        assert sent["status"] == FAILED
+        _fails_promptly(decode, room)
+        decode.ask("clear", room=room)
+        prefill.ask("clear", room=room)
+        _no_leak(prefill, decode)
 
 
 def test_an_abort_on_the_prefill_before_the_decodes_destination_came_ends_it_when_it_comes(

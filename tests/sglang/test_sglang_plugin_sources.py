@@ -34,7 +34,9 @@ def test_the_names_the_backend_and_plugin_use_are_in_sglang(sglang_python: Path)
     for name in ("class CommonKVManager", "class CommonKVSender", "class CommonKVReceiver",
                  "class CommonKVBootstrapServer", "ABORT_TAG =", "ABORT_ACK_TAG =", "class AbortNotification",
                  "def conclude_transfer", "def conclude_failure", "def apply_prefill_status",
-                 "def parse_kv_status_message", "def _start_heartbeat_checker_thread", "def _prefill_unique_rank"):
+                 "def parse_kv_status_message", "def _start_heartbeat_checker_thread", "def _prefill_unique_rank",
+                 "def _room_notify_targets", "def send_kv_status_message", "def _maybe_ack_drained_abort",
+                 "def register_deferred_ack_target"):
         assert name in common, name
     choices = (root / "srt/arg_groups/choices.py").read_text()
     assert "add_disagg_transfer_backend_choices" in choices
