@@ -45,6 +45,7 @@ class DecodeSide(CommonKVManager):
         self._grants: dict[int, list[BlockAccess]] = {}  # a room's grants
         self._room_aux: dict[int, int] = {}  # a room's aux slot
         self._room_prefills: dict[int, set[int]] = {}  # a room's prefill clusters
+
     def _decode_thread(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
         while not self._stopped:

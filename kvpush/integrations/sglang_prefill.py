@@ -92,6 +92,7 @@ class PrefillSide(CommonKVManager):
         self._aborted_here = core.AbortedRooms()  # by this prefill, before the decode's destination came
         self._aborted_by_decode = core.AbortedRooms()  # by a decode, before this prefill's request came
         self._aborted_lock = threading.Lock()  # the two above, from SGLang's threads and the loop thread
+
     def _prefill_thread(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
         while not self._stopped:
