@@ -290,8 +290,5 @@ class AbortedRooms:
         """Why ``room`` was aborted, or None if it was not (or was forgotten)."""
         return self._rooms.get(room)
 
-    def discard(self, room: int) -> None:
-        self._rooms.pop(room, None)
-
     def __len__(self) -> int:
         return len(self._rooms)

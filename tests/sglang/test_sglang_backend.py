@@ -43,6 +43,13 @@ def _no_leak(*endpoints: Any) -> None:
         assert not any(stats.values()), f"{peer.role} still holds {stats}"
 
 
+def _fails_promptly(peer: Any, room: int) -> dict[str, Any]:
+    """``room`` ends Failed on ``peer`` well before SGLang's bootstrap and waiting timeouts (300 s)."""
+    waited = peer.ask("wait", room=room, timeout=30)
+    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    return waited
+
+
 def test_pages_and_aux_land_where_the_decode_asked(peers: dict[str, Any]) -> None:
     prefill, decode = peers["prefill_a"], peers["decode"]
     src, dst = [1, 2, 3, 4, 8, 30, 31], [5, 6, 7, 9, 10, 50, 2]
@@ -82,8 +89,7 @@ def test_abort_on_the_decode_fails_the_room_on_both_sides_and_frees_everything(p
     assert decode.ask("abort", room=102)["status"] == FAILED
     assert decode.ask("released", room=102)["released"]  # the prefill acknowledged: nothing of it can land
     prefill.ask("send", room=102, pages=[20, 21, 22], aux=5, bootstrap=BOOT_A)
-    waited = prefill.ask("wait", room=102, timeout=20)
-    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    _fails_promptly(prefill, 102)
     check = decode.ask("check", room=102, src_pages=[20, 21, 22], src_tp_size=1)
     assert check["room_untouched"] and not check["written_elsewhere"], check
     decode.ask("clear", room=102)
@@ -99,20 +105,12 @@ def test_an_abort_between_two_chunks_stops_the_room_and_is_acknowledged_once_dra
     assert decode.ask("abort", room=106)["status"] == FAILED
     assert decode.ask("released", room=106)["released"]
     prefill.ask("send_rest", room=106)  # SGLang's scheduler sends the last chunk: it must not move
-    waited = prefill.ask("wait", room=106, timeout=20)
-    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
+    _fails_promptly(prefill, 106)
     check = decode.ask("check", room=106, src_pages=src, src_tp_size=1)
     assert not check["written_elsewhere"] and not check["aux_ok"], check
     decode.ask("clear", room=106)
     prefill.ask("clear", room=106)
     _no_leak(prefill, decode)
-
-
-def _fails_promptly(peer: Any, room: int) -> dict[str, Any]:
-    """``room`` ends Failed on ``peer`` well before SGLang's bootstrap and waiting timeouts (300 s)."""
-    waited = peer.ask("wait", room=room, timeout=30)
-    assert waited["status"] == FAILED and waited["seconds"] < 10, waited
-    return waited
 
 
 def test_an_abort_on_the_prefill_before_its_first_chunk_ends_the_decodes_room_at_once(peers: dict[str, Any]) -> None:

@@ -134,6 +134,4 @@ def test_aborted_rooms_remember_why_and_forget_the_oldest_past_their_bound() -> 
     assert rooms.reason(4) == "aborted 4"
     rooms.add(2, "again")  # re-added: now the newest
     rooms.add(5, "aborted 5")
-    assert rooms.reason(2) == "again" and rooms.reason(3) is None
-    rooms.discard(2)
-    assert rooms.reason(2) is None and len(rooms) == 2
+    assert rooms.reason(2) == "again" and rooms.reason(3) is None and len(rooms) == 3
