@@ -59,6 +59,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -379,9 +380,10 @@ def _vllm_router(settings: Settings) -> str:
     return binary
 
 
-def start_setup(setup: str, settings: Settings, startup_s: float) -> tuple[str, list[Server], list[Any],
-                                                                           dict[str, Any]]:
-    """The setup's engines and proxy: (the proxy's URL, the engines, the processes to end, notes)."""
+def start_setup(setup: str, settings: Settings, startup_s: float, router_args: Sequence[str] = ()
+                ) -> tuple[str, list[Server], list[Any], dict[str, Any]]:
+    """The setup's engines and proxy: (the proxy's URL, the engines, the processes to end, notes);
+    ``router_args``: more flags for ``kvpush proxy`` in the ``router`` setup."""
     servers: list[Server] = []
     processes: list[Any] = []
     notes: dict[str, Any] = {}
@@ -402,8 +404,8 @@ def start_setup(setup: str, settings: Settings, startup_s: float) -> tuple[str, 
             wait_healthy(servers, startup_s)
             urls = [f"http://{s.url}" for s in servers]
             if setup == "router":
-                command = [*kvpush_cli(), "proxy", "--host", "127.0.0.1", "--port", "0", "--block-size",
-                           str(BLOCK_SIZE), *[a for core in (0, 1) for a in (
+                command = [*kvpush_cli(), "proxy", "-v", *router_args, "--host", "127.0.0.1", "--port", "0",
+                           "--block-size", str(BLOCK_SIZE), *[a for core in (0, 1) for a in (
                                "--both", f"{urls[core]}#kv=127.0.0.1:{kv[core]}&events=tcp://127.0.0.1:{events[core]}"
                                          f"&replay=tcp://127.0.0.1:{events[core] + 1}")]]
                 url, proxy = start_helper(setup, command, settings.work)
@@ -585,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     parser.add_argument("--startup-timeout", type=float, default=420)
     parser.add_argument("--request-timeout", type=float, default=300, help="a request not done by then is a miss")
     parser.add_argument("--no-nixl-install", action="store_true")
+    parser.add_argument("--router-args", default="", help="more flags for kvpush proxy in the router setup, "
+                        "e.g. '--pd-min-tokens 1024 --request-tokens 64'")
     args = parser.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
     if unknown := [s for s in setups if s not in SETUPS]:
@@ -651,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                 machine.update(conversations=conversations, turns=args.turns, system_tokens=multiturn.SYSTEM_TOKENS,
                                message_tokens=multiturn.MESSAGE_TOKENS, answer_tokens=multiturn.ANSWER_TOKENS,
                                think_s=multiturn.THINK_S, turn_unloaded_e2e_mean_ms=round(cal.turn_e2e_s * 1e3, 1),
-                               floor_computed_per_request=round(cal.floor_per_request, 1))
+                               floor_computed_per_request=round(cal.floor_per_request, 1),
+                               turn_unloaded_ttft_p50_p90_ms=[_ms(list(cal.turn_ttft_s.values()), q) for q in (50, 90)])
             emit(machine)
             if targets is not None:
                 emit(load_record("single", 0.0, 0.0, cal.unloaded, cal.references, targets,
@@ -659,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
             for setup in setups:
                 sys.stderr.write(f"{setup}: starting\n")
                 try:
-                    url, servers, processes, notes = start_setup(setup, settings, args.startup_timeout)
+                    url, servers, processes, notes = start_setup(setup, settings, args.startup_timeout,
+                                                                   shlex.split(args.router_args))
                 except Exception as error:  # noqa: BLE001 - one broken setup must not hide the others
                     emit({"workload": "-", "case": setup, "load": 0, "result": "not run",
                           "error": f"{type(error).__name__}: {str(error)[-600:]}"})
@@ -681,6 +687,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                         before = computed(servers)
                         turns = asyncio.run(multiturn.run_level(url, cal.system, cal.levels[level], cal.answers,
                                                                 rate, SERVED, args.request_timeout))
+                        with open(work / f"{setup}-multiturn-{fraction:g}.jsonl", "w") as detail:
+                            for o in turns:  # each turn: where it went and why, for reading a tail
+                                detail.write(json.dumps({"turn": o.key, "prompt_tokens": o.prompt_tokens,
+                                                         "ttft_ms": None if o.ttft_s is None else round(o.ttft_s * 1e3),
+                                                         "unloaded_ttft_ms": round(cal.turn_ttft_s[o.key] * 1e3),
+                                                         "cached": o.cached, "route": o.route, "reason": o.reason,
+                                                         "error": o.error}) + "\n")
                         emit(multiturn_record(setup, fraction, rate, turns, cal.answers, cal.turn_ttft_s,
                                               TPOT_FACTOR * cal.turn_tpot_s, computed(servers) - before,
                                               cal.floor_per_request, dict(notes, loadavg=round(os.getloadavg()[0], 2))))

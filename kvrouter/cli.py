@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .core.placement import Policy
+
 if TYPE_CHECKING:
     from .config import ProxyConfig
 
@@ -125,6 +127,10 @@ def add_arguments(proxy: argparse.ArgumentParser) -> None:
                               "itself (default 512)")
     placing.add_argument("--prefill-queue", type=_count, default=1, metavar="N",
                          help="... and a prefill has fewer than N prefills in flight (default 1)")
+    placing.add_argument("--request-tokens", type=_count, default=Policy.request_tokens, metavar="N",
+                         help="what each request an instance is already serving weighs against it, in prompt tokens "
+                              f"to compute (default {Policy.request_tokens}: a decode step's share of a "
+                              "newcomer's first token; the prompt tokens queued on it count besides)")
     placing.add_argument("--block-size", type=_count, default=None, metavar="TOKENS",
                          help="the instances' --block-size (default: read from their KV events or registration)")
     placing.add_argument("--prefix-hash-algo", default="sha256", choices=("sha256", "sha256_cbor"),
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         sources.update({url: source for url, source in decodes if source is not None})
         upstream_key = args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
         policy = kvrouter.Policy(pd_min_tokens=args.pd_min_tokens, prefill_queue=max(1, args.prefill_queue),
-                                 static=args.static)
+                                 request_tokens=args.request_tokens, static=args.static)
         config = kvrouter.ProxyConfig(prefills, [url for url, _ in decodes], both, args.timeout,
                                       accept_timeout_s=args.accept_timeout, retry_for_s=args.retry_for,
                                       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

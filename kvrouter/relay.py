@@ -117,12 +117,15 @@ class PrefillRun:
 
 
 async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, deadline: float,  # noqa: PLR0913
-                fail: Callable[[int, str], web.Response], leading: Leading | None = None) -> web.StreamResponse:
+                fail: Callable[[int, str], web.Response], leading: Leading | None = None,
+                answering: Callable[[], None] | None = None) -> web.StreamResponse:
     """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
     status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
     upstream a 502 (the answers ``fail`` makes), or with ``hop.resend`` Unanswered (when a connection error
     says nothing was answered). ``leading``: once the upstream answered a stream, the prefill's first token
-    goes to the client as soon as it is there, unless the upstream's came first (``_follow``)."""
+    goes to the client as soon as it is there, unless the upstream's came first (``_follow``). ``answering``
+    is called once, when the answer's first body bytes (or the prefill's first token) are there: the prompt
+    has been computed."""
     response: web.StreamResponse | None = None
     remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
     upstream = hop.upstream
@@ -137,9 +140,9 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
             response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
             await response.prepare(request)
             if leading is not None and reply.status == 200 and reply.content_type == "text/event-stream":
-                await _follow(reply, response, leading)
+                await _follow(_Lines(reply, answering), response, leading)
             else:
-                await _Lines(reply).pass_on(response)
+                await _Lines(reply, answering).pass_on(response)
             await response.write_eof()
             return response
     except Mismatch as error:
@@ -172,9 +175,16 @@ class _Lines:
     stops at twice its read buffer, 512 KiB by default, and older versions take no bound of the caller's).
     Cancelling ``next`` loses nothing: bytes are kept here until a whole line is handed out."""
 
-    def __init__(self, reply: aiohttp.ClientResponse) -> None:
+    def __init__(self, reply: aiohttp.ClientResponse, on_data: Callable[[], None] | None = None) -> None:
         self._content = reply.content
         self._buffer = bytearray()
+        self._on_data = on_data  # called once, at the first bytes read
+
+    def data(self) -> None:
+        """The answer has begun (its first bytes, or a token that leads it): ``on_data``, once."""
+        if self._on_data is not None:
+            on_data, self._on_data = self._on_data, None
+            on_data()
 
     async def next(self) -> bytes:
         """The next line with its newline (at the end, what is left; b"" once nothing is)."""
@@ -182,6 +192,8 @@ class _Lines:
             if len(self._buffer) > MAX_LINE_BYTES:
                 raise aiohttp.ClientPayloadError(f"an event line longer than {MAX_LINE_BYTES} bytes")
             chunk = await self._content.readany()
+            if chunk:
+                self.data()
             if not chunk:
                 line = bytes(self._buffer)
                 self._buffer.clear()
@@ -197,14 +209,14 @@ class _Lines:
             await response.write(bytes(self._buffer))
             self._buffer.clear()
         async for chunk in self._content.iter_any():
+            self.data()
             await response.write(chunk)
 
 
-async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, leading: Leading) -> None:
+async def _follow(lines: _Lines, response: web.StreamResponse, leading: Leading) -> None:
     """The decode's stream, led by the prefill's first token when that comes before the decode's own: the
     lines before either are passed on; then the lead goes and ``Follow`` rewrites the rest, or (the decode
     was first, or the prefill's answer cannot lead) the rest is passed on as it came."""
-    lines = _Lines(reply)
     follow: Follow | None = None
     while follow is None:
         line_read = asyncio.ensure_future(lines.next())
@@ -224,6 +236,7 @@ async def _follow(reply: aiohttp.ClientResponse, response: web.StreamResponse, l
                 await lines.pass_on(response)
                 return
         elif (lead := leading.first.result()) is not None:
+            lines.data()
             await response.write(lead.event)
             leading.led = True
             follow = Follow(lead)
@@ -251,9 +264,11 @@ def target_url(target: str | Prefill) -> str:
 
 
 def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str],
-                   indexes: Mapping[str, tuple[int, bool]] | None = None) -> str:
+                   indexes: Mapping[str, tuple[int, bool]] | None = None,
+                   pending: Mapping[str, int] | None = None) -> str:
     """The proxy's counters and upstream states in Prometheus' text exposition format; ``indexes``: each
-    instance's cache index (block hashes, and whether its KV events are followed)."""
+    instance's cache index (block hashes, and whether its KV events are followed); ``pending``: the prompt
+    tokens each instance was given to compute and has not begun to answer."""
     def label(text: str) -> str:
         return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -306,4 +321,9 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "# TYPE kvpush_proxy_index_blocks gauge"]
     lines += [f'kvpush_proxy_index_blocks{{url="{label(url)}",source="{"events" if following else "guessed"}"}} '
               f'{blocks}' for url, (blocks, following) in sorted((indexes or {}).items())]
+    lines += ["# HELP kvpush_proxy_pending_prompt_tokens Prompt tokens placed on an instance whose answers have not "
+              "begun (what placement counts as its queue).",
+              "# TYPE kvpush_proxy_pending_prompt_tokens gauge"]
+    lines += [f'kvpush_proxy_pending_prompt_tokens{{url="{label(url)}"}} {tokens}'
+              for url, tokens in sorted((pending or {}).items())]
     return "\n".join(lines) + "\n"

@@ -356,10 +356,16 @@ class Proxy:
                 log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone",
                             transfer_id, refusal)
         answered = False
-        # what each instance computes for this request, counted against it until it answered
+        # what each instance computes for this request, counted against it until the answer begins (its
+        # prompt is computed then: what is left is decoding, which ``running`` counts)
         computes = {decode: decision.computed if decision.route == DECODE_ONLY else prompt.tokens} \
             if prefill is None else {prefill.prefill.url: decision.computed}
         self._pending.update(computes)
+        pending = [computes]
+
+        def computed() -> None:
+            if pending:
+                self._pending.subtract(pending.pop())
         try:
             if prefill is None:
                 copy, route, leading = plain_body(body), DECODE_ONLY, None
@@ -370,7 +376,7 @@ class Proxy:
             self.decodes.acquire(decode)
             try:
                 hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True, reason=reason)
-                response = await relay(self.session, request, hop, deadline, self._fail, leading)
+                response = await relay(self.session, request, hop, deadline, self._fail, leading, computed)
             finally:
                 self.decodes.release(decode)
             if leading is not None:
@@ -385,7 +391,7 @@ class Proxy:
                 self.caches.sent(prefill.prefill.url, prompt.hashes)
             return response
         finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
-            self._pending.subtract(computes)
+            computed()
             if prefill is not None:
                 await prefill.end(self.config.prefill_grace_s if answered else 0.0)
 
@@ -476,7 +482,7 @@ class Proxy:
     async def metrics(self, request: web.Request) -> web.Response:
         indexes = {url: (len(view.exact if view.following else view.guessed), view.following)
                    for url, view in self.caches.views.items()}
-        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes, indexes),
+        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes, indexes, self._pending),
                             content_type="text/plain", charset="utf-8")
 
 

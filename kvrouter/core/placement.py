@@ -6,8 +6,11 @@ reason) in a response header, the log and ``/metrics``.
 The cost of a choice is counted in prompt tokens computed: a decode alone computes the prompt tokens it does
 not hold; a prefill computes those *it* does not hold, and the decode then loads the blocks it lacks. Load is
 counted in tokens too: the prompt tokens still to be computed of the requests placed on an instance
-(``Candidate.pending_tokens``: a queued 2048-token prompt delays the next request more than two 32-token
-ones), and each request it is running or queueing weighs ``Policy.request_tokens`` besides (its decode steps).
+(``Candidate.pending_tokens``, until each answer begins: a queued 2048-token prompt delays the next request
+more than two 32-token ones), and each request it is running or queueing weighs ``Policy.request_tokens``
+besides. That weight is small: vLLM batches a newcomer's prompt with the decode steps of those it runs, so
+each of them delays its first token by a share of one step, while leaving the instance that holds a
+conversation's history makes another compute it all again.
 
 A request is disaggregated only where that pays (llm-d and NVIDIA Dynamo decide alike):
 - the decode would compute at least ``Policy.pd_min_tokens`` itself - below that, a prefill's round trip and
@@ -33,7 +36,7 @@ class Policy:
     pd_min_tokens: int = 512
     prefill_queue: int = 1
     waste: float = 1.25
-    request_tokens: int = 256
+    request_tokens: int = 32
     static: bool = False
 
 
@@ -48,7 +51,7 @@ class Candidate:
     running: int = 0  # requests it serves or queues (whole ones, or as a decode)
     prefilling: int = 0  # prefills it computes for other instances
     group: str = ""  # its KV geometry's fingerprint: a prefill serves only decodes of its group ("": any)
-    pending_tokens: int = 0  # prompt tokens it was given to compute (alone or as a prefill) and has not answered
+    pending_tokens: int = 0  # prompt tokens it was given to compute (alone or as a prefill), answers not begun
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,18 @@ def test_a_conversation_leaves_its_history_only_for_an_instance_much_less_loaded
     assert stays is not None and stays.decode == "home"
     moves = place(Prompt(60 * BS + 200, BS), fleet(4096), POLICY)
     assert moves is not None and "other" in (moves.decode, moves.prefill)  # computed where nothing queues
+
+
+def test_requests_already_answering_weigh_little_against_a_conversation_s_history() -> None:
+    """The default policy: the instance holding a conversation's history (640 of its next turn's 890 tokens)
+    streams two answers; the other is idle and holds the shared system prompt only (512). The turn stays:
+    its 250 new tokens join two decode steps there, where the other would compute 378 alone."""
+    home = Candidate("home", True, True, held_blocks=20, running=2)
+    other = Candidate("other", True, True, held_blocks=16)
+    for order in ([home, other], [other, home]):
+        decision = place(Prompt(890, BS), order, Policy())
+        assert decision is not None and (decision.route, decision.decode, decision.computed) == (DECODE_ONLY, "home",
+                                                                                                  250)
+    queued = Candidate("home", True, True, held_blocks=20, running=2, pending_tokens=1024)  # a long prompt first
+    decision = place(Prompt(890, BS), [queued, other], Policy())
+    assert decision is not None and decision.decode == "other"

@@ -118,3 +118,47 @@ async def test_chats_and_text_are_tokenized_by_an_instance(fleet: Fleet) -> None
         assert any(t.get("prompt") == "hello there" for t in tokenized)
         assert any(t.get("messages") == [{"role": "user", "content": "hi"}] for t in tokenized)
         assert "kvpush_proxy_tokenize_failed_total 0" in await fleet.metrics(session)
+
+
+async def test_a_prompt_counts_against_its_instance_until_its_answer_begins(fleet: Fleet) -> None:
+    """Placement's queue of an instance: the prompt tokens placed on it whose answers have not begun. Once the
+    first token is out the request only decodes, and the tokens no longer weigh (a conversation's next turn is
+    not sent away from its history because the last one is still streaming)."""
+    first, finish = asyncio.Event(), asyncio.Event()
+
+    async def streams(request: Any, body: dict[str, Any]) -> Any:
+        from aiohttp import web
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await first.wait()
+        await response.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        await finish.wait()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    fleet.a.behaviour = fleet.b.behaviour = streams
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        async def pending() -> dict[str, int]:
+            text, gauge = await fleet.metrics(session), "kvpush_proxy_pending_prompt_tokens{url="
+            return {url: int(line.rsplit(" ", 1)[1]) for url in (fleet.a.url, fleet.b.url)
+                    for line in text.splitlines() if line.startswith(f'{gauge}"{url}"')}
+
+        body = {"model": "tiny", "max_tokens": 2, "stream": True, "prompt": prompt(5, 100)}
+        async with session.post(fleet.url + "/v1/completions", json=body) as reply:
+            assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
+
+            async def queued() -> bool:
+                return sorted(v for v in (await pending()).values() if v) == [100]
+            await until(queued)  # the 100 prompt tokens count against the instance computing them
+            first.set()
+            assert (await reply.content.readline()).startswith(b"data:")
+
+            async def begun() -> bool:
+                return not any((await pending()).values())
+            await until(begun)  # the answer began: they count no more, while the request still streams
+            assert "kvpush_proxy_upstream_in_flight" in (text := await fleet.metrics(session))
+            assert any(line.endswith(" 1") for line in text.splitlines()
+                       if line.startswith('kvpush_proxy_upstream_in_flight{role="decode"'))
+            finish.set()
+            await reply.read()
