@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     parser.add_argument("--request-timeout", type=float, default=300, help="a request not done by then is a miss")
     parser.add_argument("--no-nixl-install", action="store_true")
     parser.add_argument("--router-args", default="", help="more flags for kvpush proxy in the router setup, "
-                        "e.g. '--pd-min-tokens 1024 --request-tokens 64'")
+                        "e.g. --router-args='--pd-min-tokens 1024 --request-tokens 64' (with '=' for a single flag)")
     args = parser.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
     if unknown := [s for s in setups if s not in SETUPS]:
