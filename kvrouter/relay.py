@@ -192,12 +192,11 @@ class _Lines:
             if len(self._buffer) > MAX_LINE_BYTES:
                 raise aiohttp.ClientPayloadError(f"an event line longer than {MAX_LINE_BYTES} bytes")
             chunk = await self._content.readany()
-            if chunk:
-                self.data()
             if not chunk:
                 line = bytes(self._buffer)
                 self._buffer.clear()
                 return line
+            self.data()
             self._buffer += chunk
         line = bytes(self._buffer[:end + 1])
         del self._buffer[:end + 1]

@@ -361,11 +361,11 @@ class Proxy:
         computes = {decode: decision.computed if decision.route == DECODE_ONLY else prompt.tokens} \
             if prefill is None else {prefill.prefill.url: decision.computed}
         self._pending.update(computes)
-        pending = [computes]
 
-        def computed() -> None:
-            if pending:
-                self._pending.subtract(pending.pop())
+        def computed() -> None:  # at the answer's first bytes, and at the end (a no-op by then, if they came)
+            nonlocal computes
+            self._pending.subtract(computes)
+            computes = {}
         try:
             if prefill is None:
                 copy, route, leading = plain_body(body), DECODE_ONLY, None

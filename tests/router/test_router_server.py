@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from fakepub import FakePublisher, stored
 from fakevllm import FakeVllm
 
@@ -126,8 +127,7 @@ async def test_a_prompt_counts_against_its_instance_until_its_answer_begins(flee
     not sent away from its history because the last one is still streaming)."""
     first, finish = asyncio.Event(), asyncio.Event()
 
-    async def streams(request: Any, body: dict[str, Any]) -> Any:
-        from aiohttp import web
+    async def streams(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await first.wait()
