@@ -9,6 +9,7 @@ Which link carries this side's transfers is ``kvpush.links``'s decision, the lis
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
@@ -66,6 +67,8 @@ class LLMDataDist:
         self._listening = Listening(self._control, self._tasks, self._accept_one, self._listening_at)
         self._link_listeners: list[Callable[[Link, str | None], None]] = []
         self._held_caches = 0  # caches pinned for closed links (see held_caches)
+        # per peer cluster: its closed links' tasks that may still land bytes or hold caches (see settled)
+        self._settling: dict[int, set[asyncio.Task[None]]] = {}
         self.messages = Inbox()       # small ordered messages from linked peers (SPEC 10)
         self.notifications = Inbox()  # completion notifications of transfers that landed here
         self._cache_manager = CacheManager(self)
@@ -273,10 +276,31 @@ class LLMDataDist:
             if held is not None:
                 held.release_now_or_keep()
             return
+        settling = []
         if len(link.tasks):
-            self._tasks.spawn(link.wait_closed(), f"kvpush-closed-{link.peer_cluster_id}")
+            settling.append(self._tasks.spawn(link.wait_closed(), f"kvpush-closed-{link.peer_cluster_id}"))
         if held is not None:
-            self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}")
+            settling.append(self._tasks.spawn(self._release_held(held), f"kvpush-grants-{link.peer_cluster_id}"))
+        cluster_id = link.peer_cluster_id
+        if cluster_id is not None:
+            for task in settling:
+                self._settling.setdefault(cluster_id, set()).add(task)
+                task.add_done_callback(functools.partial(self._unwound, cluster_id))
+
+    def _unwound(self, cluster_id: int, task: asyncio.Task[None]) -> None:
+        tasks = self._settling.get(cluster_id, set())
+        tasks.discard(task)
+        if not tasks:
+            self._settling.pop(cluster_id, None)
+
+    async def settled(self, cluster_id: int) -> None:
+        """Return once nothing of ``cluster_id``'s closed links can still land here: at once, unless one of
+        them left work unwinding or caches its peer may still write into (a same-host writer whose process
+        lives on, a one-sided writer within its grace), then once that ended. Links still open are not
+        waited for. Cancelling it stops the wait and nothing else; it has no timeout of its own."""
+        pending = [task for task in self._settling.get(cluster_id, ()) if not task.done()]
+        if pending:
+            await asyncio.wait(pending)
 
     async def _release_held(self, held: HeldGrants) -> None:
         count = len(held.entries)

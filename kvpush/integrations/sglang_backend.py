@@ -116,6 +116,8 @@ class KvpushKVManager(PrefillSide, DecodeSide):
         if self.is_decode:
             self.dd.add_link_listener(self._on_link)
             self._tasks.spawn(self._read_done(self.dd.notifications))
+        else:
+            self.dd.add_link_listener(self._on_decode_link)
 
     def teardown(self) -> None:
         """Stop the control threads and the engine (SGLang calls it on a role switch; also at exit)."""
@@ -191,10 +193,25 @@ class KvpushKVSender(CommonKVSender):
 
 
 class KvpushKVReceiver(CommonKVReceiver):
-    """SGLang's receiver; grants a room's pages before sending them, revokes them when the room ends."""
+    """SGLang's receiver; grants a room's pages before sending them, revokes them when the room ends; the
+    manager learns the room's prefill ranks from its bootstrap, and acknowledges its abort for those that are
+    gone."""
 
     kv_mgr: KvpushKVManager
     conclude_state: KVPoll | None
+    bootstrap_infos: list[dict[str, Any]] | None
+    _abort_generation: int | None
+
+    def init(self, prefill_dp_rank: int) -> None:
+        super().init(prefill_dp_rank)
+        if self.conclude_state != KVPoll.Failed and getattr(self, "bootstrap_infos", None):
+            assert self.bootstrap_infos is not None
+            self.kv_mgr.track_prefill(self.bootstrap_addr, self.bootstrap_infos)
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        super()._send_abort_notification(force_arm=force_arm)
+        assert self.bootstrap_room is not None and self.bootstrap_infos is not None
+        self.kv_mgr.armed(self.bootstrap_room, self._abort_generation, self.bootstrap_addr, self.bootstrap_infos)
 
     def send_metadata(self, kv_indices: np.ndarray[Any, Any], aux_index: int | None = None,  # noqa: PLR0913 (SGLang's)
                       state_indices: list[Any] | None = None, decode_prefix_len: int | None = None,

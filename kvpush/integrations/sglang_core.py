@@ -30,8 +30,8 @@ from .vllm_core import ConnectorConfig, Leg, ParamsError, Sharding, TopologyErro
 
 __all__ = [
     "BACKEND_NAME", "MODEL_ID", "REGISTER_ROOM", "AbortedRooms", "BackendSettings", "Done", "LayoutError",
-    "PoolLayout", "Registration", "cluster_id_of", "decode_done", "encode_done", "incompatibility", "overlap",
-    "slab_ids",
+    "PoolLayout", "PrefillRank", "Registration", "cluster_id_of", "decode_done", "encode_done", "incompatibility",
+    "overlap", "prefill_ranks", "slab_ids",
 ]
 
 BACKEND_NAME = "kvpush"  # the value of --disaggregation-transfer-backend
@@ -161,6 +161,32 @@ def cluster_id_of(host: str, zmq_port: int) -> int:
     """A backend engine's kvpush cluster id: derived from its SGLang rank's control (ZMQ) address, which
     both sides know from SGLang's bootstrap, so a decode can grant a prefill before it links."""
     return derive_cluster_id(host, zmq_port)
+
+
+@dataclass(frozen=True)
+class PrefillRank:
+    """A prefill rank as a decode rank knows it from SGLang's bootstrap: its bootstrap server, its control
+    (ZMQ) address, where a live rank accepts connections, and the rank number its acknowledgements carry
+    (SGLang's ``_prefill_unique_rank``)."""
+
+    bootstrap_addr: str
+    host: str
+    port: int
+    rank: int
+
+
+def prefill_ranks(bootstrap_addr: str, infos: list[dict[str, Any]]) -> dict[int, PrefillRank]:
+    """The prefill ranks of SGLang's bootstrap infos (dummy ranks included: they acknowledge aborts too) by
+    kvpush cluster id."""
+    ranks = {}
+    for info in infos:
+        host, port = str(info["rank_ip"]), int(info["rank_port"])
+        cp_size, pp_size = int(info.get("attn_cp_size") or 1), int(info.get("pp_size") or 1)
+        tp_rank = int(info.get("attn_tp_rank", info.get("tp_rank", 0)) or 0)
+        rank = tp_rank * pp_size * cp_size + int(info.get("pp_rank") or 0) * cp_size + int(info.get("attn_cp_rank")
+                                                                                           or 0)
+        ranks[cluster_id_of(host, port)] = PrefillRank(bootstrap_addr, host, port, rank)
+    return ranks
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,17 @@
 """The decode side of kvpush's SGLang transfer backend (``sglang_backend.KvpushKVManager`` is both sides):
 before a room's pages go to its prefill ranks the decode opens to each the blocks it writes, until the room
 ends; a prefill rank's success counts only once its last byte landed and its aux row came with it (kvpush's
-notification); a prefill whose kvpush link closes fails its rooms at once.
+notification).
+
+A prefill that dies strands nothing, whatever stage its rooms are in. Its kvpush link closing fails, at once,
+the rooms it was writing; the decode then asks whether the rank's process still listens (``liveness``). If
+not, the prefill is gone in SGLang's own terms (``_handle_node_failure``, what its heartbeat does seconds
+later): every room from it fails, waiting for a slot or bootstrapped included, and its cached bootstrap is
+dropped, so the next request bootstraps afresh, against a restarted prefill too. Once nothing of the closed
+link can land (``LLMDataDist.settled``), the decode acknowledges the gone ranks' share of the rooms' aborts
+itself, so their pages and slots are released at once rather than after SGLang's deferred-release timeout. A
+room that meets a gone prefill later fails as soon as it does: at its bootstrap (nothing listens at the
+prefill's bootstrap server) or before its pages are sent to a rank it has no link to.
 
 Threads: SGLang's scheduler calls ``grant`` and the receiver's hooks, SGLang's ZMQ control thread
 (``_decode_thread``) reads the prefills' statuses; every kvpush call runs on the manager's event-loop thread
@@ -22,6 +32,7 @@ from kvpush import BlockAccess, Cache, Delivery, LLMDataDist, LLMException
 from kvpush.portal import Portal
 
 from . import sglang_core as core
+from .liveness import gone, gone_async, split_host_port
 from .vllm_bridge import describe_error
 from .vllm_core import dst_ids
 
@@ -44,7 +55,12 @@ class DecodeSide(CommonKVManager):
         """The decode side's state, on the loop thread (a prefill rank has it too, empty)."""
         self._grants: dict[int, list[BlockAccess]] = {}  # a room's grants
         self._room_aux: dict[int, int] = {}  # a room's aux slot
-        self._room_prefills: dict[int, set[int]] = {}  # a room's prefill clusters
+        self._room_prefills: dict[int, set[int]] = {}  # a room's prefill clusters (loop thread)
+        # every prefill rank known from SGLang's bootstrap, and the ranks of each room whose abort SGLang armed
+        # (scheduler thread writes, the loop thread reads copies)
+        self._prefill_ranks: dict[int, core.PrefillRank] = {}
+        self._armed: dict[int, dict[int, core.PrefillRank]] = {}
+        self._gone: set[int] = set()  # prefill clusters whose process is gone and of which nothing can land
 
     def _decode_thread(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
@@ -66,16 +82,61 @@ class DecodeSide(CommonKVManager):
             if status == KVPoll.Failed:
                 self.release(room)
 
+    # -- what a room is waiting on (scheduler thread) -----------------------------------------------
+    def track_prefill(self, bootstrap_addr: str, bootstrap_infos: list[dict[str, Any]]) -> None:
+        """A room was bootstrapped to these prefill ranks: know them (until they are gone)."""
+        self._prefill_ranks.update(core.prefill_ranks(bootstrap_addr, bootstrap_infos))
+
+    def armed(self, room: int, generation: int | None, bootstrap_addr: str,
+              bootstrap_infos: list[dict[str, Any]]) -> None:
+        """SGLang armed ``generation`` of the room's abort and sent it to the room's prefill ranks: remember
+        them until the room is released (``clear_deferred_abort_state``), and acknowledge now for the gone ones,
+        which never will and of which nothing can land any more."""
+        if generation is None:
+            return
+        ranks = self._armed[room] = core.prefill_ranks(bootstrap_addr, bootstrap_infos)
+        for cluster, rank in ranks.items():
+            if cluster in self._gone:
+                self.note_abort_ack(room, rank.rank, generation)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self._armed.pop(bootstrap_room, None)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's bootstrap of a prefill it knows nothing of yet, which it retries once a second for 15 s
+        while the bootstrap server does not answer; when nothing listens there at all, the rooms waiting on it
+        fail now instead."""
+        if bootstrap_addr not in self.prefill_info_table:
+            try:
+                reason = gone(*split_host_port(bootstrap_addr))
+            except ValueError:
+                reason = None  # SGLang reports an address it cannot use itself
+            if reason is not None:
+                log.info("kvpush SGLang backend: prefill bootstrap server %s: %s; its requests fail now",
+                         bootstrap_addr, reason)
+                self._handle_node_failure(bootstrap_addr)
+                return False
+        ensured: bool = super().try_ensure_parallel_info(bootstrap_addr)
+        return ensured
+
     def grant(self, room: int, bootstrap_infos: list[dict[str, Any]], kv_indices: np.ndarray[Any, Any],
               aux_index: int | None) -> str | None:
         """Before a room's pages are sent to its prefill ranks: open to each one the blocks it writes, and
-        remember the room's aux slot. Returns why it could not, or None. Scheduler thread."""
+        remember the room's aux slot. Returns why it could not, or None: a rank with no kvpush link to this
+        decode whose process is gone is one reason. Scheduler thread."""
         grants = []
+        links = self.dd.links
         for info in bootstrap_infos:
             if info.get("is_dummy"):
                 continue
-            grants.append((core.cluster_id_of(str(info["rank_ip"]), int(info["rank_port"])),
-                           int(info.get("attn_tp_rank", info.get("tp_rank", 0))),
+            host, port = str(info["rank_ip"]), int(info["rank_port"])
+            cluster = core.cluster_id_of(host, port)
+            reason = gone(host, port) if cluster not in links else None
+            if reason is not None:
+                self.portal.call_soon(self._prefill_lost, cluster, reason)
+                return f"kvpush: the prefill rank at {host}:{port} is gone: {reason}"
+            grants.append((cluster, int(info.get("attn_tp_rank", info.get("tp_rank", 0))),
                            int(info.get("attn_tp_size", self.layout.tp_size))))
         pages = np.asarray(kv_indices, dtype=np.int64).copy()
 
@@ -153,13 +214,52 @@ class DecodeSide(CommonKVManager):
                 ctypes.memmove(ptr + aux_index * size, row, min(size, len(row)))
         self.apply_prefill_status(bootstrap_room=done.room, status=KVPoll.Success, prefill_rank=done.prefill_rank)
 
+    # -- a prefill that is gone (loop thread) ------------------------------------------------------
     def _on_link(self, link: Any, reason: str | None) -> None:
-        """A prefill's link closed: fail, now, every room still waiting on that prefill rank."""
+        """A prefill's link closed: fail, now, every room it was writing, and find out whether it is gone.
+        A link that comes up makes its cluster a live one again (a prefill restarted at the same address)."""
         peer = getattr(link, "peer_cluster_id", None)
-        if reason is None or peer is None:
+        if peer is None:
+            return
+        if reason is None:
+            self._gone.discard(peer)
             return
         for room, clusters in list(self._room_prefills.items()):
             if peer in clusters and self.request_status.get(room) not in (None, KVPoll.Success):
                 self.record_failure(room, f"kvpush: the link to the prefill (cluster {peer}) closed: {reason}")
                 self.update_status(room, KVPoll.Failed)
                 self._revoke(room)
+        self._tasks.spawn(self._check_prefill(peer, reason))
+
+    async def _check_prefill(self, cluster: int, reason: str) -> None:
+        """The link to ``cluster`` closed for ``reason``: if its process is gone, so is the prefill. A live
+        one (its link dropped) keeps its rooms: its next push links again. Bounded by the probe's timeout."""
+        rank = self._prefill_ranks.get(cluster)
+        if rank is None:
+            return
+        verdict = await gone_async(rank.host, rank.port)
+        if verdict is not None:
+            self._prefill_lost(cluster, f"the link closed ({reason}) and {verdict}")
+
+    def _prefill_lost(self, cluster: int, reason: str) -> None:
+        """Prefill rank ``cluster`` is gone: SGLang's node failure for its bootstrap address, now (every room
+        from it fails, its bootstrap is dropped); its share of the rooms' aborts is acknowledged once nothing
+        of its links can land (``_acknowledge_when_settled``)."""
+        rank = self._prefill_ranks.pop(cluster, None)
+        if rank is None:
+            return
+        log.warning("kvpush SGLang backend: prefill rank at %s:%d (bootstrap %s) is gone: %s; its requests fail now",
+                    rank.host, rank.port, rank.bootstrap_addr, reason)
+        self._handle_node_failure(rank.bootstrap_addr)
+        self._tasks.spawn(self._acknowledge_when_settled(cluster))
+
+    async def _acknowledge_when_settled(self, cluster: int) -> None:
+        """Once nothing of ``cluster``'s closed links can land: it counts as gone, and its share of every abort
+        SGLang armed is acknowledged (later ones by ``armed``). Cancelling it (teardown) leaves
+        them to SGLang's deferred-release timeout."""
+        await self.dd.settled(cluster)
+        self._gone.add(cluster)
+        for room, ranks in list(self._armed.items()):
+            state = self._deferred_abort_ack_tracker.get(room)
+            if cluster in ranks and state is not None:
+                self.note_abort_ack(room, ranks[cluster].rank, state.generation)

@@ -29,6 +29,7 @@ from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
 from . import sglang_core as core
+from .liveness import gone_async, split_host_port
 from .vllm_bridge import describe_error
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,32 @@ class PrefillSide(CommonKVManager):
             if codes[0] not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
                 raise LLMException(codes[0], f"link to decode {peer.session}'s kvpush engine at "
                                              f"{registration.host}:{registration.port}: {codes[0].name}")
+
+    def _on_decode_link(self, link: Any, reason: str | None) -> None:
+        """A link to a decode rank closed (loop thread): find out whether that rank is gone."""
+        cluster = getattr(link, "peer_cluster_id", None)
+        if reason is None or cluster is None:
+            return
+        for peer in list(self.peers.values()):
+            if peer.registration.cluster_id == cluster:
+                self._tasks.spawn(self._check_decode(peer, reason))
+
+    async def _check_decode(self, peer: DecodePeer, reason: str) -> None:
+        """``peer``'s link closed for ``reason``: if its process is gone (nothing listens at its control
+        address), every room it was to receive fails now, its pushes cancelled, and it is forgotten (a restarted
+        decode registers again). A live one keeps its rooms: the next push links again. Bounded by the probe's
+        timeout."""
+        verdict = await gone_async(*split_host_port(peer.session))
+        if verdict is None or self.peers.get(peer.session) is not peer:
+            return
+        del self.peers[peer.session]
+        rooms = [room for room, infos in self.transfer_infos.items() if peer.session in infos]
+        log.warning("kvpush SGLang backend: decode %s is gone (the link closed: %s; %s): %d of its requests fail now",
+                    peer.session, reason, verdict, len(rooms))
+        for room in rooms:
+            self._cancel_room(room)
+            if self.request_status.get(room) not in (None, KVPoll.Success):
+                self._fail_room(room, f"kvpush: the decode {peer.session} is gone: {verdict}", [])
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: np.ndarray[Any, Any],  # noqa: PLR0913 (SGLang's)
                              index_slice: slice,

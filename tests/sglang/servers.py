@@ -163,3 +163,36 @@ def metrics(url: str) -> dict[str, float]:
         if "{" in key:
             values[name] = values.get(name, 0.0) + number
     return values
+
+
+def held(url: str) -> dict[str, float]:
+    """What a server holds now, asked of its scheduler (``/v1/loads``; the Prometheus gauges are updated only
+    with batches, so an idle scheduler's are stale): running and waiting requests (a decode's waiting ones
+    include those waiting for a slot or for their KV, a prefill's those waiting for their decode), each
+    disaggregation queue, and the KV tokens in use (pages a request holds, not the prefix cache)."""
+    with urllib.request.urlopen(url + "/v1/loads", timeout=10) as response:
+        load = json.loads(response.read())["loads"][0]
+    queues = {key: float(value) for key, value in (load.get("disaggregation") or {}).items()
+              if key.endswith("_queue_reqs")}
+    return {"running": float(load["num_running_reqs"]), "waiting": float(load["num_waiting_reqs"]),
+            "used_tokens": float(load["num_used_tokens"]), **queues}
+
+
+def idle(url: str, timeout: float = 30) -> dict[str, float]:
+    """Wait until a server holds no request and no KV token; AssertionError naming what it holds if it still
+    does after ``timeout`` seconds. Returns what it held last (all zero)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = held(url)
+        if not any(busy.values()) or time.monotonic() > deadline:
+            assert not any(busy.values()), f"{url} still holds {busy}"
+            return busy
+        time.sleep(0.5)
+
+
+def abort(url: str, rid: str) -> None:
+    """SGLang's ``/abort_request`` for ``rid``."""
+    request = urllib.request.Request(url + "/abort_request", json.dumps({"rid": rid}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10):
+        pass

@@ -86,29 +86,6 @@ def test_the_decode_loaded_the_prompts_kv_instead_of_computing_it(deployment: di
     assert "kvpush SGLang backend: decode" in deployment["decode"].log_tail(10**7)
 
 
-def _abort(url: str, rid: str) -> None:
-    request = urllib.request.Request(url + "/abort_request", f'{{"rid": "{rid}"}}'.encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10):
-        pass
-
-
-def _idle(url: str, timeout: float = 30) -> dict[str, float]:
-    """Wait until a server holds no request and no KV token; returns its last metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = sg.metrics(url)
-        busy = {key: values.get(key, 0.0) for key in ("sglang:num_running_reqs", "sglang:num_queue_reqs",
-                                                       "sglang:num_decode_transfer_queue_reqs",
-                                                       "sglang:num_decode_prealloc_queue_reqs",
-                                                       "sglang:num_prefill_inflight_queue_reqs",
-                                                       "sglang:kv_used_tokens")}
-        if not any(busy.values()) or time.monotonic() > deadline:
-            assert not any(busy.values()), f"{url} still holds {busy}"
-            return values
-        time.sleep(0.5)
-
-
 def test_aborts_mid_transfer_end_each_request_promptly_and_leak_nothing(deployment: dict[str, Any]) -> None:
     router, decode, prefill = deployment["router"], deployment["decode"], deployment["prefill"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -117,7 +94,7 @@ def test_aborts_mid_transfer_end_each_request_promptly_and_leak_nothing(deployme
             rid = f"abort-{uuid.uuid4().hex}"
             future = pool.submit(sg.generate, router.url, sg.prompt(400, 20 + i), 64, 90, rid=rid)
             time.sleep(delay)
-            _abort((decode if i % 2 else prefill).url, rid)
+            sg.abort((decode if i % 2 else prefill).url, rid)
             futures.append(future)
         for future in futures:
             try:
@@ -125,8 +102,8 @@ def test_aborts_mid_transfer_end_each_request_promptly_and_leak_nothing(deployme
                 assert answer["elapsed"] < 60
             except urllib.error.HTTPError:
                 pass  # an aborted request may come back as an error: it came back
-    _idle(decode.url)
-    _idle(prefill.url)
+    sg.idle(decode.url)
+    sg.idle(prefill.url)
     assert sg.generate(router.url, PROMPTS[1], NEW_TOKENS)["text"] == sg.generate(
         deployment["single"].url, PROMPTS[1], NEW_TOKENS)["text"]
 
@@ -146,6 +123,6 @@ def test_a_killed_prefill_fails_requests_at_once_and_leaves_the_decode_serving(d
             except (urllib.error.URLError, OSError, TimeoutError):
                 pass  # failed: fine, as long as it returned
         assert time.monotonic() - started < 90
-    _idle(decode.url, timeout=60)
+    sg.idle(decode.url, timeout=60)
     with urllib.request.urlopen(decode.url + "/health", timeout=10) as response:
         assert response.status == 200

@@ -11,7 +11,7 @@ reports as cached came from the pushed KV, not from its own prefix cache.
 
 The failure tests come last, in this order: a client that leaves (mid-stream; while the decode waits
 for the KV), a prefill whose HTTP server does not answer (its kvpush engine up), a hung prefill (woken up
-after), a prefill killed mid-request. A test that finds the
+after), a prefill killed mid-request, requests sent to the decode for a dead prefill. A test that finds the
 prefill dead (run out of order) starts it again on the same ports. The proxy gives the decode its copy
 of a request only once a prefill accepted one: to make the decode wait for KV, a test freezes the
 prefill's worker process (its model and kvpush engine), not its API server.
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvpush.integrations.vllm_core import decode_request_params
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -96,13 +98,14 @@ CONCURRENT = [_ids(n) for n in (3, 30, 33, 65, 128, 200, 350, 600)]
 AFTER_ABORT = [_ids(n) for n in (7, 90)]
 AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN = _ids(36), _ids(120), _ids(66), _ids(150), _ids(70)
 NO_HTTP, AFTER_NO_HTTP = _ids(90), _ids(45)
+DEAD_PREFILL = [_ids(20 + 37 * i) for i in range(12)]  # more at once than the decode's 8 running slots
 HELD = [_ids(n) for n in (20, 40, 65, 200)]  # each pushed during its prefill's forward (200: in 4 chunks)
 NO_DECODE = _ids(50)  # a prefill request whose decode never comes
 ABORTED, LEFT_WAITING = _ids(50), _ids(80)  # no reference: never answered
 CHATS = [_chat(n) for n in (1, 6, 25, 60, 150, 300)]
 STREAMED_CHATS = [_chat(n) for n in (10, 120)]
 PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN,
-           NO_HTTP, AFTER_NO_HTTP, *HELD]
+           NO_HTTP, AFTER_NO_HTTP, *HELD, *DEAD_PREFILL]
 assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING, NO_DECODE]}) == len(PROMPTS) + 3  # no shared
 # first block
 
@@ -115,6 +118,7 @@ class Stack:
     reference: dict[str, list[dict[str, Any]]]  # "prompts" (PROMPTS' order), "chats" (CHATS + STREAMED_CHATS)
     startup_s: float
     start_prefill: Callable[[], Server]  # the prefill again, on the same ports
+    kv_port: int  # the prefill's kvpush engine listens on 127.0.0.1 at this port
 
     def ref(self, prompt: list[int]) -> list[int]:
         tokens: list[int] = self.reference["prompts"][PROMPTS.index(prompt)]["tokens"]
@@ -170,7 +174,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                                        work, "--static")
         wait_healthy([servers["proxy"]], 30)
         yield Stack(servers["prefill"], servers["decode"], servers["proxy"], json.loads(reference_out.read_text()),
-                    time.monotonic() - started, start_prefill)
+                    time.monotonic() - started, start_prefill, kv_port)
     finally:
         if reference.poll() is None:
             reference.kill()
@@ -579,4 +583,41 @@ def test_a_prefill_killed_mid_request_makes_the_decode_recompute_promptly(pd: St
     assert elapsed < TRANSFER_TIMEOUT_S / 2
     assert not any("not landed" in line for line in log_lines(pd.decode, since=decode_log))  # never waited for KV
     state = _wait_idle(pd.decode, 15)
+    assert not any(state.values()), state
+
+
+@pytest.mark.timeout(200)
+def test_requests_for_a_dead_prefill_beyond_the_decodes_slots_are_computed_by_the_decode_at_once(
+        stack: Stack) -> None:
+    """A router that does not know the prefill died (or a stale one) sends the decode its half of more requests
+    than the decode runs at once (``--max-num-seqs 8``), each naming the dead prefill's kvpush engine, before
+    any link to it exists: none waits for KV that cannot come (the link is refused), each is computed by the
+    decode alone, and nothing is held after. Leaves the prefill dead (``pd`` starts it again)."""
+    if stack.prefill.alive():
+        stack.prefill.signal_group(signal.SIGKILL)
+    stack.prefill.process.wait(timeout=30)
+    decode_log = log_size(stack.decode)
+
+    def request(prompt: list[int]) -> tuple[int, dict[str, Any], float]:
+        params = decode_request_params(uuid.uuid4().hex, "127.0.0.1", stack.kv_port)
+        started = time.monotonic()
+        status, answer = post(f"{stack.decode.url}/v1/completions", _body(prompt, kv_transfer_params=params),
+                              timeout=120)
+        return status, answer, time.monotonic() - started
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(DEAD_PREFILL)) as pool:
+        answers = list(pool.map(request, DEAD_PREFILL))
+    elapsed = time.monotonic() - started
+    lines = _kvpush_lines(stack.decode, decode_log)
+    print(f"{len(DEAD_PREFILL)} requests for the dead prefill answered in {elapsed:.2f} s (slowest "
+          f"{max(a[2] for a in answers):.2f} s)\n{lines[-3000:]}")
+    for prompt, (status, answer, _) in zip(DEAD_PREFILL, answers):
+        assert status == 200, answer
+        choice, cached = answer["choices"][0], _cached(answer["usage"])
+        assert choice["token_ids"] == stack.ref(prompt) and choice["finish_reason"] == "length"
+        assert cached is not None and cached < len(prompt)
+    assert "not landed" not in lines  # no request waited for its transfer's deadline
+    assert elapsed < TRANSFER_TIMEOUT_S
+    state = _wait_idle(stack.decode, 15)
     assert not any(state.values()), state
