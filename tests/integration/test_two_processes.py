@@ -241,7 +241,8 @@ async def test_kernel_refusal_falls_back_to_tcp_and_says_why(make_engine: Engine
 async def test_granted_memory_stays_pinned_until_a_silent_writer_is_gone(make_engine: EngineFactory) -> None:
     """A same-host writer holds grants (a prepared layer pusher) and goes silent: its link is dropped, but
     the granted cache stays mapped, even when deallocated, until the writer's process has exited —
-    a stopped writer could still resume in the middle of a copy."""
+    a stopped writer could still resume in the middle of a copy. ``settled`` (nothing of the peer's closed
+    links can land any more) waits for the same moment."""
     decode = await make_engine(2, listen=True, role=LLMRole.DECODER, kvpush__transport="cma")
     dst = decode.cache_manager.allocate_blocks_cache(desc(DST_BLOCKS), BlocksCacheKey(2, 0))
     entry = decode.registry.get(dst.cache_id)
@@ -256,11 +257,15 @@ async def test_granted_memory_stays_pinned_until_a_silent_writer_is_gone(make_en
         prefill.signal(signal.SIGSTOP)
         # keepalive finds it late, not gone; the deadline of its granted transfer drops the silent writer
         await wait_for(lambda: 1 not in decode.links, seconds=5)
+        settled = asyncio.ensure_future(decode.settled(1))
+        await asyncio.wait_for(decode.settled(99), 1)  # a cluster that never linked: at once
         decode.cache_manager.deallocate_cache(dst)
         await asyncio.sleep(0.3)
         assert entry.removed and entry.pins >= TENSORS // 2 and entry.regions  # still mapped: it may still be written
         assert entry.pins >= held_pins - 1  # at most a lease revoked, never the grants
+        assert not settled.done()
         prefill.kill()
+        await asyncio.wait_for(settled, 5)
         await wait_for(lambda: entry.pins == 0, seconds=5)
         assert not entry.regions  # released once the writer could not write any more
 
