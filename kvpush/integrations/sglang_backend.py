@@ -17,8 +17,9 @@ the aux (metadata) buffers and the ``KVPoll`` states. What moves differs:
 - Completion: the last push carries the room's aux row as kvpush's ``notify``, delivered after every byte
   landed; the decode writes it into the aux slot it chose for the room itself and only then reports
   ``KVPoll.Success`` for that prefill rank. Failures travel as SGLang's status messages.
-- Failure detection: a kvpush link that closes fails, at once, every room still waiting on that prefill rank
-  (SGLang's heartbeat also runs); kvpush bounds every layer by ``KVPUSH_SYNC_KV_TIMEOUT_MS``.
+- Failure detection: a kvpush link that closes fails, at once, the rooms it was carrying; a peer whose process
+  no longer listens is gone, and every room waiting on it ends at once, whatever its stage (``sglang_decode``,
+  ``sglang_prefill``); SGLang's heartbeat also runs. kvpush bounds every layer by ``KVPUSH_SYNC_KV_TIMEOUT_MS``.
 
 Threads: SGLang calls these classes on its scheduler thread and runs one ZMQ control thread per manager;
 every kvpush call runs on the manager's own event-loop thread (a ``kvpush.portal.Portal``).
