@@ -147,16 +147,20 @@ def _wait_held(server: sg.Server, at_least: int, timeout: float = 60) -> dict[st
         time.sleep(0.2)
 
 
-def _answers_as_before(pd: Deployment) -> float:
-    """Every reference prompt through the router gives the answer it gave before any fault; returns the
-    slowest request's seconds."""
+def _restarted_serves_at_once(pd: Deployment, role: str) -> None:
+    """Start ``role`` again: the first requests through the router after its health check give the answers
+    they gave before any fault, and neither side holds anything after."""
     assert pd.router is not None
+    restart_s = pd.restart(role)
     slowest = 0.0
     for text, expected in pd.reference.items():
         answer = sg.generate(pd.router.url, text, NEW_TOKENS, timeout=60)
         assert answer["text"] == expected, (text[:40], answer["text"], expected)
         slowest = max(slowest, answer["elapsed"])
-    return slowest
+    print(f"{role} restarted in {restart_s:.0f} s; its first requests answered as before, the slowest in "
+          f"{slowest:.2f} s")
+    sg.idle(pd.decode.url, ENDED_S)
+    sg.idle(pd.prefill.url, ENDED_S)
 
 
 def test_a_killed_prefill_strands_no_decode_request_and_a_restarted_one_serves_at_once(deployment: Deployment
@@ -188,12 +192,7 @@ def test_a_killed_prefill_strands_no_decode_request_and_a_restarted_one_serves_a
         print(f"decode-only requests to the dead prefill ended after {ended} s")
         assert max(ended) < ENDED_S, ended
         sg.idle(pd.decode.url, ENDED_S)
-    restart_s = pd.restart("prefill")
-    slowest = _answers_as_before(pd)
-    print(f"prefill restarted in {restart_s:.0f} s; its first requests answered as before, the slowest in "
-          f"{slowest:.2f} s")
-    sg.idle(pd.decode.url, ENDED_S)
-    sg.idle(pd.prefill.url, ENDED_S)
+    _restarted_serves_at_once(pd, "prefill")
     log = pd.decode.log_tail(10**7)
     assert "is gone" in log and "its requests fail now" in log, "kvpush did not end the requests"
 
@@ -210,9 +209,4 @@ def test_a_killed_decode_strands_no_prefill_request_and_a_restarted_one_serves_a
     print(f"\nrequests through the router ended {max(load.ends) - killed:.1f} s after the decode's kill at most")
     freed = sg.idle(pd.prefill.url, ENDED_S)
     print(f"prefill idle {time.monotonic() - killed:.1f} s after the kill: {freed}")
-    restart_s = pd.restart("decode")
-    slowest = _answers_as_before(pd)
-    print(f"decode restarted in {restart_s:.0f} s; its first requests answered as before, the slowest in "
-          f"{slowest:.2f} s")
-    sg.idle(pd.decode.url, ENDED_S)
-    sg.idle(pd.prefill.url, ENDED_S)
+    _restarted_serves_at_once(pd, "decode")
