@@ -1,5 +1,7 @@
 """A tiny Llama-style model made on this machine: no download, deterministic, loads in vLLM's CPU build
 (``kvpush demo --vllm`` serves it; the vLLM tests and the benchmark's model are built with it too).
+``--arch deepseek_v2`` makes a DeepSeek-V2-shaped one instead (MLA attention; vLLM serves it on CPU with
+``--attention-backend CPU_MLA``).
 
     python -m kvpush.cli.tiny_model /tmp/tiny-llama            # or: make_tiny_model(path)
 
@@ -77,6 +79,10 @@ class Shape:
     intermediate: int | None = None
     vocab_size: int = 2048
     max_position_embeddings: int = 4096
+    #: "llama", or "deepseek_v2": DeepSeek-V2's multi-head latent attention (MLA: one latent of
+    #: ``kv_lora_rank`` + 64 rotary values per token, no KV heads), its MLP dense in every layer
+    arch: str = "llama"
+    kv_lora_rank: int = 512  # 512 + 64 = 576: the latent width vLLM's CPU MLA kernels take
 
 
 def make_tiny_model(path: str | os.PathLike[str], shape: Shape | None = None, seed: int = 0,
@@ -93,28 +99,30 @@ def make_tiny_model(path: str | os.PathLike[str], shape: Shape | None = None, se
 
     torch: Any = importlib.import_module("torch")
     transformers: Any = importlib.import_module("transformers")
-    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
 
     g = shape or Shape()
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(g.vocab_size, seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=g.hidden,
-        intermediate_size=g.intermediate if g.intermediate is not None else 4 * g.hidden,
-        num_hidden_layers=g.num_layers,
-        num_attention_heads=g.num_heads,
-        num_key_value_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        max_position_embeddings=g.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    common = {"vocab_size": len(tokenizer), "hidden_size": g.hidden, "num_hidden_layers": g.num_layers,
+              "intermediate_size": g.intermediate if g.intermediate is not None else 4 * g.hidden,
+              "num_attention_heads": g.num_heads, "max_position_embeddings": g.max_position_embeddings,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "tie_word_embeddings": False, "dtype": "float32"}
+    if g.arch == "deepseek_v2":
+        config = transformers.DeepseekV2Config(
+            **common, num_key_value_heads=g.num_heads, kv_lora_rank=g.kv_lora_rank, q_lora_rank=None,
+            qk_rope_head_dim=64, qk_nope_head_dim=g.head_dim, v_head_dim=g.head_dim, rope_scaling=None,
+            first_k_dense_replace=g.num_layers, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=g.hidden // 2)
+        model_class = transformers.DeepseekV2ForCausalLM
+    elif g.arch == "llama":
+        config = transformers.LlamaConfig(**common, num_key_value_heads=g.num_kv_heads, head_dim=g.head_dim)
+        model_class = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown architecture {g.arch!r} (llama, deepseek_v2)")
     torch.manual_seed(seed if weight_seed is None else weight_seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     # vLLM reads generation defaults from here; keep them to the token ids (no sampling defaults).
@@ -135,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-seed", type=int, default=None)
+    parser.add_argument("--arch", choices=("llama", "deepseek_v2"), default="llama",
+                        help="deepseek_v2: multi-head latent attention (MLA), as DeepSeek V2/V3 and Kimi K2")
     args = parser.parse_args(argv)
     started = time.monotonic()
     shape = Shape(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                  head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab)
+                  head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab, arch=args.arch)
     out = make_tiny_model(args.path, shape, seed=args.seed, weight_seed=args.weight_seed)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"{out}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")

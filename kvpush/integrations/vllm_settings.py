@@ -78,7 +78,9 @@ class ConnectorSettings:
         self.tp_size = int(parallel.tensor_parallel_size)
         self.tp_rank = tp_rank
         rank = int(getattr(parallel, "data_parallel_index", 0) or 0) * self.tp_size + tp_rank
-        self.kv_heads: int | None = _total_kv_heads(vllm_config)
+        #: MLA: one latent per token that every rank holds whole (``core.Geometry.mla``)
+        self.mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+        self.kv_heads: int | None = 1 if self.mla else _total_kv_heads(vllm_config)
         self.model = _model_fingerprint(vllm_config)
         kv_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         model_dtype = str(getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
@@ -117,7 +119,7 @@ class ConnectorSettings:
         """This worker's geometry, once its KV tensors are known."""
         kv_heads = self.kv_heads or local_heads * self.tp_size
         return core.Geometry(self.model, dtype, self.block_size, head_size, layers, kv_heads, self.tp_size,
-                             self.tp_rank)
+                             self.tp_rank, self.mla)
 
 
 def _total_kv_heads(vllm_config: Any) -> int | None:

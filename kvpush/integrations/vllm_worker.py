@@ -44,15 +44,23 @@ class WorkerSide:
     def register(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
         """Start the engine and register ``tensors`` (one per layer, in layer order) in place, each layer
         ``[num_blocks, heads, ...]`` as ``num_blocks * heads`` kvpush blocks of one head each (see
-        ``vllm_core.topology``)."""
+        ``vllm_core.topology``); an MLA model's ``[num_blocks, (1,) block_size, latent]`` layers as they are, one
+        block per KV block (the latent is one head every rank holds whole)."""
         s = self.settings
         desc = cache_desc(names, tensors)
-        num_blocks, local_heads = desc.shape[0], desc.shape[1] if len(desc.shape) == 4 else 1
-        if s.tp_size > 1 and len(desc.shape) != 4:
-            raise NotImplementedError(f"KvpushConnector: KV layout {tuple(desc.shape)} with tensor parallelism; "
-                                      f"[num_blocks, kv_heads, block_size, 2*head_size] is supported")
-        geometry = s.geometry(len(names), local_heads, int(desc.shape[-1]) // 2 if len(desc.shape) == 4 else 0,
-                              desc.data_type.name)
+        shape = tuple(desc.shape)
+        if s.mla:
+            if not (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
+                raise NotImplementedError(f"KvpushConnector: an MLA model's KV layout {shape}; "
+                                          f"[num_blocks, (1,) block_size, latent] is supported")
+            local_heads, head_size = 1, int(shape[-1])
+        else:
+            if s.tp_size > 1 and len(shape) != 4:
+                raise NotImplementedError(f"KvpushConnector: KV layout {shape} with tensor parallelism; "
+                                          f"[num_blocks, kv_heads, block_size, 2*head_size] is supported")
+            local_heads, head_size = (int(shape[1]), int(shape[-1]) // 2) if len(shape) == 4 else (1, 0)
+        num_blocks = shape[0]
+        geometry = s.geometry(len(names), local_heads, head_size, desc.data_type.name)
         if geometry.sharding().local != local_heads:
             raise NotImplementedError(f"KvpushConnector: this worker holds {local_heads} KV heads per block; "
                                       f"{geometry.kv_heads} heads over {s.tp_size} ranks would be "

@@ -92,6 +92,33 @@ def test_legs_and_geometries_that_cannot_be_are_refused() -> None:
         core.decode(bytes(hello[:-3]))
 
 
+MLA = core.Geometry("deepseek-v2-abc", "float32", 16, 576, 2, 1, 2, 0, mla=True)
+
+
+def test_an_mla_geometry_travels_and_an_mha_one_is_told_from_it() -> None:
+    assert core.Geometry.from_wire(MLA.to_wire()) == MLA
+    old_peer = {key: value for key, value in GEOMETRY.to_wire().items() if key != "mla"}
+    assert core.Geometry.from_wire(old_peer) == GEOMETRY and not GEOMETRY.mla  # says nothing: MHA
+    with pytest.raises(ValueError):
+        core.Geometry.from_wire({**MLA.to_wire(), "kv_heads": 4})  # a latent is one head
+    with pytest.raises(ValueError):
+        core.Geometry.from_wire({**MLA.to_wire(), "mla": "yes"})
+    mha = core.Geometry("deepseek-v2-abc", "float32", 16, 576, 2, 1, 2, 0)
+    refusal = core.incompatibility(MLA, mha)
+    assert refusal is not None and "attention: prefill MLA" in refusal and "decode MHA" in refusal
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2), (4, 2)])
+def test_each_mla_decode_rank_reads_one_prefill_ranks_whole_latent(prefill_tp: int, decode_tp: int) -> None:
+    legs = core.plan_legs(core.Sharding(1, prefill_tp), core.Sharding(1, decode_tp))
+    assert [(leg.decode_rank, leg.src_head, leg.dst_head, leg.heads) for leg in legs] == [
+        (d, 0, 0, 1) for d in range(decode_tp)]
+    assert [leg.prefill_rank for leg in legs] == [d % prefill_tp for d in range(decode_tp)]
+    prefill = core.Geometry("m", "float32", 16, 576, 2, 1, prefill_tp, 0, mla=True)
+    decode = core.Geometry("m", "float32", 16, 576, 2, 1, decode_tp, 0, mla=True)
+    assert core.incompatibility(prefill, decode) is None
+
+
 def test_reasons_are_bounded_without_splitting_a_character() -> None:
     data = core.encode(Done("t", Outcome.FAILED, 0, "é" * 1000))
     reason = core.decode(data).reason  # type: ignore[union-attr]

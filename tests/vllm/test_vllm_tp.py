@@ -79,8 +79,9 @@ def _cores(tp: int, single: str) -> str:
 
 
 @contextmanager
-def _start(model: Path, work: Path, p_tp: int, d_tp: int, transport: str) -> Iterator[TpStack]:
-    """A prefill and a decode of those TP sizes and ``kvpush proxy`` in front; all ended on exit."""
+def start_stack(model: Path, work: Path, p_tp: int, d_tp: int, transport: str, *extra_args: str) -> Iterator[TpStack]:
+    """A prefill and a decode of those TP sizes (``extra_args`` to both ``vllm serve``) and ``kvpush proxy`` in
+    front; all ended on exit."""
     kv_port = free_port(span=2 * max(p_tp, d_tp))  # each instance listens on kv_port (+ 1) + 2 * rank
     extra = {"transport": transport, "transfer_timeout_s": TRANSFER_TIMEOUT_S, "abort_grace_s": ABORT_GRACE_S}
 
@@ -91,9 +92,9 @@ def _start(model: Path, work: Path, p_tp: int, d_tp: int, transport: str) -> Ite
     servers: list[Server] = []
     try:
         servers.append(start_vllm(f"prefill-tp{p_tp}", model, _cores(p_tp, "0"), config("kv_producer"), work,
-                                  tp=p_tp))
+                                  *extra_args, tp=p_tp))
         servers.append(start_vllm(f"decode-tp{d_tp}", model, _cores(d_tp, "1"), config("kv_consumer"), work,
-                                  tp=d_tp))
+                                  *extra_args, tp=d_tp))
         wait_healthy(servers, STARTUP_S)
         # warm-up, straight to each server (no KV moves): a TP 2 instance's first forward on these 2 shared cores
         # took 20-40 s (its ranks' first collectives), which the first transfer would otherwise wait out
@@ -108,7 +109,7 @@ def _start(model: Path, work: Path, p_tp: int, d_tp: int, transport: str) -> Ite
             server.stop()
 
 
-def _complete(url: str, prompt: list[int], timeout: float = 120) -> tuple[list[int], int | None]:
+def complete(url: str, prompt: list[int], timeout: float = 120) -> tuple[list[int], int | None]:
     status, answer = post(f"{url}/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                      "temperature": 0.0, "ignore_eos": True, "return_token_ids": True},
                           timeout=timeout)
@@ -121,15 +122,18 @@ def _complete(url: str, prompt: list[int], timeout: float = 120) -> tuple[list[i
 @pytest.mark.parametrize("p_tp, d_tp, transport", [(1, 2, "tcp"), (2, 2, "auto")])
 def test_tp_prefill_and_decode_give_single_instance_outputs_from_pushed_kv(
         tiny_model: Path, tmp_path: Path, reference: list[list[int]], p_tp: int, d_tp: int, transport: str) -> None:
-    with _start(tiny_model, tmp_path, p_tp, d_tp, transport) as stack:
-        _check_outputs(stack, reference, transport)
+    with start_stack(tiny_model, tmp_path, p_tp, d_tp, transport) as stack:
+        check_outputs(stack, reference, transport)
 
 
-def _check_outputs(stack: TpStack, reference: list[list[int]], transport: str) -> None:
+def check_outputs(stack: TpStack, reference: list[list[int]], transport: str,
+                  prompts: list[list[int]] = PROMPTS) -> None:
+    """Each of ``prompts`` through the proxy gives its ``reference`` tokens with every prompt token cached on
+    the decode; one kvpush engine per rank; the decode's links over the expected transport."""
     rows = []
-    for prompt, expected in zip(PROMPTS, reference):
+    for prompt, expected in zip(prompts, reference):
         started = time.monotonic()
-        tokens, cached = _complete(stack.proxy.url, prompt)
+        tokens, cached = complete(stack.proxy.url, prompt)
         rows.append((len(prompt), tokens == expected, cached, time.monotonic() - started))
     print(f"\nprefill TP {stack.p_tp} -> decode TP {stack.d_tp} over {transport}\n"
           "| prompt tokens | tokens equal | cached tokens | seconds |\n|---|---|---|---|")
@@ -148,36 +152,41 @@ def _check_outputs(stack: TpStack, reference: list[list[int]], transport: str) -
 @pytest.mark.timeout(STARTUP_S + 300)
 def test_tp2_to_tp1_then_a_prefill_rank_killed_mid_request_makes_the_decode_recompute_at_once(
         tiny_model: Path, tmp_path: Path, reference: list[list[int]]) -> None:
-    with _start(tiny_model, tmp_path, 2, 1, "auto") as stack:
-        _check_outputs(stack, reference, "auto")
-        workers = stack.prefill.workers()
-        assert len(workers) == 2, workers
-        for pid in workers:  # the prefill accepts the request, its ranks do not push yet
-            os.kill(pid, signal.SIGSTOP)
-        result: dict[str, Any] = {}
+    with start_stack(tiny_model, tmp_path, 2, 1, "auto") as stack:
+        check_outputs(stack, reference, "auto")
+        kill_a_prefill_rank_mid_request(stack, KILLED, reference[-1])
 
-        def request() -> None:
-            result["answer"] = _complete(stack.proxy.url, KILLED)
 
-        client = threading.Thread(target=request)
-        client.start()
-        try:
-            assert wait_for(lambda: _decode_waits(stack), 20), "the decode never waited for the KV"
-            killed = time.monotonic()
-            os.kill(workers[1], signal.SIGKILL)  # one rank dies; the other stays frozen
-            client.join(TRANSFER_TIMEOUT_S + ABORT_GRACE_S + 30)
-            assert not client.is_alive(), "the request hung after a prefill rank died"
-            after = time.monotonic() - killed
-        finally:
-            for pid in workers:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-        tokens, cached = result["answer"]
-        print(f"answer {after:.2f} s after killing prefill rank 1: tokens equal {tokens == reference[-1]}, "
-              f"cached {cached}")
-        assert tokens == reference[-1] and (cached or 0) < len(KILLED)  # recomputed, right
-        # the lost link ended the transfer at once; the frozen rank had abort_grace_s to confirm, then the recompute
-        assert after < ABORT_GRACE_S + 5
+def kill_a_prefill_rank_mid_request(stack: TpStack, prompt: list[int], expected: list[int]) -> None:
+    """Kill prefill rank 1 of 2 while the decode waits for ``prompt``'s KV (both ranks frozen first): the
+    answer comes within the abort grace, recomputed (``expected``, the prompt not all cached)."""
+    workers = stack.prefill.workers()
+    assert len(workers) == 2, workers
+    for pid in workers:  # the prefill accepts the request, its ranks do not push yet
+        os.kill(pid, signal.SIGSTOP)
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        result["answer"] = complete(stack.proxy.url, prompt)
+
+    client = threading.Thread(target=request)
+    client.start()
+    try:
+        assert wait_for(lambda: _decode_waits(stack), 20), "the decode never waited for the KV"
+        killed = time.monotonic()
+        os.kill(workers[1], signal.SIGKILL)  # one rank dies; the other stays frozen
+        client.join(TRANSFER_TIMEOUT_S + ABORT_GRACE_S + 30)
+        assert not client.is_alive(), "the request hung after a prefill rank died"
+        after = time.monotonic() - killed
+    finally:
+        for pid in workers:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    tokens, cached = result["answer"]
+    print(f"answer {after:.2f} s after killing prefill rank 1: tokens equal {tokens == expected}, cached {cached}")
+    assert tokens == expected and (cached or 0) < len(prompt)  # recomputed, right
+    # the lost link ended the transfer at once; the frozen rank had abort_grace_s to confirm, then the recompute
+    assert after < ABORT_GRACE_S + 5
 
 
 def _decode_waits(stack: TpStack) -> bool:

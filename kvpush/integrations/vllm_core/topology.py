@@ -167,7 +167,12 @@ def senders(legs: list[Leg], prefill_rank: int) -> int:
 @dataclass(frozen=True)
 class Geometry:
     """What a worker's KV looks like, exchanged when a decode links to a prefill (``Hello``/``Welcome``):
-    ``model`` fingerprints the model's architecture (not its path), ``kv_heads`` is the model's total."""
+    ``model`` fingerprints the model's architecture (not its path), ``kv_heads`` is the model's total.
+
+    ``mla``: the layers hold one compressed latent per token (DeepSeek's multi-head latent attention), which
+    every tensor-parallel rank holds whole: one "head" replicated on every rank, so each decode rank reads one
+    prefill rank's latent (``plan_legs`` on ``Sharding(1, tp)``), never a share of it. A peer that says nothing
+    of it is MHA (``from_wire``)."""
 
     model: str
     dtype: str
@@ -177,13 +182,15 @@ class Geometry:
     kv_heads: int
     tp_size: int
     tp_rank: int
+    mla: bool = False
 
     def sharding(self) -> Sharding:
         return Sharding(self.kv_heads, self.tp_size)
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "block_size": self.block_size, "head_size": self.head_size,
-                "layers": self.layers, "kv_heads": self.kv_heads, "tp_size": self.tp_size, "tp_rank": self.tp_rank}
+                "layers": self.layers, "kv_heads": self.kv_heads, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
+                "mla": self.mla}
 
     @classmethod
     def from_wire(cls, body: Any) -> Geometry:
@@ -191,12 +198,15 @@ class Geometry:
         if not isinstance(body, dict):
             raise ValueError(f"a geometry is an object, got {type(body).__name__}")
         try:
-            geometry = cls(str(body["model"]), str(body["dtype"]), *(int(body[key]) for key in (
-                "block_size", "head_size", "layers", "kv_heads", "tp_size", "tp_rank")))
+            block_size, head_size, layers, kv_heads, tp_size, tp_rank = (int(body[key]) for key in (
+                "block_size", "head_size", "layers", "kv_heads", "tp_size", "tp_rank"))
+            geometry = cls(str(body["model"]), str(body["dtype"]), block_size, head_size, layers, kv_heads, tp_size,
+                           tp_rank, body.get("mla", False))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"bad geometry {body!r}: {error}") from None
         if min(geometry.block_size, geometry.head_size, geometry.layers, geometry.kv_heads, geometry.tp_size) < 1 \
-                or not 0 <= geometry.tp_rank < geometry.tp_size:
+                or not 0 <= geometry.tp_rank < geometry.tp_size or not isinstance(geometry.mla, bool) \
+                or (geometry.mla and geometry.kv_heads != 1):
             raise ValueError(f"bad geometry {body!r}")
         return geometry
 
@@ -204,10 +214,13 @@ class Geometry:
 def incompatibility(prefill: Geometry, decode: Geometry) -> str | None:
     """Why a decode with ``decode``'s KV cannot take ``prefill``'s (each differing value named on both
     sides), or None. Different TP sizes are bridged; every other difference is not."""
-    problems = [f"{what}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}"
-                for key, what in (("model", "model"), ("dtype", "KV dtype"), ("block_size", "block size"),
-                                  ("head_size", "head size"), ("layers", "layers"), ("kv_heads", "KV heads"))
-                if getattr(prefill, key) != getattr(decode, key)]
+    attention = {True: "MLA (one latent per token)", False: "MHA (KV heads)"}
+    problems = [f"attention: prefill {attention[prefill.mla]}, decode {attention[decode.mla]}"] \
+        if prefill.mla != decode.mla else []
+    problems += [f"{what}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}"
+                 for key, what in (("model", "model"), ("dtype", "KV dtype"), ("block_size", "block size"),
+                                   ("head_size", "head size"), ("layers", "layers"), ("kv_heads", "KV heads"))
+                 if getattr(prefill, key) != getattr(decode, key)]
     if not problems:
         try:
             plan_legs(prefill.sharding(), decode.sharding())
