@@ -181,10 +181,10 @@ def prefill_ranks(bootstrap_addr: str, infos: list[dict[str, Any]]) -> dict[int,
     ranks = {}
     for info in infos:
         host, port = str(info["rank_ip"]), int(info["rank_port"])
-        cp_size, pp_size = int(info.get("attn_cp_size") or 1), int(info.get("pp_size") or 1)
         tp_rank = int(info.get("attn_tp_rank", info.get("tp_rank", 0)) or 0)
-        rank = tp_rank * pp_size * cp_size + int(info.get("pp_rank") or 0) * cp_size + int(info.get("attn_cp_rank")
-                                                                                           or 0)
+        pp_size, pp_rank = int(info.get("pp_size") or 1), int(info.get("pp_rank") or 0)
+        cp_size, cp_rank = int(info.get("attn_cp_size") or 1), int(info.get("attn_cp_rank") or 0)
+        rank = (tp_rank * pp_size + pp_rank) * cp_size + cp_rank
         ranks[cluster_id_of(host, port)] = PrefillRank(bootstrap_addr, host, port, rank)
     return ranks
 

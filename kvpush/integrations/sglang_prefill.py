@@ -186,7 +186,8 @@ class PrefillSide(CommonKVManager):
         if verdict is None or self.peers.get(peer.session) is not peer:
             return
         del self.peers[peer.session]
-        rooms = [room for room, infos in self.transfer_infos.items() if peer.session in infos]
+        # a copy: SGLang's control thread adds rooms meanwhile
+        rooms = [room for room, infos in list(self.transfer_infos.items()) if peer.session in infos]
         log.warning("kvpush SGLang backend: decode %s is gone (the link closed: %s; %s): %d of its requests fail now",
                     peer.session, reason, verdict, len(rooms))
         for room in rooms:

@@ -111,6 +111,18 @@ def test_cluster_ids_come_from_the_control_address_both_sides_know() -> None:
     assert core.cluster_id_of("127.0.0.1", 5000) != core.cluster_id_of("127.0.0.1", 5001)
 
 
+def test_prefill_ranks_carry_the_rank_numbers_their_abort_acknowledgements_carry() -> None:
+    """SGLang's prefill acknowledges an abort as rank ``attn_tp_rank * pp * cp + pp_rank * cp + cp_rank``."""
+    places = [(0, 0, 0), (1, 1, 2), (2, 0, 1)]  # (tp, pp, cp) ranks
+    infos = [{"rank_ip": "10.0.0.1", "rank_port": 7000 + i, "attn_tp_rank": tp, "pp_size": 2, "pp_rank": pp,
+              "attn_cp_size": 3, "attn_cp_rank": cp} for i, (tp, pp, cp) in enumerate(places)]
+    ranks = core.prefill_ranks("10.0.0.1:8998", infos)
+    assert [rank.rank for rank in ranks.values()] == [0, 1 * 6 + 1 * 3 + 2, 2 * 6 + 0 + 1]
+    assert list(ranks) == [core.cluster_id_of("10.0.0.1", 7000 + i) for i in range(3)]
+    plain = core.prefill_ranks("h:1", [{"rank_ip": "h", "rank_port": 9, "is_dummy": True}])  # TP 1, no CP or PP
+    assert list(plain.values()) == [core.PrefillRank("h:1", "h", 9, 0)]
+
+
 def test_settings_come_from_the_environment_and_keep_the_listener_rule() -> None:
     settings = core.BackendSettings.from_env({"KVPUSH_TRANSPORT": "tcp", "KVPUSH_AUTH_TOKEN": "s3cret"})
     options = settings.engine_options(("10.0.0.5", 0))
