@@ -535,6 +535,15 @@ class Settings:
     nixl_install: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     prefix_caching: bool = False  # vLLM's prefix cache (and the stats that count what it saves)
+    serve_args: tuple[str, ...] = ()  # every server's, before a case's own (``--family mla``: its attention)
+
+
+def _mha_equivalent(model: dict[str, Any]) -> str:
+    """Beside an MLA model's bytes per token, what the same model's full multi-head KV would be."""
+    if model.get("family") != "mla":
+        return ""
+    mha = int(model.get("mha_kv_bytes_per_token", 0))
+    return f" (its full multi-head KV would be {mha // 1024} KiB: {model.get('kv_bytes_per_token', 0) / mha:.2f}x)"
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
@@ -564,7 +573,7 @@ def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, 
                                                                           "--disable-log-stats"]
     if kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(kv_config)]
-    command += list(args)
+    command += [*settings.serve_args, *args]
     with open(log, "wb") as out:
         # a process group of its own (ended as one), not a session: a session is a scheduler autogroup, and a
         # vLLM worker in one of its own left another process on its core 0.8% of the CPU on this host
@@ -1104,8 +1113,10 @@ def header_lines(stamp: str, machine: dict[str, Any], elapsed: float | None) -> 
             f"{took}{busy}. "
             "Loopback only; one `vllm serve` per engine, each pinned to its core (single instance and prefill: "
             "core 1, decode: core 0); prefix caching off; one request at a time; greedy, `ignore_eos`. "
-            f"Model: {model.get('bytes', 0) / 1e6:.0f} MB float32 Llama, 24 layers (bench/vllm_model.py), "
-            f"{model.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token; {machine.get('max_tokens')} output "
+            f"Model: {model.get('bytes', 0) / 1e6:.0f} MB float32 "
+            f"{'DeepSeek-V2-shaped (MLA)' if model.get('family') == 'mla' else 'Llama'}, 24 layers "
+            f"(bench/vllm_model.py), {model.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token moved"
+            f"{_mha_equivalent(model)}; {machine.get('max_tokens')} output "
             "tokens per request; requests per prompt length and case: "
             + ", ".join(f"{k}: {v}" for k, v in (machine.get("reps") or {}).items()) + ".",
             "",
@@ -1145,6 +1156,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {','.join(SYSTEMS)} (single always runs: it is the reference)")
     parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
     parser.add_argument("--model", default=None, help="model directory (default: built by bench/vllm_model.py)")
+    parser.add_argument("--family", choices=("llama", "mla"), default="llama",
+                        help="the model's attention: llama (MHA), or mla (DeepSeek-V2's latent, vLLM's CPU_MLA; vLLM "
+                             "then uses 16-token blocks and no chunked prefill)")
     parser.add_argument("--out", default=str(RESULTS), help=f"results directory (default {RESULTS})")
     parser.add_argument("--startup-timeout", type=float, default=420, help="seconds for servers to become healthy")
     parser.add_argument("--render", default=None, metavar="JSONL",
@@ -1170,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = "vllm-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     started = time.monotonic()
     sys.stderr.write("model: building or reusing (bench/vllm_model.py)\n")
-    built = subprocess.run(["taskset", "-c", "1", args.python, str(HERE / "vllm_model.py"),
+    built = subprocess.run(["taskset", "-c", "1", args.python, str(HERE / "vllm_model.py"), "--family", args.family,
                             *([args.model] if args.model else [])], capture_output=True, text=True, timeout=600)
     if built.returncode != 0:
         sys.stderr.write(f"model build failed: {built.stderr[-1000:]}\n")
@@ -1178,7 +1192,8 @@ def main(argv: list[str] | None = None) -> int:
     model_info = json.loads(built.stdout.strip().splitlines()[-1])
     model = Path(model_info["model"])
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-bench-"))
-    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install)
+    settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install,
+                        serve_args=("--attention-backend", "CPU_MLA") if args.family == "mla" else ())
     records: list[dict[str, Any]] = []
     machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "quick": args.quick, "model": model_info,

@@ -1,7 +1,7 @@
 """The model of the vLLM benchmark (bench/vllm_bench.py): a Llama made on this machine, big enough for real
 prefill compute and real KV sizes, built once and reused.
 
-    python bench/vllm_model.py [DIR]        # prints the directory; builds it unless it is already there
+    python bench/vllm_model.py [--family mla] [DIR]   # prints the directory; builds it unless it is there
 
 Geometry (``GEOMETRY``): hidden 512, 24 layers, 8 query and 8 KV heads of 64 (no grouping, as in
 Llama-2-7B), MLP 1536, a byte-level BPE vocabulary of ~2k trained here (kvpush.cli.tiny_model does
@@ -29,40 +29,58 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GEOMETRY = {"num_layers": 24, "hidden": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
-            "intermediate": 1536, "vocab_size": 2048, "max_position_embeddings": 4096, "seed": 0}
+GEOMETRY: dict[str, int | str] = {"num_layers": 24, "hidden": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
+                                  "intermediate": 1536, "vocab_size": 2048, "max_position_embeddings": 4096, "seed": 0}
+#: the MLA family (``--family mla``): the same size with DeepSeek-V2's multi-head latent attention, one latent of
+#: 512 + 64 values per token and layer (vLLM's CPU MLA kernels take 576), 54 KiB per token where MHA keeps 96
+FAMILIES: dict[str, dict[str, int | str]] = {"llama": GEOMETRY, "mla": {**GEOMETRY, "arch": "deepseek_v2"}}
+MLA_LATENT = 512 + 64
 
 
-def kv_bytes_per_token(geometry: dict[str, int] | None = None, dtype_bytes: int = 4) -> int:
+def kv_bytes_per_token(geometry: dict[str, int | str] | None = None, dtype_bytes: int = 4) -> int:
+    """What one token's KV takes over all layers (an MLA model: its latent)."""
     g = geometry or GEOMETRY
-    return g["num_layers"] * 2 * g["num_kv_heads"] * g["head_dim"] * dtype_bytes
+    per_layer = MLA_LATENT if g.get("arch") == "deepseek_v2" else 2 * int(g["num_kv_heads"]) * int(g["head_dim"])
+    return int(g["num_layers"]) * per_layer * dtype_bytes
 
 
-def default_dir() -> Path:
+def mha_bytes_per_token(geometry: dict[str, int | str], dtype_bytes: int = 4) -> int:
+    """What the same model's KV would take per token with full multi-head attention (every head's K and V)."""
+    return int(geometry["num_layers"]) * 2 * int(geometry["num_heads"]) * int(geometry["head_dim"]) * dtype_bytes
+
+
+def default_dir(geometry: dict[str, int | str] | None = None) -> Path:
     """Where the model is kept between runs: one directory per geometry (same geometry, same bytes)."""
-    digest = hashlib.sha256(json.dumps(GEOMETRY, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"kvpush-bench-llama-{digest}"
+    g = geometry or GEOMETRY
+    digest = hashlib.sha256(json.dumps(g, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"kvpush-bench-{g.get('arch', 'llama')}-{digest}"
 
 
-def ensure_model(path: Path | None = None) -> Path:
+def ensure_model(path: Path | None = None, geometry: dict[str, int | str] | None = None) -> Path:
     """Build the model into ``path`` (default: ``default_dir()``) unless a complete one is there."""
-    out = path or default_dir()
+    g = geometry or GEOMETRY
+    out = path or default_dir(g)
     done = out / ".complete"
     if done.exists():
         return out
     sys.path.insert(0, str(HERE.parent))
     from kvpush.cli.tiny_model import Shape, make_tiny_model
 
-    make_tiny_model(out, Shape(**{k: v for k, v in GEOMETRY.items() if k != "seed"}), seed=GEOMETRY["seed"])
-    done.write_text(json.dumps(GEOMETRY))
+    make_tiny_model(out, Shape(**{k: v for k, v in g.items() if k != "seed"}), seed=int(g["seed"]))  # type: ignore[arg-type]
+    done.write_text(json.dumps(g))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    out = ensure_model(Path(args[0]) if args else None)
+    args = list(sys.argv[1:] if argv is None else argv)
+    family = "llama"
+    if args[:1] == ["--family"]:
+        family, args = args[1], args[2:]
+    geometry = FAMILIES[family]
+    out = ensure_model(Path(args[0]) if args else None, geometry)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(json.dumps({"model": str(out), "bytes": size, "kv_bytes_per_token": kv_bytes_per_token()}))
+    print(json.dumps({"model": str(out), "bytes": size, "family": family, "kv_bytes_per_token": kv_bytes_per_token(
+        geometry), "mha_kv_bytes_per_token": mha_bytes_per_token(geometry)}))
     return 0
 
 

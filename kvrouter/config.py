@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpush.integrations.fleet import parse_discovery
+from kvpush.fleet import parse_discovery
 
 from .core.hashing import BlockHasher
 from .core.index import DEFAULT_CAPACITY

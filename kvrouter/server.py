@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.integrations.fleet import Membership, parse_discovery
+from kvpush.fleet import Membership, parse_discovery
 from kvpush.integrations.vllm_core import new_transfer_id
 
 from . import probing
@@ -168,7 +168,7 @@ class Proxy:
                                                                 self.config.kv_probe_timeout_s),
                                                   name="kvpush-proxy-kv-probe"))
                 if self.membership is not None and self.config.discovery is not None:
-                    from kvpush.integrations.fleet_etcd import Watcher  # the fleet extra: an ImportError without it
+                    from kvpush.fleet.etcd import Watcher  # the fleet extra: an ImportError without it
 
                     watcher = Watcher(parse_discovery(self.config.discovery), self.membership, self._sync)
                     tasks.append(loop.create_task(watcher.run(), name="kvpush-proxy-fleet"))

@@ -1,4 +1,4 @@
-"""``kvpush fleet``: the instances registered in a fleet's etcd (``kvpush.integrations.fleet``), as a
+"""``kvpush fleet``: the instances registered in a fleet's etcd (``kvpush.fleet``), as a
 table or (``--json``) a JSON array with one object per instance: ``role`` (``prefill``, ``decode`` or
 ``both``), ``url``, ``kv`` (every rank's kvpush address, comma-separated), ``model``, ``state`` (``ready`` /
 ``draining``), the load it last registered (``running``, ``waiting``, ``kv_usage``), ``tp``, ``age_s``, ``id``
@@ -34,8 +34,8 @@ def add_parser(commands: Subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.verbose, 40)
     try:
-        from kvpush.integrations import fleet
-        from kvpush.integrations.fleet_etcd import snapshot
+        from kvpush import fleet
+        from kvpush.fleet.etcd import snapshot
     except ImportError as error:
         return fail("fleet", f"needs aetcd (pip install 'kvpush[fleet]'): {error}")
     try:

@@ -1,6 +1,6 @@
 """A vLLM instance's place in the fleet: with ``discovery`` in ``kv_connector_extra_config``, the
 scheduler side of KvpushConnector (one per instance) registers the instance in etcd while its engine is
-up (``kvpush.integrations.fleet``): its role, ``advertise_url``, every rank's kvpush address, model,
+up (``kvpush.fleet``): its role, ``advertise_url``, every rank's kvpush address, model,
 KV-geometry fingerprint, state and load (read from its own ``/metrics`` every second). At shutdown it
 leaves gracefully: ``draining``, its pending sends given a few seconds, then the lease revoked. etcd being
 away never stops the instance: the registration is retried in the background and logged.
@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..fleet import Instance, Load, parse_discovery, parse_load
 from ..portal import Portal
-from .fleet import Instance, Load, parse_discovery, parse_load
 from .vllm_settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class FleetMember:
         discovery, url = settings.config.discovery, settings.config.advertise_url
         assert discovery is not None and url is not None
         endpoints = parse_discovery(discovery)
-        from .fleet_etcd import Registrar  # the fleet extra: a clear ImportError without it
+        from ..fleet.etcd import Registrar  # the fleet extra: a clear ImportError without it
 
         kv, clusters = [], []
         if settings.produce and settings.local is not None:

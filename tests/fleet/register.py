@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from kvpush.integrations.fleet import Instance, parse_discovery
-from kvpush.integrations.fleet_etcd import Registrar
+from kvpush.fleet import Instance, parse_discovery
+from kvpush.fleet.etcd import Registrar
 
 
 async def main(discovery: str, role: str, instance_id: str, url: str, ttl: int) -> None:

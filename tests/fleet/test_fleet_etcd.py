@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from etcdserver import Etcd
 
-from kvpush.integrations.fleet import FleetError, Instance, Load, Membership, parse_discovery
-from kvpush.integrations.fleet_etcd import Registrar, Watcher, snapshot
+from kvpush.fleet import FleetError, Instance, Load, Membership, parse_discovery
+from kvpush.fleet.etcd import Registrar, Watcher, snapshot
 
 HERE = Path(__file__).resolve().parent
 

@@ -17,8 +17,8 @@ import pytest
 from etcdserver import Etcd
 from fakevllm import FakeVllm
 
-from kvpush.integrations.fleet import Instance, parse_discovery
-from kvpush.integrations.fleet_etcd import Registrar
+from kvpush.fleet import Instance, parse_discovery
+from kvpush.fleet.etcd import Registrar
 from kvrouter import server as proxy
 from kvrouter.core.placement import Policy
 

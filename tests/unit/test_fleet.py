@@ -1,11 +1,11 @@
-"""kvpush.integrations.fleet without etcd: discovery addresses, registry entries, a membership built from a
+"""kvpush.fleet without etcd: discovery addresses, registry entries, a membership built from a
 snapshot and events, load read from vLLM's /metrics; and the proxy's pools as members come and go."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpush.integrations.fleet import FleetError, Instance, Load, Membership, parse_discovery, parse_load
+from kvpush.fleet import FleetError, Instance, Load, Membership, parse_discovery, parse_load
 from kvrouter.core.pools import Pool
 
 
@@ -74,7 +74,7 @@ def test_pools_follow_the_membership_and_weigh_registered_load() -> None:
 def test_an_instance_registers_where_it_publishes_its_kv_events() -> None:
     from types import SimpleNamespace
 
-    from kvpush.integrations.fleet import Instance
+    from kvpush.fleet import Instance
     from kvpush.integrations.vllm_fleet import events_endpoints
 
     config = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",

@@ -42,7 +42,7 @@ from serving import (  # noqa: E402
     wait_healthy,
 )
 
-from kvpush.integrations.fleet import TTL_S  # noqa: E402
+from kvpush.fleet import TTL_S  # noqa: E402
 
 MAX_TOKENS = 8
 STARTUP_S = 400.0

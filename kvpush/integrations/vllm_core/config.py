@@ -38,7 +38,7 @@ class ConnectorConfig:
     ``engine_options``: more kvpush options, passed through; ``insecure``: let a listener off loopback
     run without a token (see ``ConnectorSettings``); ``discovery`` (``etcd://HOST:PORT[,...]``) and
     ``advertise_url`` (this instance's OpenAI server, which the connector cannot see): register the
-    instance in that etcd for ``kvpush proxy --discovery`` (``kvpush.integrations.fleet``). Deadlines:
+    instance in that etcd for ``kvpush proxy --discovery`` (``kvpush.fleet``). Deadlines:
     ``transfer_timeout_s`` bounds a decode's wait from allocation to the last byte; ``ids_timeout_s``
     how long a finished prefill request keeps its blocks for block ids that have not come;
     ``ids_wait_ms`` how long a prefill holds a request whose decode sends block ids before its forward,

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .fleet import PREFIX, REFRESH_S, TTL_S, FleetError, Instance, Load, Membership
+from .membership import PREFIX, REFRESH_S, TTL_S, FleetError, Instance, Load, Membership
 
 try:
     import aetcd

@@ -1,6 +1,6 @@
 """A P/D fleet's membership, without I/O: what an instance registers (``Instance``), where the registry
 is (``parse_discovery``), and what a reader makes of it (``Membership``: a snapshot, then watch events).
-The store is etcd (``fleet_etcd``): an instance's key lives under a lease it keeps alive, so a killed
+The store is etcd (``kvpush.fleet.etcd``): an instance's key lives under a lease it keeps alive, so a killed
 instance leaves the registry within the lease's TTL.
 
 Keys: ``/kvpush/instances/<role>/<id>`` (``id`` is new for every start of an instance, so two instances
