@@ -1104,7 +1104,9 @@ def chart(records: Sequence[dict[str, Any]], path: Path) -> bool:
 
 def header_lines(stamp: str, machine: dict[str, Any], elapsed: float | None) -> list[str]:
     model = machine.get("model") or {}
-    command = "python bench/vllm_bench.py" + (" --quick" if machine.get("quick") else "")
+    family = (machine.get("model") or {}).get("family", "llama")
+    command = "python bench/vllm_bench.py" + (" --quick" if machine.get("quick") else "") + (
+        f" --family {family}" if family != "llama" else "")
     took = f"{elapsed:.0f} s" if elapsed is not None else "time not recorded"
     load = machine.get("loadavg_start")
     busy = f"; load average {load[0]:.1f} at the start (a shared host)" if load else ""
