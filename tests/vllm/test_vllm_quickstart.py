@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BEGIN, END = "<!-- quickstart:begin -->", "<!-- quickstart:end -->"
 PORTS = (8000, 8100, 8200, 14579, 14580)
 
 
-def block(path: Path) -> str:
-    """The bash between the quick-start markers of ``path``."""
+def block(path: Path, name: str = "quickstart") -> str:
+    """The bash between the ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers of ``path``."""
     text = path.read_text()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{path}: one quick-start block expected"
-    inner = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1, f"{path}: one {name} block expected"
+    inner = text[text.index(begin) + len(begin):text.index(end)].strip()
     assert inner.startswith("```bash\n") and inner.endswith("```"), inner[:80]
     return inner[len("```bash\n"):-3]
 
@@ -74,19 +74,18 @@ def test_readme_carries_the_quick_start_block() -> None:
     assert block(ROOT / "README.md") == block(ROOT / "docs" / "quickstart.md")
 
 
-@pytest.mark.timeout(1000)
-def test_quick_start_by_hand(tmp_path: Path) -> None:
+def paste(script: str, tmp_path: Path) -> tuple[int, str, Path]:
+    """``script`` pasted into bash (it reads it from its input) in a checkout with its ``.venv``, with a home of
+    its own: its exit status, its output and its home. Every process it started is killed after it ended."""
     taken = [port for port in PORTS if not free(port)]
-    assert not taken, f"the quick start uses ports {PORTS}; taken here: {taken}"
+    assert not taken, f"the by-hand blocks use ports {PORTS}; taken here: {taken}"
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    (checkout / ".venv").symlink_to(Path(sys.prefix))  # the block runs from a checkout with its .venv
+    (checkout / ".venv").symlink_to(Path(sys.prefix))
     home = tmp_path / "home"
     home.mkdir()
     env = {key: value for key, value in os.environ.items() if not key.startswith(("VLLM_", "KVPUSH_"))}
     env.update(HOME=str(home), PYTHONPATH=str(ROOT))
-    script = block(ROOT / "docs" / "quickstart.md")
-    # pasted into a shell: bash reads it from its input (its own command line stays "bash")
     shell = subprocess.Popen(["bash"], cwd=checkout, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -95,12 +94,23 @@ def test_quick_start_by_hand(tmp_path: Path) -> None:
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait()
-        for pid in ours(checkout):
+        deadline = time.monotonic() + 60  # what it stopped exits within this
+        while ours(checkout) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = ours(checkout)
+        for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    assert not left, "processes the block started outlived its last step"
+    return shell.returncode, output, home
+
+
+@pytest.mark.timeout(1000)
+def test_quick_start_by_hand(tmp_path: Path) -> None:
+    returncode, output, home = paste(block(ROOT / "docs" / "quickstart.md"), tmp_path)
     logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}.log").read_text()[-3000:]
                    for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}.log").exists())
-    assert shell.returncode == 0, output[-4000:] + logs
+    assert returncode == 0, output[-4000:] + logs
     answers = responses(output)
     assert len(answers) == 2, output[-4000:] + logs
     (first_headers, first), (second_headers, second) = answers
@@ -112,10 +122,22 @@ def test_quick_start_by_hand(tmp_path: Path) -> None:
     assert "holds" in second_headers["x-kvpush-reason"], second_headers
     assert first["choices"][0]["text"] == second["choices"][0]["text"]  # type: ignore[index]
     assert (home / ".cache" / "kvpush" / "demo-model" / "config.json").exists()
-    deadline = time.monotonic() + 60
-    while ours(checkout) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not ours(checkout), "processes the quick start started outlived its last step"
+
+
+@pytest.mark.timeout(1000)
+def test_the_mla_model_by_hand(tmp_path: Path) -> None:
+    """docs/guides/models.md's MLA block: a DeepSeek-V2-shaped model's prompt comes whole from the prefill's
+    latent (every prompt token cached on the decode), the latent registered as it is."""
+    returncode, output, home = paste(block(ROOT / "docs" / "guides" / "models.md", "models-mla"), tmp_path)
+    logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}-mla.log").read_text()[-3000:]
+                   for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}-mla.log").exists())
+    assert returncode == 0, output[-4000:] + logs
+    answer = json.loads(next(line for line in output.splitlines() if line.startswith('{"id"')))
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"], (usage, logs)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert ", 1, 16, 576) " in output, output[-2000:]  # the grep of the decode's registration: the latent
+    assert (home / ".cache" / "kvpush" / "deepseek-v2-tiny" / "config.json").exists()
 
 
 @pytest.mark.timeout(1000)
