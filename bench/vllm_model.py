@@ -32,15 +32,18 @@ HERE = Path(__file__).resolve().parent
 GEOMETRY: dict[str, int | str] = {"num_layers": 24, "hidden": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
                                   "intermediate": 1536, "vocab_size": 2048, "max_position_embeddings": 4096, "seed": 0}
 #: the MLA family (``--family mla``): the same size with DeepSeek-V2's multi-head latent attention, one latent of
-#: 512 + 64 values per token and layer (vLLM's CPU MLA kernels take 576), 54 KiB per token where MHA keeps 96
-FAMILIES: dict[str, dict[str, int | str]] = {"llama": GEOMETRY, "mla": {**GEOMETRY, "arch": "deepseek_v2"}}
-MLA_LATENT = 512 + 64
+#: ``kv_lora_rank`` + 64 rotary values per token and layer (vLLM's CPU MLA kernels take 576), 54 KiB per token
+#: where MHA keeps 96
+FAMILIES: dict[str, dict[str, int | str]] = {"llama": GEOMETRY,
+                                             "mla": {**GEOMETRY, "arch": "deepseek_v2", "kv_lora_rank": 512}}
+ROPE_VALUES = 64  # the rotary part of an MLA latent (kvpush.cli.tiny_model's qk_rope_head_dim)
 
 
 def kv_bytes_per_token(geometry: dict[str, int | str] | None = None, dtype_bytes: int = 4) -> int:
     """What one token's KV takes over all layers (an MLA model: its latent)."""
     g = geometry or GEOMETRY
-    per_layer = MLA_LATENT if g.get("arch") == "deepseek_v2" else 2 * int(g["num_kv_heads"]) * int(g["head_dim"])
+    mla = g.get("arch") == "deepseek_v2"
+    per_layer = int(g["kv_lora_rank"]) + ROPE_VALUES if mla else 2 * int(g["num_kv_heads"]) * int(g["head_dim"])
     return int(g["num_layers"]) * per_layer * dtype_bytes
 
 
