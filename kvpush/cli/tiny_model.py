@@ -1,7 +1,8 @@
 """A tiny Llama-style model made on this machine: no download, deterministic, loads in vLLM's CPU build
 (``kvpush demo --vllm`` serves it; the vLLM tests and the benchmark's model are built with it too).
-``--arch deepseek_v2`` makes a DeepSeek-V2-shaped one instead (MLA attention; vLLM serves it on CPU with
-``--attention-backend CPU_MLA``).
+``--arch`` makes one of the other families the field disaggregates instead: ``deepseek_v2`` (MLA attention;
+vLLM serves it on CPU with ``--attention-backend CPU_MLA``), ``gemma3`` (sliding-window layers with a full-attention
+one every ``window_every`` layers) or ``granite_hybrid`` (Granite-4-shaped: Mamba2 layers beside attention ones).
 
     python -m kvpush.cli.tiny_model /tmp/tiny-llama            # or: make_tiny_model(path)
 
@@ -33,6 +34,9 @@ WORDS = (
 ).split()
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+#: the families ``--arch`` builds (see ``Shape.arch``)
+ARCHS = ("llama", "deepseek_v2", "gemma3", "granite_hybrid")
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
@@ -83,6 +87,13 @@ class Shape:
     #: ``kv_lora_rank`` + 64 rotary values per token, no KV heads), its MLP dense in every layer
     arch: str = "llama"
     kv_lora_rank: int = 512  # 512 + 64 = 576: the latent width vLLM's CPU MLA kernels take
+    #: "gemma3": tokens each windowed layer sees; every ``window_every``-th layer attends fully
+    sliding_window: int = 128
+    window_every: int = 4
+    #: "granite_hybrid": every ``window_every``-th layer is attention, the others Mamba2 (state of
+    #: ``mamba_heads`` x ``head_dim`` x ``mamba_state``)
+    mamba_heads: int = 8
+    mamba_state: int = 16
 
 
 def make_tiny_model(path: str | os.PathLike[str], shape: Shape | None = None, seed: int = 0,
@@ -116,11 +127,26 @@ def make_tiny_model(path: str | os.PathLike[str], shape: Shape | None = None, se
             first_k_dense_replace=g.num_layers, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
             moe_intermediate_size=g.hidden // 2)
         model_class = transformers.DeepseekV2ForCausalLM
+    elif g.arch == "gemma3":
+        kinds = ["full_attention" if (i + 1) % g.window_every == 0 else "sliding_attention"
+                 for i in range(g.num_layers)]
+        config = transformers.Gemma3TextConfig(
+            **common, num_key_value_heads=g.num_kv_heads, head_dim=g.head_dim, sliding_window=g.sliding_window,
+            layer_types=kinds, query_pre_attn_scalar=g.head_dim, rope_scaling=None)
+        model_class = transformers.Gemma3ForCausalLM
+    elif g.arch == "granite_hybrid":
+        kinds = ["attention" if (i + 1) % g.window_every == 0 else "mamba" for i in range(g.num_layers)]
+        config = transformers.GraniteMoeHybridConfig(
+            **common, num_key_value_heads=g.num_kv_heads, layer_types=kinds, num_local_experts=0,
+            shared_intermediate_size=g.intermediate if g.intermediate is not None else 4 * g.hidden,
+            mamba_n_heads=g.mamba_heads, mamba_d_head=g.head_dim, mamba_d_state=g.mamba_state, mamba_n_groups=1,
+            mamba_expand=g.mamba_heads * g.head_dim // g.hidden, mamba_chunk_size=64, position_embedding_type="rope")
+        model_class = transformers.GraniteMoeHybridForCausalLM
     elif g.arch == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=g.num_kv_heads, head_dim=g.head_dim)
         model_class = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown architecture {g.arch!r} (llama, deepseek_v2)")
+        raise ValueError(f"unknown architecture {g.arch!r} ({', '.join(ARCHS)})")
     torch.manual_seed(seed if weight_seed is None else weight_seed)
     model = model_class(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
@@ -143,12 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-seed", type=int, default=None)
-    parser.add_argument("--arch", choices=("llama", "deepseek_v2"), default="llama",
-                        help="deepseek_v2: multi-head latent attention (MLA), as DeepSeek V2/V3 and Kimi K2")
+    parser.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="deepseek_v2: multi-head latent attention (MLA), as DeepSeek V2/V3 and Kimi K2; gemma3: "
+                             "sliding-window layers mixed with full ones; granite_hybrid: Mamba2 layers beside "
+                             "attention ones (Granite 4)")
+    parser.add_argument("--window-every", type=int, default=4,
+                        help="gemma3: every N-th layer attends fully; granite_hybrid: every N-th is attention")
+    parser.add_argument("--sliding-window", type=int, default=128)
     args = parser.parse_args(argv)
     started = time.monotonic()
     shape = Shape(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                  head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab, arch=args.arch)
+                  head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab, arch=args.arch,
+                  window_every=args.window_every, sliding_window=args.sliding_window)
     out = make_tiny_model(args.path, shape, seed=args.seed, weight_seed=args.weight_seed)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"{out}: {size / 1e6:.1f} MB in {time.monotonic() - started:.1f} s")

@@ -11,6 +11,12 @@ takes ``vllm_core.ConnectorConfig``'s keys (other hosts, transport, auth token, 
 parallelism every worker rank runs its own kvpush engine (rank ``r`` listening on ``port + 2 * r``) and
 pushes its own KV heads; prefill and decode may use different TP sizes (``vllm_core.topology``).
 
+Every model family moves (``SupportsHMA``: vLLM's hybrid KV cache manager stays on): MLA's latent as it is,
+sliding-window groups only the blocks of their window, Mamba and linear-attention state its one block per
+request, after a prompt the prefill computes but its last token (which the decode computes from the state);
+see ``families``. Such a model shares each block of memory between its groups' layers, so the worker
+registers the distinct layer slots, one page per block, and its instances exchange KV between equal TP sizes.
+
 This module is the thin part: it translates vLLM's hooks into calls on the scheduler book of
 ``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``vllm_bridge.EngineBridge``, which runs
 every kvpush call on one private event-loop thread); both are vLLM-free. Only host (CPU) KV caches
@@ -32,6 +38,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+
+try:  # vLLM's hybrid KV cache manager (one block list per KV cache group): 0.10 on
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
+        SupportsHMA,
+    )
+except ImportError:  # pragma: no cover - a vLLM without it
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -81,6 +95,10 @@ class KvpushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-
         return f"KvpushWorkerMeta(ids_in={len(self.ids_in)})"
 
 
+#: the stop reason of a prefill's answer computed without the prompt's last token (a model with a recurrent state)
+SHORT_STOP_REASON = "kvpush: the decode computes the prompt's last token (recurrent state)"
+
+
 def _log_like_vllm() -> None:
     """kvpush's log lines (links, transfers, failures) in vLLM's format and level, once per process,
     unless the application configured the ``kvpush`` logger itself."""
@@ -118,6 +136,32 @@ def _layer_order(kv_caches: dict[str, Any]) -> Callable[[str], tuple[int, str]]:
         except (AssertionError, ValueError):
             return len(kv_caches), name
     return key
+
+
+def _layer_slots(names: list[str], kv_caches: dict[str, Any]) -> tuple[list[int], list[Any]]:
+    """A hybrid model's layers by the memory they share (vLLM gives the layers of different KV cache groups
+    views of the same bytes, a block owned by one group at a time): each layer's slot, and each slot's
+    ``[num_blocks, page]`` bytes, one page per block (a Mamba layer's view covers only its state, not the
+    padding that makes its page as large as an attention layer's)."""
+    import torch  # type: ignore[import-not-found, unused-ignore]
+
+    slots: dict[int, int] = {}
+    slot_of: list[int] = []
+    pages: list[Any] = []
+    for name in names:
+        tensor = kv_caches[name]
+        if isinstance(tensor, (list, tuple)):
+            raise NotImplementedError(f"KvpushConnector: layer {name} registers {len(tensor)} tensors; one view of "
+                                      f"its blocks per layer is supported")
+        pointer = int(tensor.data_ptr())
+        if pointer not in slots:
+            slots[pointer] = len(pages)
+            page = int(tensor.stride(0)) * int(tensor.element_size())
+            pages.append(torch.empty(0, dtype=torch.int8, device=tensor.device).set_(
+                tensor.untyped_storage(), int(tensor.storage_offset()) * int(tensor.element_size()),
+                (int(tensor.shape[0]), page), (page, 1)))
+        slot_of.append(slots[pointer])
+    return slot_of, pages
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -205,7 +249,7 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
 
 # -- the connector ---------------------------------------------------------------------------------
 
-class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
+class KvpushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
     """kvpush's vLLM KV connector; see the module docstring. Hook by hook:
 
     scheduler: ``on_new_request`` notes ``kv_transfer_params``; ``get_num_new_matched_tokens``
@@ -224,6 +268,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     landed transfers (finished_recving), failed ones (failed_recving, with their blocks in
     ``get_block_ids_with_load_errors``) and settled prefill requests (finished_sending);
     ``build_connector_worker_meta`` tells the scheduler which transfers' block ids came before their request.
+
+    Block zeroing (``needs_kv_cache_zeroing``: a model with Mamba layers, whose pages other groups reuse):
+    vLLM skips the loaded groups' blocks (``get_loaded_kv_cache_group_ids``), and a transfer fills each of
+    them whole with the prefill's block, which vLLM zeroed before the prefill wrote into it.
     """
 
     if _P2P is not None:
@@ -232,13 +280,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_like_vllm()
-        self._settings = ConnectorSettings(vllm_config, 0 if role == KVConnectorRole.SCHEDULER else _tp_rank())
+        self._settings = ConnectorSettings(vllm_config, 0 if role == KVConnectorRole.SCHEDULER else _tp_rank(),
+                                           kv_cache_config)
         self._scheduler: core.SchedulerBook | None = None
         self._worker: WorkerSide | None = None
         self._reported: dict[str, int] = {}  # the counters as of the last get_kv_connector_stats
-        if kv_cache_config is not None and getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-            raise NotImplementedError("KvpushConnector: this model's KV cache needs zeroing of new blocks "
-                                      "(Mamba or mixed precision layers); not supported yet")
         s = self._settings
         if role == KVConnectorRole.SCHEDULER and s.consume and s.load_failure_policy == "fail":
             log.warning("KvpushConnector: this decode runs with kv_load_failure_policy='fail': a request whose "
@@ -249,7 +295,8 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
                                                  lambda: s.default_remote, s.name,
-                                                 core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size))
+                                                 core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size),
+                                                 s.groups)
             self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:
             self._worker = WorkerSide(s)
@@ -260,26 +307,42 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return self._scheduler
 
     def on_new_request(self, request: Any) -> None:
+        self._stop_short(request)
         self._book().on_new_request(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+
+    def _stop_short(self, request: Any) -> None:
+        """A prefill request of a model with a recurrent state computes its prompt but the last token, once:
+        the decode computes that token from the state (a state cannot be rewound to recompute it)."""
+        params = request.kv_transfer_params
+        if not (self._settings.produce and self._settings.groups.backoff and params
+                and params.get("do_remote_decode") and not params.get("_kvpush_short")
+                and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None):
+            return
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvpush_short"] = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         book = self._book()
         if book.transfer_id(request.request_id) is None and request.kv_transfer_params:
+            self._stop_short(request)
             book.on_new_request(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
         return book.matched_tokens(request.request_id, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        (block_ids, *_) = blocks.get_block_ids()
-        self._book().after_alloc(request.request_id, block_ids, num_external_tokens)
+        self._book().after_alloc(request.request_id, self._settings.group_blocks(blocks.get_block_ids()),
+                                 num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         groups = getattr(self._kv_cache_config, "transfer_group_ids", None)
         return tuple(groups) if groups is not None else super().get_loaded_kv_cache_group_ids(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
-        return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output),
+        return KvpushMetadata(self._book().build_step(scheduled_requests(scheduler_output, self._settings.group_blocks),
                                                       scheduler_output.total_num_scheduled_tokens > 0))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -293,7 +356,17 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         from vllm.v1.request import RequestStatus  # type: ignore[import-not-found, unused-ignore]
 
         ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        params = request.kv_transfer_params
+        if ok and params and params.get("_kvpush_short"):
+            # Its one token follows the prompt but its last token: the answer says so (its stop reason), and no
+            # router may stream it as the answer's first (kvrouter's ``first_token.lead_of`` does not).
+            request.stop_reason = SHORT_STOP_REASON
         return self._book().request_finished(request.request_id, ok)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager's ``request_finished``: every group's blocks are kept, or not, alike."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
@@ -305,7 +378,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = sorted(kv_caches, key=_layer_order(kv_caches))
-        self._work().register(names, [kv_caches[name] for name in names])
+        if self._settings.groups.plain:
+            self._work().register(names, [kv_caches[name] for name in names])
+            return
+        slot_of, pages = _layer_slots(names, kv_caches)
+        self._work().register(names, pages, slot_of)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -338,7 +415,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return KvpushWorkerMeta(dict.fromkeys(ids_in, 1)) if ids_in else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().take_load_errors()
+        errors = self._work().take_load_errors()
+        # with several KV cache groups vLLM takes failed requests only (``failed_recving``), never block ids
+        return errors if self._settings.groups.plain else set()
 
     def get_kv_connector_stats(self) -> KvpushStats | None:
         """This step's counters (since the last call) and gauges, for vLLM's metrics (worker side only)."""

@@ -279,7 +279,10 @@ class EngineBridge:
         if access is not None and access.active:
             return None
         assert self.cache is not None and target.leg is not None
-        ids = core.dst_ids(target.leg, np.asarray(blocks), target.info.dst_local)
+        held = np.asarray(blocks, np.int64)
+        if self.geometry is not None:
+            held = held[self.geometry.groups.held(held)]  # not the null block of a window position it dropped
+        ids = core.dst_ids(target.leg, held, target.info.dst_local)
         try:
             grants[peer] = self.dd.cache_manager.allow(self.cache, peer, ids)
         except (LLMException, TypeError, ValueError) as error:

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvpush import (
@@ -22,8 +22,10 @@ from kvpush import (
 )
 
 from . import vllm_core as core
+from .families import PLAIN, Group, Groups
 
-_DTYPES = {"float32": DataType.DT_FLOAT, "float16": DataType.DT_FLOAT16, "bfloat16": DataType.DT_BF16}
+_DTYPES = {"float32": DataType.DT_FLOAT, "float16": DataType.DT_FLOAT16, "bfloat16": DataType.DT_BF16,
+           "int8": DataType.DT_INT8}
 
 def cache_desc(names: Sequence[str], tensors: Sequence[Any]) -> CacheDesc:
     """One blocks cache, one tensor per layer (each layer's ``[num_blocks, ...]`` view registered in
@@ -59,13 +61,15 @@ class ConnectorSettings:
     ``kv_port``, ``+ 1`` for a decode), with the cluster id derived from that address, or the configured
     ``cluster_id + r``."""
 
-    def __init__(self, vllm_config: Any, tp_rank: int = 0) -> None:
+    def __init__(self, vllm_config: Any, tp_rank: int = 0, kv_cache_config: Any = None) -> None:
         transfer = vllm_config.kv_transfer_config
         self.role: str = transfer.kv_role
         if self.role not in core.ROLES:
             raise core.ParamsError(f"kv_role {self.role!r} is not one of {', '.join(core.ROLES)}")
         self.config = core.ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size: int = int(vllm_config.cache_config.block_size)
+        #: the model's KV cache groups (``families.Groups``) and which of vLLM's groups they are
+        self.groups, self.group_ids, self.block_size = kv_groups(kv_cache_config, self.block_size)
         self.produce = self.role in ("kv_producer", "kv_both")
         self.consume = self.role in ("kv_consumer", "kv_both")
         #: vLLM's answer to a request whose KV did not come ("fail" or "recompute"; None: a vLLM without it)
@@ -115,11 +119,49 @@ class ConnectorSettings:
         self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
         self.name = f"kvpush-{str(transfer.engine_id)[:8]}"
 
-    def geometry(self, layers: int, local_heads: int, head_size: int, dtype: str) -> core.Geometry:
+    def geometry(self, layers: int, local_heads: int, head_size: int, dtype: str, page: int = 0) -> core.Geometry:
         """This worker's geometry, once its KV tensors are known."""
         kv_heads = self.kv_heads or local_heads * self.tp_size
         return core.Geometry(self.model, dtype, self.block_size, head_size, layers, kv_heads, self.tp_size,
-                             self.tp_rank, self.mla)
+                             self.tp_rank, self.mla, self.groups, page)
+
+    def group_blocks(self, block_ids: Any) -> tuple[tuple[int, ...], ...]:
+        """vLLM's block ids of a request (one list per KV cache group) reduced to the groups that move."""
+        lists = core.per_group(block_ids)
+        if len(lists) == 1 or self.group_ids is None:
+            return lists
+        return tuple(lists[i] for i in self.group_ids)
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[Groups, tuple[int, ...] | None, int]:
+    """(the KV cache groups that move, their indices among vLLM's groups, the block size) of ``kv_cache_config``
+    (vLLM's ``KVCacheConfig``; None: one full-attention group). A group kvpush cannot move is refused, named."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return PLAIN, None, block_size
+    ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+    found: list[Group] = []
+    sizes = set()
+    for index in ids:
+        spec = groups[index].kv_cache_spec
+        kind = type(spec).__name__
+        if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+            found.append(Group("full"))
+            sizes.add(int(spec.block_size))
+        elif kind in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
+            found.append(Group.window(int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0)),
+                                      int(spec.block_size)))
+            sizes.add(int(spec.block_size))
+        elif kind == "MambaSpec":
+            found.append(Group("state", spare_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
+        else:
+            raise NotImplementedError(f"KvpushConnector: KV cache group {index} ({kind}, layers "
+                                      f"{', '.join(groups[index].layer_names[:3])}...) is not supported; full "
+                                      f"attention, MLA, sliding windows and Mamba/linear-attention state are")
+    if len(sizes) > 1:
+        raise NotImplementedError(f"KvpushConnector: KV cache groups with block sizes {sorted(sizes)}; one block "
+                                  f"size for every attention group is supported")
+    return Groups(tuple(found)), ids, sizes.pop() if sizes else block_size
 
 
 def _total_kv_heads(vllm_config: Any) -> int | None:
@@ -144,13 +186,16 @@ def _model_fingerprint(vllm_config: Any) -> str:
     return f"{fields.get('model_type', 'model')}-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
 
 
-def scheduled_requests(scheduler_output: Any) -> Iterable[core.Scheduled]:
+def scheduled_requests(scheduler_output: Any,
+                       select: Callable[[Any], tuple[tuple[int, ...], ...]]) -> Iterable[core.Scheduled]:
+    """vLLM's scheduled requests of a step; ``select`` reduces a request's block ids (one list per KV cache
+    group) to the groups that move (``ConnectorSettings.group_blocks``)."""
     counts = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
-        yield core.Scheduled(new.req_id, tuple(new.block_ids[0]), False, new.num_computed_tokens, counts[new.req_id])
+        yield core.Scheduled(new.req_id, select(new.block_ids), False, new.num_computed_tokens, counts[new.req_id])
     cached = scheduler_output.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
         groups = cached.new_block_ids[i]
-        blocks = tuple(groups[0]) if groups is not None else None
+        blocks = select(groups) if groups is not None else None
         yield core.Scheduled(req_id, blocks, req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
                              counts.get(req_id, 0))

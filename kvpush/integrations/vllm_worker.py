@@ -36,31 +36,33 @@ class WorkerSide:
         self.engine: EngineBridge | None = None
         self.producer: core.ProducerBook | None = None
         self.consumer: core.ConsumerBook | None = None
-        self.layer_index: dict[str, int] = {}
+        self.layer_index: dict[str, int] = {}  # layer name -> its slot in the registered cache
+        self.slot_layers: list[int] = []  # layers per slot
+        self.step_saves: list[int] = []  # layers per slot saved in this step
         self.load_errors: set[int] = set()
         self.step_computes = True
         self.step_holding = False
 
-    def register(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
+    def register(self, names: Sequence[str], tensors: Sequence[Any], slot_of: Sequence[int] | None = None) -> None:
         """Start the engine and register ``tensors`` (one per layer, in layer order) in place, each layer
         ``[num_blocks, heads, ...]`` as ``num_blocks * heads`` kvpush blocks of one head each (see
         ``vllm_core.topology``); an MLA model's ``[num_blocks, (1,) block_size, latent]`` layers as they are, one
-        block per KV block (the latent is one head every rank holds whole)."""
+        block per KV block (the latent is one head every rank holds whole).
+
+        A model with several KV cache groups (``settings.groups`` not plain) shares each block of memory between
+        the layers of different groups: ``tensors`` are then its distinct layer slots, ``[num_blocks, page]``
+        bytes each (one page per block), and ``slot_of[i]`` is the slot of layer ``names[i]``; a slot is pushed
+        once every layer in it was saved in the step."""
         s = self.settings
-        desc = cache_desc(names, tensors)
+        paged = not s.groups.plain
+        if paged and (slot_of is None or len(slot_of) != len(names)):
+            raise ValueError("KvpushConnector: a model with several KV cache groups registers its layer slots")
+        slots = [names[slot_of.index(i)] for i in range(len(tensors))] if paged and slot_of else list(names)
+        desc = cache_desc(slots, tensors)
         shape = tuple(desc.shape)
-        if s.mla:
-            if not (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
-                raise NotImplementedError(f"KvpushConnector: an MLA model's KV layout {shape}; "
-                                          f"[num_blocks, (1,) block_size, latent] is supported")
-            local_heads, head_size = 1, int(shape[-1])
-        else:
-            if s.tp_size > 1 and len(shape) != 4:
-                raise NotImplementedError(f"KvpushConnector: KV layout {shape} with tensor parallelism; "
-                                          f"[num_blocks, kv_heads, block_size, 2*head_size] is supported")
-            local_heads, head_size = (int(shape[1]), int(shape[-1]) // 2) if len(shape) == 4 else (1, 0)
+        local_heads, head_size, page = self._layout(shape, desc.data_type.itemsize)
         num_blocks = shape[0]
-        geometry = s.geometry(len(names), local_heads, head_size, desc.data_type.name)
+        geometry = s.geometry(len(tensors), local_heads, head_size, desc.data_type.name, page)
         if geometry.sharding().local != local_heads:
             raise NotImplementedError(f"KvpushConnector: this worker holds {local_heads} KV heads per block; "
                                       f"{geometry.kv_heads} heads over {s.tp_size} ranks would be "
@@ -78,15 +80,39 @@ class WorkerSide:
         engine.start()
         engine.register(head_desc, views, RemoteAccess.GRANTED if s.consume else RemoteAccess.PRIVATE)
         self.engine = engine
-        self.layer_index = {name: i for i, name in enumerate(names)}
+        self.layer_index = dict(zip(names, slot_of)) if paged and slot_of else {name: i for i, name in enumerate(names)}
+        self.slot_layers = [0] * len(tensors)
+        for slot in self.layer_index.values():
+            self.slot_layers[slot] += 1
+        self.step_saves = [0] * len(tensors)
         clock = time.monotonic
         if s.produce:
-            self.producer = core.ProducerBook(s.block_size, len(names), s.config, clock, engine, local_heads)
+            self.producer = core.ProducerBook(s.block_size, len(tensors), s.config, clock, engine, local_heads,
+                                              s.groups)
         if s.consume:
-            self.consumer = core.ConsumerBook(s.block_size, s.config, clock, engine)
-        log.info("KvpushConnector worker: %d layers of %s %s registered in place as cluster %d (%s, TP rank %d of "
-                 "%d, KV heads %s)", len(names), tuple(desc.shape), desc.data_type.name, s.cluster_id, s.role,
-                 s.tp_rank, s.tp_size, list(geometry.sharding().heads(s.tp_rank)))
+            self.consumer = core.ConsumerBook(s.block_size, s.config, clock, engine, s.groups)
+        log.info("KvpushConnector worker: %d %s of %s %s registered in place as cluster %d (%s, TP rank %d of "
+                 "%d, %s)", len(tensors), "layer slots" if paged else "layers", tuple(desc.shape), desc.data_type.name,
+                 s.cluster_id, s.role, s.tp_rank, s.tp_size,
+                 f"KV cache groups {s.groups}" if paged else f"KV heads {list(geometry.sharding().heads(s.tp_rank))}")
+
+    def _layout(self, shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
+        """(KV heads per block, head size, page bytes) of the registered tensors' ``shape``; refuses what it
+        cannot move."""
+        s = self.settings
+        if not s.groups.plain:
+            if len(shape) != 2:
+                raise NotImplementedError(f"KvpushConnector: layer slots {shape}; [num_blocks, page] is supported")
+            return 1, 1, int(shape[1]) * itemsize
+        if s.mla:
+            if not (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1)):
+                raise NotImplementedError(f"KvpushConnector: an MLA model's KV layout {shape}; "
+                                          f"[num_blocks, (1,) block_size, latent] is supported")
+            return 1, int(shape[-1]), 0
+        if s.tp_size > 1 and len(shape) != 4:
+            raise NotImplementedError(f"KvpushConnector: KV layout {shape} with tensor parallelism; "
+                                      f"[num_blocks, kv_heads, block_size, 2*head_size] is supported")
+        return (int(shape[1]), int(shape[-1]) // 2, 0) if len(shape) == 4 else (1, 0, 0)
 
     def drain(self) -> None:
         while True:
@@ -126,6 +152,7 @@ class WorkerSide:
     def begin_step(self, meta: core.StepMeta) -> None:
         self.drain()
         self.step_computes, self.step_holding = meta.computes, meta.holding
+        self.step_saves = [0] * len(self.slot_layers)
         if self.producer is not None:
             self.producer.begin_step(meta.send, meta.send_finished)
         if self.consumer is not None:
@@ -134,9 +161,11 @@ class WorkerSide:
     def layer_saved(self, layer_name: str) -> None:
         """vLLM's save_kv_layer: that layer's KV of this step is in memory."""
         if self.producer is not None:
-            index = self.layer_index.get(layer_name)
-            if index is not None:
-                self.producer.layer_saved(index)
+            slot = self.layer_index.get(layer_name)
+            if slot is not None:
+                self.step_saves[slot] += 1
+                if self.step_saves[slot] == self.slot_layers[slot]:  # every layer sharing its memory is in
+                    self.producer.layer_saved(slot)
 
     def end_step(self) -> None:
         """vLLM's wait_for_save: the forward pass is over."""

@@ -66,7 +66,9 @@ class Mismatch(Exception):
 def lead_of(chunk: Any, client_wants_ids: bool) -> Lead | None:
     """The prefill's first streamed chunk (its ``max_tokens=1`` answer, asked with ``return_token_ids``) ->
     the client's first event; None when it cannot lead: no single token, the request ended at it (a stop
-    token: the decode's answer says so), or a partial character (the decode would hold it back)."""
+    token: the decode's answer says so), a token that is no answer's first (a stop reason beside a "length"
+    finish: KvpushConnector's prefill of a model with a recurrent state computes the prompt but its last
+    token), or a partial character (the decode would hold it back)."""
     if not isinstance(chunk, dict) or not isinstance(chunk.get("id"), str):
         return None
     choices = chunk.get("choices")
@@ -74,7 +76,8 @@ def lead_of(chunk: Any, client_wants_ids: bool) -> Lead | None:
         return None
     choice = choices[0]
     text, ids = choice.get("text"), choice.get("token_ids")
-    if (choice.get("finish_reason") != "length" or not isinstance(text, str) or not text or text.endswith("\ufffd")
+    if (choice.get("finish_reason") != "length" or choice.get("stop_reason") is not None
+            or not isinstance(text, str) or not text or text.endswith("\ufffd")
             or not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int):
         return None
     first = {**choice, "finish_reason": None, "stop_reason": None}

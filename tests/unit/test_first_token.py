@@ -67,6 +67,10 @@ def test_the_prefill_answer_becomes_the_client_first_event_without_its_end_or_id
     prefill_chunk(text=""), prefill_chunk(text="ab\ufffd"),  # a partial character the decode would hold back
     {**prefill_chunk(), "choices": []}, {"error": {"message": "boom"}}, [1, 2],
     {**prefill_chunk(), "choices": [{**prefill_chunk()["choices"][0], "token_ids": [1, 2]}]},
+    # KvpushConnector's prefill of a recurrent-state model computed the prompt but its last token: its token is
+    # the prompt's last one, foretold, and its stop reason says so
+    {**prefill_chunk(), "choices": [{**prefill_chunk()["choices"][0], "stop_reason": "kvpush: the decode computes "
+                                                                                    "the prompt's last token"}]},
 ])
 def test_a_prefill_answer_that_cannot_lead(chunk: Any) -> None:
     assert lead_of(chunk, client_wants_ids=False) is None

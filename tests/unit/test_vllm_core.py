@@ -316,7 +316,7 @@ def test_decode_allocation_it_cannot_use_is_handed_over_as_an_error_never_droppe
     book.on_new_request("odd", core.decode_request_params("t2", "127.0.0.1", 14579), num_prompt_tokens=70)
     book.after_alloc("odd", [7, 8, 9], num_external_tokens=60)
     short, odd = book.build_step([]).recv
-    assert "2 blocks allocated for 70 tokens" in (short.error or "") and short.blocks == (7, 8)
+    assert "2 blocks allocated; block 2 is wanted for 70 tokens" in (short.error or "") and short.blocks == (7, 8)
     assert "not whole blocks" in (odd.error or "")
 
 
@@ -368,7 +368,8 @@ def test_prefill_scheduler_resumed_request_gets_its_new_blocks() -> None:
     book.on_new_request("p1", core.prefill_request_params("tid"), num_prompt_tokens=100)
     book.build_step([Scheduled("p1", (10, 11), False, 0, 64)])
     (step,) = book.build_step([Scheduled("p1", (30, 31, 32, 33), True, 32, 68)]).send
-    assert (step.blocks, step.computed_before, step.computed_after, step.resumed) == ((30, 31, 32, 33), 32, 100, True)
+    assert (step.blocks, step.computed_before, step.computed_after, step.resumed) == (
+        ((30, 31, 32, 33),), 32, 100, True)
 
 
 def test_prefill_request_never_scheduled_is_not_delayed_and_names_its_own_transfer() -> None:

@@ -127,9 +127,10 @@ def test_tp_prefill_and_decode_give_single_instance_outputs_from_pushed_kv(
 
 
 def check_outputs(stack: TpStack, reference: list[list[int]], transport: str,
-                  prompts: list[list[int]] = PROMPTS) -> None:
+                  prompts: list[list[int]] = PROMPTS, short: int = 0) -> None:
     """Each of ``prompts`` through the proxy gives its ``reference`` tokens with every prompt token cached on
-    the decode; one kvpush engine per rank; the decode's links over the expected transport."""
+    the decode (but the last ``short``: a model with a recurrent state has the decode compute the last one); one
+    kvpush engine per rank; the decode's links over the expected transport."""
     rows = []
     for prompt, expected in zip(prompts, reference):
         started = time.monotonic()
@@ -140,9 +141,9 @@ def check_outputs(stack: TpStack, reference: list[list[int]], transport: str,
     for length, equal, cached, seconds in rows:
         print(f"| {length} | {'yes' if equal else 'NO'} | {cached} | {seconds:.2f} |")
     assert all(equal for _, equal, _, _ in rows), rows
-    assert all(cached is not None and cached >= length - (1 if length == 1 else 0) for length, _, cached, _ in rows)
+    assert all(cached is not None and cached >= length - (1 if length == 1 else short) for length, _, cached, _ in rows)
     for server, tp in ((stack.prefill, stack.p_tp), (stack.decode, stack.d_tp)):
-        ranks = log_lines(server, "KvpushConnector worker", f"of {tp}, KV heads")
+        ranks = log_lines(server, "KvpushConnector worker", f"of {tp}, ")
         assert len(ranks) == tp, ranks  # one kvpush engine per rank
     links = log_lines(stack.decode, "ready over", "dialed")
     expected_transport = "tcp" if transport == "tcp" else "cma"
@@ -158,10 +159,11 @@ def test_tp2_to_tp1_then_a_prefill_rank_killed_mid_request_makes_the_decode_reco
 
 
 def kill_a_prefill_rank_mid_request(stack: TpStack, prompt: list[int], expected: list[int]) -> None:
-    """Kill prefill rank 1 of 2 while the decode waits for ``prompt``'s KV (both ranks frozen first): the
-    answer comes within the abort grace, recomputed (``expected``, the prompt not all cached)."""
+    """Kill the prefill's last rank (1 of 2, or its only one) while the decode waits for ``prompt``'s KV (every
+    rank frozen first): the answer comes within the abort grace, recomputed (``expected``, the prompt not all
+    cached)."""
     workers = stack.prefill.workers()
-    assert len(workers) == 2, workers
+    assert len(workers) == stack.p_tp, workers
     for pid in workers:  # the prefill accepts the request, its ranks do not push yet
         os.kill(pid, signal.SIGSTOP)
     result: dict[str, Any] = {}
@@ -174,7 +176,7 @@ def kill_a_prefill_rank_mid_request(stack: TpStack, prompt: list[int], expected:
     try:
         assert wait_for(lambda: _decode_waits(stack), 20), "the decode never waited for the KV"
         killed = time.monotonic()
-        os.kill(workers[1], signal.SIGKILL)  # one rank dies; the other stays frozen
+        os.kill(workers[-1], signal.SIGKILL)  # one rank dies; any other stays frozen
         client.join(TRANSFER_TIMEOUT_S + ABORT_GRACE_S + 30)
         assert not client.is_alive(), "the request hung after a prefill rank died"
         after = time.monotonic() - killed
@@ -183,7 +185,8 @@ def kill_a_prefill_rank_mid_request(stack: TpStack, prompt: list[int], expected:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     tokens, cached = result["answer"]
-    print(f"answer {after:.2f} s after killing prefill rank 1: tokens equal {tokens == expected}, cached {cached}")
+    print(f"answer {after:.2f} s after killing prefill rank {len(workers) - 1}: tokens equal {tokens == expected}, "
+          f"cached {cached}")
     assert tokens == expected and (cached or 0) < len(prompt)  # recomputed, right
     # the lost link ended the transfer at once; the frozen rank had abort_grace_s to confirm, then the recompute
     assert after < ABORT_GRACE_S + 5

@@ -72,7 +72,7 @@ from .messages import (
 )
 from .producer import TOMBSTONES, ProducerBook, ProducerState
 from .scheduler import IDS_IN_REMEMBERED, IdsHold, Scheduled, SchedulerBook
-from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
+from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
 from .topology import (
     Geometry,
     Leg,
@@ -94,6 +94,6 @@ __all__ = [
     "ProducerBook", "ProducerEffects", "ProducerParams", "ProducerState", "ROLES", "Received", "RecvSpec",
     "Scheduled", "SchedulerBook", "SendStep", "Sharding", "StepMeta", "TOMBSTONES", "Target", "TopologyError",
     "Welcome", "block_id_messages", "blocks_for", "decode", "decode_request_params", "derive_cluster_id", "dst_ids",
-    "encode", "incompatibility", "listen_port", "new_transfer_id", "parse_params", "plan_legs",
+    "encode", "incompatibility", "listen_port", "new_transfer_id", "parse_params", "per_group", "plan_legs",
     "prefill_request_params", "targets",
 ]

@@ -16,6 +16,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..families import PLAIN, Groups
 from .config import ConnectorConfig
 from .effects import Clock, ConsumerEffects
 from .messages import Abort, Done, Message, Outcome, encode
@@ -85,8 +88,10 @@ class ConsumerBook:
     passed; every other wait ends at ``transfer_timeout_s``.
     """
 
-    def __init__(self, block_size: int, config: ConnectorConfig, clock: Clock, effects: ConsumerEffects) -> None:
+    def __init__(self, block_size: int, config: ConnectorConfig, clock: Clock, effects: ConsumerEffects,
+                 groups: Groups = PLAIN) -> None:
         self.block_size = block_size
+        self.groups = groups  # a RecvSpec's 0s are no blocks of it unless the layout is plain
         self.config = config
         self.clock = clock
         self.effects = effects
@@ -288,7 +293,7 @@ class ConsumerBook:
         self._finished.add(t.spec.req_id)
         if state == ConsumerState.FAILED:
             self._failed.add(t.spec.req_id)
-            self._load_errors.update(t.spec.blocks)
+            self._load_errors.update(self._blocks(t.spec))
         log.debug("transfer %s (request %s): %s", t.spec.transfer_id, t.spec.req_id, state.value)
 
     def _report_now(self, spec: RecvSpec, reason: str) -> None:
@@ -296,4 +301,9 @@ class ConsumerBook:
         log.warning("request %s (transfer %s): %s", spec.req_id, spec.transfer_id, reason)
         self._finished.add(spec.req_id)
         self._failed.add(spec.req_id)
-        self._load_errors.update(spec.blocks)
+        self._load_errors.update(self._blocks(spec))
+
+    def _blocks(self, spec: RecvSpec) -> list[int]:
+        """The blocks a transfer writes into (vLLM's load errors when it fails)."""
+        ids = np.asarray(spec.blocks, np.int64)
+        return list(map(int, ids[self.groups.held(ids)]))

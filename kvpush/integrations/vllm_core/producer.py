@@ -6,6 +6,10 @@ answers aborts, notifies the decode of the outcome and only then lets vLLM free 
 With tensor parallelism a transfer has one *leg* per decode rank that sends this rank block ids (each
 ``BlockIds`` says which heads, ``LegInfo``, and how many legs to expect); the legs push, fail and are
 answered independently, and the request's blocks are released once every leg ended.
+
+A model with several KV cache groups (sliding windows, recurrent state: ``families.Groups``) has a block list
+per group; a leg's block ids are then one per entry of ``Groups.entries`` (by position, then group), and a
+push of positions ``[start, end)`` moves the entries in them, skipping those the decode holds no block for.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..families import PLAIN, Groups, LayoutError
 from .config import ConnectorConfig
 from .effects import Clock, ProducerEffects
 from .messages import Abort, BlockIds, Done, Message, Outcome, encode
@@ -44,7 +49,7 @@ class _Request:
     transfer_id: str
     created: float
     req_id: str | None = None
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)  # one list per KV cache group
     num_prompt_tokens: int | None = None
     computed_upto: int = 0
     step_after: int = 0
@@ -66,7 +71,8 @@ class _Outgoing:
     request: _Request
     peer: int
     first_block: int = 0
-    dst_blocks: list[int] | None = None
+    dst_blocks: list[int] | None = None  # one per entry (``Groups.entries``), 0: the decode holds none
+    entries: tuple[np.ndarray, np.ndarray] | None = None  # (group, position) of each of dst_blocks
     num_tokens: int = 0
     parts: list[int] = field(default_factory=list)
     parts_total: int = 0
@@ -95,16 +101,18 @@ class ProducerBook:
     outcome (or cannot be). Block ids that never come are given up ``ids_timeout_s`` after the request
     finished; ids for a request not seen yet wait ``transfer_timeout_s``. ``local_heads``: the KV heads
     this worker holds per block (its registered cache has that many kvpush blocks per vLLM block).
+    ``groups``: the model's KV cache groups (see the module docstring).
     """
 
     def __init__(self, block_size: int, num_layers: int, config: ConnectorConfig, clock: Clock,
-                 effects: ProducerEffects, local_heads: int = 1) -> None:
+                 effects: ProducerEffects, local_heads: int = 1, groups: Groups = PLAIN) -> None:
         self.block_size = block_size
         self.num_layers = num_layers
         self.config = config
         self.clock = clock
         self.effects = effects
         self.local_heads = local_heads
+        self.groups = groups
         self._requests: dict[str, _Request] = {}
         self._push_owner: dict[int, _Outgoing] = {}
         self._step: list[_Request] = []  # this step's requests
@@ -177,7 +185,7 @@ class ProducerBook:
         if r.req_id is None:
             r.ids_deadline = None  # the request is here; its ids are awaited from when it finishes
         r.req_id = send.req_id
-        r.blocks = list(send.blocks)
+        r.blocks = [list(group) for group in send.blocks]
         if send.resumed:
             log.info("transfer %s: request %s was preempted; its blocks are pushed again", r.transfer_id,
                      send.req_id)
@@ -307,27 +315,42 @@ class ProducerBook:
 
     def _end_block(self, t: _Outgoing) -> int:
         """One past the last prefill block the decode wants."""
-        return t.first_block + len(t.dst_blocks or ())
+        return blocks_for(t.num_tokens, self.block_size) if t.dst_blocks is not None else t.first_block
 
     def _start(self, t: _Outgoing, start: int, end: int, pipelined: bool) -> int | None:
         r = t.request
         start = max(start, t.first_block)
-        end = min(end, self._end_block(t), len(r.blocks))
-        if start >= end or t.dst_blocks is None or (t.leg is not None and t.leg.heads == 0):
+        end = min(end, self._end_block(t), self.groups.known(r.blocks) if r.blocks else 0)
+        if start >= end or t.dst_blocks is None or t.entries is None or (t.leg is not None and t.leg.heads == 0):
+            return None
+        groups, positions = t.entries
+        lo, hi = (int(i) for i in np.searchsorted(positions, (start, end)))
+        dst_blocks = np.asarray(t.dst_blocks[lo:hi], np.int64)
+        held = self.groups.held(dst_blocks)
+        try:
+            src_blocks = self.groups.select(r.blocks, groups[lo:hi][held], positions[lo:hi][held])
+        except LayoutError as error:
+            self._fail(t, f"the prefill's blocks: {error}", Outcome.FAILED)
+            return None
+        if not self.groups.held(src_blocks).all():
+            where = positions[lo:hi][held][~self.groups.held(src_blocks)]
+            self._fail(t, f"the prefill holds no block at position(s) {where.tolist()[:8]} the decode holds "
+                          f"(KV cache groups {self.groups})", Outcome.FAILED)
+            return None
+        dst_blocks = dst_blocks[held]
+        if not len(dst_blocks):
             return None
         push_id = self._next_push
         self._next_push += 1
         info = t.leg or LegInfo(0, 0, self.local_heads, self.local_heads)
         leg = Leg(0, 0, info.src_head, info.dst_head, info.heads)
-        src, dst = leg.block_ids(np.asarray(r.blocks[start:end]),
-                                 np.asarray(t.dst_blocks[start - t.first_block:end - t.first_block]),
-                                 self.local_heads, info.dst_local)
+        src, dst = leg.block_ids(src_blocks, dst_blocks, self.local_heads, info.dst_local)
         t.pushes.add(push_id)
         self._push_owner[push_id] = t
         if pipelined:
             self._step_layers[push_id] = set()
         self.stats["pushes_pipelined" if pipelined else "pushes_after_forward"] += 1
-        self.stats["blocks_pushed"] += end - start
+        self.stats["blocks_pushed"] += len(dst_blocks)
         self.effects.start_push(push_id, t.peer, src.tolist(), dst.tolist(), pipelined)
         return push_id
 
@@ -368,11 +391,19 @@ class ProducerBook:
         t.leg = message.leg
         if len(t.parts) < message.total:
             return
-        if message.total != blocks_for(message.num_tokens, self.block_size) - message.first_block:
-            self._fail(t, f"{message.total} blocks from block {message.first_block} do not cover "
-                          f"{message.num_tokens} tokens", Outcome.MISMATCH)
+        num_blocks = blocks_for(message.num_tokens, self.block_size)
+        try:
+            entries = self.groups.entries(num_blocks, message.first_block)
+        except LayoutError as error:
+            self._fail(t, f"block ids from block {message.first_block} for {message.num_tokens} tokens: {error}",
+                       Outcome.MISMATCH)
             return
-        t.dst_blocks, t.parts = t.parts, []
+        if message.total != len(entries[0]):
+            self._fail(t, f"{message.total} blocks from block {message.first_block} do not cover "
+                          f"{message.num_tokens} tokens (KV cache groups {self.groups}: {len(entries[0])})",
+                       Outcome.MISMATCH)
+            return
+        t.dst_blocks, t.parts, t.entries = t.parts, [], entries
         t.first_block = message.first_block
         t.num_tokens = message.num_tokens
         t.pushed_upto = max(t.pushed_upto, t.first_block)

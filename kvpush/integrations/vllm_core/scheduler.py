@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..families import PLAIN, Groups, LayoutError
 from .config import ConsumerParams, ParamsError, PeerAddress, ProducerParams, decode_request_params, parse_params
 from .effects import Clock
 from .messages import MAX_TRANSFER_ID_BYTES
-from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for
+from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,17 @@ IDS_IN_REMEMBERED = 4096  # transfers whose block ids came before their request 
 class Scheduled:
     """One scheduled request of a step, as the adapter reads it from vLLM's SchedulerOutput:
     ``new_blocks`` are all its blocks for a new or ``resumed`` request, else the ones added this
-    step (None: none); ``num_computed_tokens`` before this step."""
+    step (None: none), one tuple per KV cache group (``per_group``); ``num_computed_tokens`` before this step."""
 
     req_id: str
-    new_blocks: tuple[int, ...] | None
+    new_blocks: tuple[tuple[int, ...], ...] | None
     resumed: bool
     num_computed_tokens: int
     num_scheduled_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.new_blocks is not None:
+            object.__setattr__(self, "new_blocks", per_group(self.new_blocks))
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class _SchedRequest:
     consumer: ConsumerParams | None = None
     transfer_id: str = ""
     issued: bool = False  # consumer: a RecvSpec went to the worker
-    blocks: list[int] = field(default_factory=list)  # producer
+    blocks: list[list[int]] = field(default_factory=list)  # producer: one list per KV cache group
     handed: bool = False  # producer: a SendStep went to the worker
     ids_coming: bool = False  # producer: a decode sends block ids (the proxy named the transfer)
     held_until: float | None = None  # producer: held for those ids until then (None: not held yet)
@@ -71,12 +76,14 @@ class SchedulerBook:
     ``produce``/``consume`` follow the instance's kv_role. ``local`` is this instance's own kvpush
     address (returned to the proxy by a prefill in ``request_finished``), ``default_remote`` the
     prefill a decode uses when the params name none. ``hold``: how a prefill request is held for its
-    decode's block ids (None: never).
+    decode's block ids (None: never). ``groups``: the model's KV cache groups (``families.Groups``); with a
+    recurrent state a transfer covers the prompt but its last token (``Groups.backoff``), which the decode
+    computes, and the adapter shortens the prefill's prompt by as much.
     """
 
-    def __init__(self, block_size: int, produce: bool, consume: bool, local: PeerAddress | None = None,
+    def __init__(self, block_size: int, produce: bool, consume: bool, local: PeerAddress | None = None,  # noqa: PLR0913
                  default_remote: Callable[[], PeerAddress] | None = None, name: str = "kvpush",
-                 hold: IdsHold | None = None) -> None:
+                 hold: IdsHold | None = None, groups: Groups = PLAIN) -> None:
         if block_size < 1:
             raise ParamsError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -85,6 +92,7 @@ class SchedulerBook:
         self.local = local
         self.default_remote = default_remote
         self.name = name
+        self.groups = groups
         self._requests: dict[str, _SchedRequest] = {}
         self._meta = StepMeta()
         self._pending_send: set[str] = set()  # producer requests whose blocks wait for finished_sending
@@ -134,8 +142,12 @@ class SchedulerBook:
             return (None, False) if self._held(request) else (0, False)
         if request.issued:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = self._tokens(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _tokens(self, request: _SchedRequest) -> int:
+        """The prompt tokens a decode request loads: all of them, but the last one with a recurrent state."""
+        return request.num_prompt_tokens - (self.groups.backoff if request.num_prompt_tokens > 1 else 0)
 
     def _held(self, request: _SchedRequest) -> bool:
         """Whether the prefill request still waits for its decode's block ids (starting its hold when
@@ -167,25 +179,32 @@ class SchedulerBook:
         while len(self._ids_in) > IDS_IN_REMEMBERED:
             self._ids_in.popitem(last=False)
 
-    def after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks) with ``num_external_tokens`` to
-        load: queue the decode worker's RecvSpec for the next step."""
+    def after_alloc(self, req_id: str, block_ids: Sequence[Sequence[int]] | Sequence[int],
+                    num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group, ``per_group``)
+        with ``num_external_tokens`` to load: queue the decode worker's RecvSpec for the next step."""
         request = self._requests.get(req_id)
         if request is None or request.consumer is None or request.issued or num_external_tokens <= 0:
             return
         request.issued = True
-        local_tokens = request.num_prompt_tokens - num_external_tokens
+        tokens = self._tokens(request)
+        local_tokens = tokens - num_external_tokens
         first_block = local_tokens // self.block_size
-        end_block = blocks_for(request.num_prompt_tokens, self.block_size)
+        end_block = blocks_for(tokens, self.block_size)
         error = None
+        blocks: tuple[int, ...] = ()
         if local_tokens < 0 or local_tokens % self.block_size:
             error = f"{local_tokens} locally computed tokens are not whole blocks of {self.block_size}"
             first_block = max(local_tokens, 0) // self.block_size
-        elif len(block_ids) < end_block:
-            error = f"{len(block_ids)} blocks allocated for {request.num_prompt_tokens} tokens"
-        blocks = tuple(int(b) for b in block_ids[first_block:end_block])
+        lists = per_group(block_ids)
+        try:
+            entries = self.groups.entries(end_block, min(first_block, end_block))
+            blocks = tuple(self.groups.select(lists, *entries).tolist())
+        except LayoutError as problem:
+            error = error or f"{problem} for {tokens} tokens"
+            blocks = tuple(b for group in lists for b in group[first_block:end_block] if b)
         self._meta.recv.append(RecvSpec(req_id, request.transfer_id, request.consumer.remote, first_block, blocks,
-                                        request.num_prompt_tokens, error))
+                                        tokens, error))
 
     def build_step(self, scheduled: Iterable[Scheduled], computes: bool = True) -> StepMeta:
         """This step's metadata: queued RecvSpecs and aborts, and a SendStep for every producer request
@@ -199,14 +218,18 @@ class SchedulerBook:
             if request is None or request.consumer is not None:
                 continue
             if item.resumed or not request.handed:
-                request.blocks = list(item.new_blocks or ())
+                request.blocks = [list(group) for group in item.new_blocks or ()]
             elif item.new_blocks:
-                request.blocks.extend(item.new_blocks)
+                if not request.blocks:
+                    request.blocks = [[] for _ in item.new_blocks]
+                for mine, new in zip(request.blocks, item.new_blocks):
+                    mine.extend(new)
             before = item.num_computed_tokens
             if before >= request.num_prompt_tokens:
                 continue  # decoding on the prefill instance: only prompt KV is sent
             after = min(before + item.num_scheduled_tokens, request.num_prompt_tokens)
-            meta.send.append(SendStep(item.req_id, request.transfer_id, tuple(request.blocks), before, after,
+            blocks = tuple(map(tuple, request.blocks))
+            meta.send.append(SendStep(item.req_id, request.transfer_id, blocks, before, after,
                                       request.num_prompt_tokens, item.resumed and request.handed))
             request.handed = True
         self._meta = StepMeta()

@@ -5,16 +5,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import PeerAddress
+
+
+def per_group(blocks: Any) -> tuple[tuple[int, ...], ...]:
+    """A request's block ids, one tuple per KV cache group: ``blocks`` as vLLM gives them (one list per
+    group), or one flat list for a model with a single group."""
+    if not blocks:
+        return ((),) if blocks is not None else ()
+    if isinstance(blocks[0], Sequence) or hasattr(blocks[0], "__len__"):
+        return tuple(tuple(int(b) for b in group) for group in blocks)
+    return (tuple(int(b) for b in blocks),)
 
 
 @dataclass(frozen=True)
 class RecvSpec:
     """Decode worker: receive ``transfer_id`` into ``blocks`` (the request's blocks from ``first_block``
-    on, ``num_tokens`` prompt tokens in all). ``error``: the request cannot be received (report it
-    failed at once, ``blocks`` as load errors)."""
+    on, ``num_tokens`` prompt tokens in all; with several KV cache groups, the block of every entry of
+    ``families.Groups.entries``, 0 where this decode holds none). ``error``: the request cannot be received
+    (report it failed at once, ``blocks`` as load errors)."""
 
     req_id: str
     transfer_id: str
@@ -28,15 +41,19 @@ class RecvSpec:
 @dataclass(frozen=True)
 class SendStep:
     """Prefill worker: this step computes prompt tokens ``[computed_before, computed_after)`` of the
-    request whose blocks are ``blocks`` (the whole list; new after a preemption: ``resumed``)."""
+    request whose blocks are ``blocks`` (the whole lists, one per KV cache group, ``per_group``; new after a
+    preemption: ``resumed``)."""
 
     req_id: str
     transfer_id: str
-    blocks: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
     computed_before: int
     computed_after: int
     num_prompt_tokens: int
     resumed: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", per_group(self.blocks))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ..families import PLAIN, Groups, LayoutError
+
 
 class TopologyError(ValueError):
     """Head counts or TP sizes that cannot be sharded (vLLM would not run them either)."""
@@ -172,7 +174,12 @@ class Geometry:
     ``mla``: the layers hold one compressed latent per token (DeepSeek's multi-head latent attention), which
     every tensor-parallel rank holds whole: one "head" replicated on every rank, so each decode rank reads one
     prefill rank's latent (``plan_legs`` on ``Sharding(1, tp)``), never a share of it. A peer that says nothing
-    of it is MHA (``from_wire``)."""
+    of it is MHA (``from_wire``).
+
+    ``groups``: the model's KV cache groups (``families.Groups``; a peer that names none has one full-attention
+    group). A model with any other layout (sliding windows, recurrent state) registers whole pages of
+    ``page`` bytes, one per block and layer slot, and moves between equal TP sizes only, rank to rank
+    (``sharding``: every rank holds one "head", its own)."""
 
     model: str
     dtype: str
@@ -183,14 +190,20 @@ class Geometry:
     tp_size: int
     tp_rank: int
     mla: bool = False
+    groups: Groups = PLAIN
+    page: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return not self.groups.plain
 
     def sharding(self) -> Sharding:
-        return Sharding(self.kv_heads, self.tp_size)
+        return Sharding(self.tp_size, self.tp_size) if self.paged else Sharding(self.kv_heads, self.tp_size)
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "block_size": self.block_size, "head_size": self.head_size,
                 "layers": self.layers, "kv_heads": self.kv_heads, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
-                "mla": self.mla}
+                "mla": self.mla, "groups": self.groups.to_wire(), "page": self.page}
 
     @classmethod
     def from_wire(cls, body: Any) -> Geometry:
@@ -200,13 +213,15 @@ class Geometry:
         try:
             block_size, head_size, layers, kv_heads, tp_size, tp_rank = (int(body[key]) for key in (
                 "block_size", "head_size", "layers", "kv_heads", "tp_size", "tp_rank"))
+            groups = Groups.from_wire(body["groups"]) if "groups" in body else PLAIN
             geometry = cls(str(body["model"]), str(body["dtype"]), block_size, head_size, layers, kv_heads, tp_size,
-                           tp_rank, body.get("mla", False))
-        except (KeyError, TypeError, ValueError) as error:
+                           tp_rank, body.get("mla", False), groups, int(body.get("page", 0)))
+        except (KeyError, TypeError, ValueError, LayoutError) as error:
             raise ValueError(f"bad geometry {body!r}: {error}") from None
         if min(geometry.block_size, geometry.head_size, geometry.layers, geometry.kv_heads, geometry.tp_size) < 1 \
                 or not 0 <= geometry.tp_rank < geometry.tp_size or not isinstance(geometry.mla, bool) \
-                or (geometry.mla and geometry.kv_heads != 1):
+                or (geometry.mla and geometry.kv_heads != 1) or geometry.page < 0 \
+                or (geometry.paged and geometry.page < 1):
             raise ValueError(f"bad geometry {body!r}")
         return geometry
 
@@ -218,9 +233,13 @@ def incompatibility(prefill: Geometry, decode: Geometry) -> str | None:
     problems = [f"attention: prefill {attention[prefill.mla]}, decode {attention[decode.mla]}"] \
         if prefill.mla != decode.mla else []
     problems += [f"{what}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}"
-                 for key, what in (("model", "model"), ("dtype", "KV dtype"), ("block_size", "block size"),
-                                   ("head_size", "head size"), ("layers", "layers"), ("kv_heads", "KV heads"))
+                 for key, what in (("model", "model"), ("groups", "KV cache groups"), ("dtype", "KV dtype"),
+                                   ("block_size", "block size"), ("head_size", "head size"), ("page", "page bytes"),
+                                   ("layers", "layers"), ("kv_heads", "KV heads"))
                  if getattr(prefill, key) != getattr(decode, key)]
+    if not problems and prefill.paged and prefill.tp_size != decode.tp_size:
+        problems.append(f"tensor parallelism: prefill {prefill.tp_size} ranks, decode {decode.tp_size}: a model with "
+                        f"KV cache groups {prefill.groups} moves between equal TP sizes only")
     if not problems:
         try:
             plan_legs(prefill.sharding(), decode.sharding())
