@@ -157,9 +157,9 @@ class Follower:
                     self._refused(f"a BlockStored of {event.block_size}-token blocks (the engine's are "
                                   f"{self.block_size})")
                     continue
-                index.store(event.hashes)
+                index.store(event.hashes, event.group)
             elif isinstance(event, Removed):
-                index.remove(event.hashes)
+                index.remove(event.hashes, event.group)
             elif isinstance(event, Cleared):
                 index.clear()
         self.feed.applied(batch.seq, batch.ts)

@@ -6,8 +6,10 @@ A vLLM instance started with ``--kv-events-config '{"enable_kv_cache_events": tr
 ZMQ message of three frames: the topic, the batch's sequence number (8 bytes, big-endian; 0 for the first
 batch of an engine, so it restarts with the engine), and a msgpack array ``[ts, events, data_parallel_rank]``
 whose events are maps tagged by ``"type"``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
-``token_ids``, ``block_size``, ...), ``BlockRemoved`` (``block_hashes``) and ``AllBlocksCleared``. Blocks a decode
-loads from a prefill are stored there like its own. Hashes are uint64 ints (the digest's last 8 bytes).
+``token_ids``, ``block_size``, ``group_idx``, ...), ``BlockRemoved`` (``block_hashes``, ``group_idx``) and
+``AllBlocksCleared``. Blocks a decode loads from a prefill are stored there like its own. Hashes are uint64 ints
+(the digest's last 8 bytes); ``group_idx`` is the KV cache group (a hybrid model stores each block once per
+group; absent: 0).
 
 Whatever an instance sends is checked before it counts: a message over ``MAX_MESSAGE_BYTES``, a payload
 msgpack cannot read, a batch or event of another shape, a hash that is no uint64, more than
@@ -47,11 +49,13 @@ class EventError(ValueError):
 class Stored:
     hashes: tuple[int, ...]
     block_size: int
+    group: int = 0
 
 
 @dataclass(frozen=True)
 class Removed:
     hashes: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,15 @@ def _hashes(value: Any, budget: list[int]) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _group(raw: dict[Any, Any]) -> int:
+    group = raw.get("group_idx")
+    if group is None:
+        return 0
+    if type(group) is not int or not 0 <= group < 1 << 16:
+        raise EventError(f"{raw.get('type')} with group_idx {str(group)[:40]!r}")
+    return group
+
+
 def _event(raw: Any, budget: list[int]) -> Event:
     if not isinstance(raw, dict):
         raise EventError("an event that is not a map")
@@ -95,9 +108,9 @@ def _event(raw: Any, budget: list[int]) -> Event:
         size = raw.get("block_size")
         if type(size) is not int or size < 1:
             raise EventError(f"BlockStored with block_size {size!r}")
-        return Stored(_hashes(raw.get("block_hashes"), budget), size)
+        return Stored(_hashes(raw.get("block_hashes"), budget), size, _group(raw))
     if kind == "BlockRemoved":
-        return Removed(_hashes(raw.get("block_hashes"), budget))
+        return Removed(_hashes(raw.get("block_hashes"), budget), _group(raw))
     if kind == "AllBlocksCleared":
         return Cleared()
     raise EventError(f"an event of type {str(kind)[:40]!r}")

@@ -54,6 +54,24 @@ def test_what_is_not_a_batch_is_refused(frames: list[bytes]) -> None:
         decode(frames)
 
 
+def test_a_hybrid_model_s_groups_are_read_and_kept_apart() -> None:
+    """vLLM's hybrid KV cache manager stores a token block once per KV cache group (``group_idx``), and a
+    sliding-window group evicts its blocks long before the full-attention group does: an eviction in one group
+    leaves the others' blocks, and a prefix counts as far as the group that holds most of it holds it."""
+    batch = decode(message(1, [{**STORED, "block_hashes": [1, 2, 3], "group_idx": 1},
+                               {"type": "BlockRemoved", "block_hashes": [1], "group_idx": 2}]))
+    assert batch.events == (Stored((1, 2, 3), 32, 1), Removed((1,), 2))
+    with pytest.raises(EventError, match="group_idx"):
+        decode(message(1, [{**STORED, "group_idx": -1}]))
+    index = PrefixIndex(capacity=100)
+    index.store([1, 2, 3], group=0)  # full attention
+    index.store([1, 2, 3], group=1)  # a window
+    index.remove([1, 2], group=1)  # the window moved on
+    assert index.match([1, 2, 3, 4]) == 3 and 1 in index and len(index) == 4
+    index.remove([1], group=0)
+    assert index.match([1, 2, 3]) == 0 and index.match([2, 3]) == 2
+
+
 def test_a_feed_applies_in_order_asks_for_what_it_missed_and_sees_a_restart() -> None:
     feed = EventFeed()
     assert feed.step(5, 10.0) == Step.APPLY  # the first one seen: whatever its number
