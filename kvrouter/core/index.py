@@ -71,7 +71,7 @@ class PrefixIndex:
         a prefix only up to the first block it lacks); those are refreshed, as vLLM refreshes the blocks a
         request reuses."""
         blocks = self._blocks
-        best, best_group = 0, None
+        best, best_group = 0, 0
         for group in self._groups:
             held = 0
             for block_hash in hashes:
