@@ -392,6 +392,15 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
             cells = [str(r["phases_p50_ms"].get(name, "")) for name in PHASES]
             lines.append(f"| {r['prompt_tokens']} | {r['case']} | " + " | ".join(cells)
                          + f" | {r.get('ttft_p50_ms', '')} | {r.get('single_ttft_p50_ms', '')} |")
+    moved = [r for r in records if r.get("bytes_moved_per_request") is not None and "result" not in r]
+    if moved:  # what each request moved, beside what the same model would move were every layer full attention
+        lines += ["", "| prompt | case | bytes moved per request | every layer full attention would move "
+                  "| moved / that |", "|---|---|---|---|---|"]
+        for r in sorted(moved, key=lambda r: (r["prompt_tokens"], r["case"])):
+            full = r.get("full_attention_bytes_per_request") or 0
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | {r['bytes_moved_per_request'] / 2**20:.2f} MiB "
+                         f"| {full / 2**20:.2f} MiB | {r['bytes_moved_per_request'] / full:.2f}x |" if full else
+                         f"| {r['prompt_tokens']} | {r['case']} | {r['bytes_moved_per_request'] / 2**20:.2f} MiB | | |")
     skipped = [r for r in records if r["workload"] == "VLLM"]
     if skipped:
         lines += [""] + [f"- **{r['case']}**: {r['result']}" for r in skipped]
@@ -535,7 +544,21 @@ class Settings:
     nixl_install: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     prefix_caching: bool = False  # vLLM's prefix cache (and the stats that count what it saves)
-    serve_args: tuple[str, ...] = ()  # every server's, before a case's own (``--family mla``: its attention)
+    serve_args: tuple[str, ...] = ()  # every server's, before a case's own (``--family``'s: ``FAMILY_ARGS``)
+    full_attention_bytes_per_token: int = 0  # the model's KV per token were every layer full attention
+    block_size: int = 32
+
+    def full_attention_bytes(self, tokens: int) -> int:
+        """What a request of ``tokens`` prompt tokens would move were every layer full attention (whole blocks)."""
+        return -(-tokens // self.block_size) * self.block_size * self.full_attention_bytes_per_token
+
+
+FAMILY_NAMES = {"llama": "Llama", "mla": "DeepSeek-V2-shaped (MLA)",
+                "gemma3": "Gemma-3-shaped (20 sliding-window layers of 512 tokens, 4 full)",
+                "granite_hybrid": "Granite-4-shaped (20 Mamba2 layers, 4 attention)"}
+#: each family's ``vllm serve`` arguments: vLLM's CPU MLA kernels; a hybrid without prefix caching (vLLM 0.32's CPU
+#: build fails a plain Mamba2 server's prompts in prefix caching's "align" mode, tests/vllm/test_vllm_families.py)
+FAMILY_ARGS = {"mla": ("--attention-backend", "CPU_MLA"), "granite_hybrid": ("--no-enable-prefix-caching",)}
 
 
 def _mha_equivalent(model: dict[str, Any]) -> str:
@@ -544,6 +567,14 @@ def _mha_equivalent(model: dict[str, Any]) -> str:
         return ""
     mha = int(model.get("mha_kv_bytes_per_token", 0))
     return f" (its full multi-head KV would be {mha // 1024} KiB: {model.get('kv_bytes_per_token', 0) / mha:.2f}x)"
+
+
+def bytes_pushed(server: Server) -> float:
+    """The prefill's ``vllm:kvpush_bytes_pushed_total`` (KvpushConnector's counter) as of now."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:kvpush_bytes_pushed_total"))
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
@@ -946,6 +977,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             bar = Bar(f"{system} {length} tokens", reps)
             samples, paired = [], []
             busy: dict[str, list[float]] = {s.name: [] for s in servers}
+            pushed_before = bytes_pushed(servers[0]) if system.startswith("kvpush") else None
             for rep in range(reps):
                 ids = prompt(length, rep, vocab)
                 paired.append(baseline.measure(length, rep, ids, bench.max_tokens))
@@ -959,6 +991,9 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                 if system == "example":
                     _empty(storage)
             measured = dict(extra)
+            if pushed_before is not None:  # what the prefill's pushes moved per request (every layer, every block)
+                measured["bytes_moved_per_request"] = round((bytes_pushed(servers[0]) - pushed_before) / reps)
+                measured["full_attention_bytes_per_request"] = settings.full_attention_bytes(length)
             measured["core_share_in_request"] = {name: round(median(shares), 2) for name, shares in busy.items()}
             good = [s for s in paired if not s.error]
             if good:
@@ -1116,9 +1151,12 @@ def header_lines(stamp: str, machine: dict[str, Any], elapsed: float | None) -> 
             "Loopback only; one `vllm serve` per engine, each pinned to its core (single instance and prefill: "
             "core 1, decode: core 0); prefix caching off; one request at a time; greedy, `ignore_eos`. "
             f"Model: {model.get('bytes', 0) / 1e6:.0f} MB float32 "
-            f"{'DeepSeek-V2-shaped (MLA)' if model.get('family') == 'mla' else 'Llama'}, 24 layers "
-            f"(bench/vllm_model.py), {model.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token moved"
-            f"{_mha_equivalent(model)}; {machine.get('max_tokens')} output "
+            f"{FAMILY_NAMES.get(str(model.get('family')), 'Llama')}, 24 layers (bench/vllm_model.py), "
+            + (f"{model.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token moved{_mha_equivalent(model)}"
+               if model.get("family") in ("llama", "mla", None) else
+               f"the bytes moved per request measured (the table's \"bytes moved\") beside the "
+               f"{model.get('kv_bytes_per_token', 0) // 1024} KiB per token every layer attending fully would move")
+            + f"; {machine.get('max_tokens')} output "
             "tokens per request; requests per prompt length and case: "
             + ", ".join(f"{k}: {v}" for k, v in (machine.get("reps") or {}).items()) + ".",
             "",
@@ -1158,9 +1196,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {','.join(SYSTEMS)} (single always runs: it is the reference)")
     parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
     parser.add_argument("--model", default=None, help="model directory (default: built by bench/vllm_model.py)")
-    parser.add_argument("--family", choices=("llama", "mla"), default="llama",
-                        help="the model's attention: llama (MHA), or mla (DeepSeek-V2's latent, vLLM's CPU_MLA; vLLM "
-                             "then uses 16-token blocks and no chunked prefill)")
+    parser.add_argument("--family", choices=tuple(FAMILY_NAMES), default="llama",
+                        help="the model: llama (MHA); mla (DeepSeek-V2's latent, vLLM's CPU_MLA; vLLM then uses "
+                             "16-token blocks and no chunked prefill); gemma3 (sliding windows); granite_hybrid "
+                             "(Mamba2 layers)")
     parser.add_argument("--out", default=str(RESULTS), help=f"results directory (default {RESULTS})")
     parser.add_argument("--startup-timeout", type=float, default=420, help="seconds for servers to become healthy")
     parser.add_argument("--render", default=None, metavar="JSONL",
@@ -1195,7 +1234,8 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(model_info["model"])
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-bench-"))
     settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install,
-                        serve_args=("--attention-backend", "CPU_MLA") if args.family == "mla" else ())
+                        serve_args=FAMILY_ARGS.get(args.family, ()),
+                        full_attention_bytes_per_token=int(model_info["mha_kv_bytes_per_token"]), block_size=BLOCK_SIZE)
     records: list[dict[str, Any]] = []
     machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "quick": args.quick, "model": model_info,

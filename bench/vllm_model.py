@@ -1,7 +1,7 @@
 """The model of the vLLM benchmark (bench/vllm_bench.py): a Llama made on this machine, big enough for real
 prefill compute and real KV sizes, built once and reused.
 
-    python bench/vllm_model.py [--family mla] [DIR]   # prints the directory; builds it unless it is there
+    python bench/vllm_model.py [--family mla|gemma3|granite_hybrid] [DIR]   # builds it unless it is there
 
 Geometry (``GEOMETRY``): hidden 512, 24 layers, 8 query and 8 KV heads of 64 (no grouping, as in
 Llama-2-7B), MLP 1536, a byte-level BPE vocabulary of ~2k trained here (kvpush.cli.tiny_model does
@@ -31,16 +31,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 GEOMETRY: dict[str, int | str] = {"num_layers": 24, "hidden": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
                                   "intermediate": 1536, "vocab_size": 2048, "max_position_embeddings": 4096, "seed": 0}
-#: the MLA family (``--family mla``): the same size with DeepSeek-V2's multi-head latent attention, one latent of
-#: ``kv_lora_rank`` + 64 rotary values per token and layer (vLLM's CPU MLA kernels take 576), 54 KiB per token
-#: where MHA keeps 96
-FAMILIES: dict[str, dict[str, int | str]] = {"llama": GEOMETRY,
-                                             "mla": {**GEOMETRY, "arch": "deepseek_v2", "kv_lora_rank": 512}}
+#: the other families (``--family``), each the same size: ``mla``, DeepSeek-V2's multi-head latent attention, one
+#: latent of ``kv_lora_rank`` + 64 rotary values per token and layer (vLLM's CPU MLA kernels take 576), 54 KiB per
+#: token where MHA keeps 96; ``gemma3``, 20 layers attending to a 512-token sliding window and 4 (every 6th) to
+#: everything; ``granite_hybrid`` (Granite 4's shape), 20 Mamba2 layers (16 heads of 64, state 16) and 4 attention
+#: layers (every 6th)
+FAMILIES: dict[str, dict[str, int | str]] = {
+    "llama": GEOMETRY,
+    "mla": {**GEOMETRY, "arch": "deepseek_v2", "kv_lora_rank": 512},
+    "gemma3": {**GEOMETRY, "arch": "gemma3", "sliding_window": 512, "window_every": 6},
+    "granite_hybrid": {**GEOMETRY, "arch": "granite_hybrid", "window_every": 6, "mamba_heads": 16, "mamba_state": 16},
+}
 ROPE_VALUES = 64  # the rotary part of an MLA latent (kvpush.cli.tiny_model's qk_rope_head_dim)
 
 
 def kv_bytes_per_token(geometry: dict[str, int | str] | None = None, dtype_bytes: int = 4) -> int:
-    """What one token's KV takes over all layers (an MLA model: its latent)."""
+    """What one token's KV takes over all layers (an MLA model: its latent; a windowed or hybrid model: as if every
+    layer attended fully - what it moves per request is measured, ``vllm:kvpush_bytes_pushed_total``)."""
     g = geometry or GEOMETRY
     mla = g.get("arch") == "deepseek_v2"
     per_layer = int(g["kv_lora_rank"]) + ROPE_VALUES if mla else 2 * int(g["num_kv_heads"]) * int(g["head_dim"])

@@ -168,7 +168,8 @@ def _layer_slots(names: list[str], kv_caches: dict[str, Any]) -> tuple[list[int]
 
 # counters: what ended since the last step, by (book, its counter) -> the reported key
 _COUNTERS = {("producer", "landed"): "send_landed", ("producer", "failed"): "send_failed",
-             ("producer", "blocks_pushed"): "blocks_pushed", ("consumer", "landed"): "receive_landed",
+             ("producer", "blocks_pushed"): "blocks_pushed", ("producer", "bytes_pushed"): "bytes_pushed",
+             ("consumer", "landed"): "receive_landed",
              ("consumer", "failed"): "receive_failed", ("consumer", "aborted"): "receive_aborted",
              ("producer", "pushes_pipelined"): "pushes_in_forward",
              ("producer", "pushes_after_forward"): "pushes_after_forward"}
@@ -205,7 +206,8 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
     """kvpush's numbers in vLLM's /metrics: ``vllm:kvpush_transfers_open`` (transfers this instance's
     connector tracks), ``vllm:kvpush_links`` (live kvpush links), ``vllm:kvpush_held_caches`` (caches kept
     pinned for links that closed), each as of the engine's last step; counters
-    ``vllm:kvpush_transfers_total{side,outcome}``, ``vllm:kvpush_blocks_pushed_total`` and
+    ``vllm:kvpush_transfers_total{side,outcome}``, ``vllm:kvpush_blocks_pushed_total``,
+    ``vllm:kvpush_bytes_pushed_total`` and
     ``vllm:kvpush_pushes_total{when}`` (``in_forward``, ``after_forward``)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
@@ -225,6 +227,9 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
         self._transfers: Any = counter(name="vllm:kvpush_transfers", labelnames=[*labelnames, "side", "outcome"],
                                        documentation="kvpush transfers ended, by side (send: prefill, receive: "
                                                      "decode) and outcome")
+        self._bytes: Any = counter(name="vllm:kvpush_bytes_pushed", labelnames=labelnames,
+                                   documentation="bytes of KV pushed to decode instances (every layer of every block "
+                                                 "a push was asked to move)")
         self._blocks: Any = counter(name="vllm:kvpush_blocks_pushed", labelnames=labelnames,
                                     documentation="KV blocks pushed to decode instances (per layer group)")
         self._pushes: Any = counter(name="vllm:kvpush_pushes", labelnames=[*labelnames, "when"],
@@ -240,11 +245,13 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ig
             value = transfer_stats_data.get(key, 0)
             if value and key in _PUSHES:
                 self._pushes.labels(*labels, _PUSHES[key]).inc(value)
-            elif value and key != "blocks_pushed":
+            elif value and key not in ("blocks_pushed", "bytes_pushed"):
                 side, outcome = key.split("_", 1)
                 self._transfers.labels(*labels, side, outcome).inc(value)
         if transfer_stats_data.get("blocks_pushed"):
             self._blocks.labels(*labels).inc(transfer_stats_data["blocks_pushed"])
+        if transfer_stats_data.get("bytes_pushed"):
+            self._bytes.labels(*labels).inc(transfer_stats_data["bytes_pushed"])
 
 
 # -- the connector ---------------------------------------------------------------------------------

@@ -91,7 +91,9 @@ class EngineBridge:
         #: ``pushes_deferred``: pipelined pushes whose layers went after the forward; ``pushes_marked``: those
         #: whose layers vLLM's thread marked ready itself (``_start_push``). Its keys exist from the start:
         #: vLLM's thread reads it while the loop's thread counts.
-        self.stats: Counter[str] = Counter(pushes_deferred=0, pushes_marked=0)
+        #: ``bytes_pushed``: what the pushes started were asked to move (every layer of every block).
+        self.stats: Counter[str] = Counter(pushes_deferred=0, pushes_marked=0, bytes_pushed=0)
+        self._block_bytes = 0  # one kvpush block over every layer (``register``)
         self._deferred: set[int] = set()  # deferred pushes (``_start_push``): vLLM's thread reads it
         self._gated: dict[int, Any] = {}  # pushes whose layers vLLM's thread marks ready itself (``_start_push``)
 
@@ -115,6 +117,7 @@ class EngineBridge:
                                                                BlocksCacheKey(self.cluster_id, MODEL_ID),
                                                                remote_access=access)
         self.cache = self.thread.run(register(), timeout=30)
+        self._block_bytes = desc.block_bytes * desc.num_tensors
         return self.cache
 
     def close(self) -> None:
@@ -330,6 +333,7 @@ class EngineBridge:
     def _start_push(self, push_id: int, peer: int, src: list[int], dst: list[int], pipelined: bool) -> None:
         push = self._pushes[push_id] = _Push(pipelined)
         assert self.cache is not None
+        self.stats["bytes_pushed"] += len(src) * self._block_bytes
         key = BlocksCacheKey(peer, MODEL_ID)
         if not pipelined:
             push.closed = True

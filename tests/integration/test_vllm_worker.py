@@ -213,6 +213,7 @@ def test_ids_after_the_forward_are_served_by_one_push_and_prefix_hits_are_skippe
     assert_landed(prefill, decode, src, [50, 51, 52])
     assert prefill.worker.stats()["producer.pushes_after_forward"] == 1
     assert prefill.worker.stats()["producer.blocks_pushed"] == 2
+    assert prefill.worker.stats()["producer.bytes_pushed"] == 2 * prefill.buffer[:, 5].nbytes  # every layer of both
 
 
 def test_an_empty_step_waits_for_the_landing_instead_of_returning_at_once() -> None:

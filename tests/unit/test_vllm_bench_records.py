@@ -184,3 +184,16 @@ def test_table_ratios_are_to_the_single_instance_and_the_other_connectors_of_the
     row = next(line for line in lines if line.startswith("| 32 | kvpush-tcp | 5.0 |"))
     at = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
     assert at["held"] == "10.0" and at["to first token"] == "30.0" and at["TTFT p50 ms"] == "150.0"
+
+
+def test_the_bytes_each_request_moved_are_set_beside_what_full_attention_would_move() -> None:
+    """``--family gemma3``: a sliding-window model moves only its windows' blocks (the prefill's
+    ``vllm:kvpush_bytes_pushed_total`` per request) - the table says how much that is of every layer's whole KV."""
+    from bench.vllm_bench import Settings
+
+    full = Settings("python", ".", ".", full_attention_bytes_per_token=1024, block_size=32).full_attention_bytes(33)
+    assert full == 64 * 1024  # whole blocks
+    record = latency_record("kvpush", 33, samples([0.1], [[1, 2]]), [[1, 2]],
+                            {"bytes_moved_per_request": 16 * 1024, "full_attention_bytes_per_request": full})
+    lines = tables([record])
+    assert "| 33 | kvpush | 0.02 MiB | 0.06 MiB | 0.25x |" in lines
