@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.fleet import Membership, parse_discovery
-from kvpush.integrations.vllm_core import new_transfer_id
+from kvpush.integrations.config import new_transfer_id
 
 from . import probing
 from .caches import Caches

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from kvpush.integrations.vllm_core import decode_request_params, prefill_request_params
+from kvpush.integrations.config import decode_request_params, prefill_request_params
 
 from .kv_events import Source
 

@@ -20,10 +20,10 @@ import pytest
 from peer import Peer
 
 from kvpush import LLMStatusCode
-from kvpush.integrations import vllm_core as core
-from kvpush.integrations.vllm_core import FinishedSend, RecvSpec, SendStep, StepMeta
-from kvpush.integrations.vllm_settings import ConnectorSettings, cache_desc
-from kvpush.integrations.vllm_worker import WorkerSide
+from kvpush.integrations.vllm import core
+from kvpush.integrations.vllm.core import FinishedSend, RecvSpec, SendStep, StepMeta
+from kvpush.integrations.vllm.settings import ConnectorSettings, cache_desc
+from kvpush.integrations.vllm.worker import WorkerSide
 
 LAYERS, BLOCKS, HEADS, BLOCK, WIDTH = 2, 64, 2, 4, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -469,7 +469,7 @@ def test_tensor_parallel_ranks_push_every_head_of_every_block_exactly_where_it_b
         transport: str, kv_heads: int, p_tp: int, d_tp: int) -> None:
     """Each rank is its own worker and engine holding its share of the KV heads (replicated when the model
     has fewer heads than ranks); every decode rank must end with exactly its heads of the prefill's blocks."""
-    from kvpush.integrations.vllm_core import Sharding
+    from kvpush.integrations.vllm.core import Sharding
 
     port = free_port()
     prefill_sharding, decode_sharding = Sharding(kv_heads, p_tp), Sharding(kv_heads, d_tp)

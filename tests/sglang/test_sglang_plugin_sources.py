@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from kvpush.integrations import sglang as plugin
+from kvpush.integrations.sglang import plugin
 
 
 def _sglang_root(python: Path) -> Path:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_vllm_core import DECODE_CLUSTER, PREFILL, Clock, ProducerFx, run_step
 
-from kvpush.integrations import vllm_core as core
 from kvpush.integrations.families import PLAIN, Group, Groups, LayoutError, window_start
-from kvpush.integrations.vllm_core import (
+from kvpush.integrations.vllm import core
+from kvpush.integrations.vllm.core import (
     ConnectorConfig,
     Done,
     FinishedSend,

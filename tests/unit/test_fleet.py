@@ -75,7 +75,7 @@ def test_an_instance_registers_where_it_publishes_its_kv_events() -> None:
     from types import SimpleNamespace
 
     from kvpush.fleet import Instance
-    from kvpush.integrations.vllm_fleet import events_endpoints
+    from kvpush.integrations.vllm.fleet import events_endpoints
 
     config = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
                              replay_endpoint="tcp://*:5558")

@@ -1,4 +1,4 @@
-"""kvpush.integrations.sglang_core: SGLang's pool as kvpush blocks, heads between TP sizes, the backend's
+"""kvpush.integrations.sglang.core: SGLang's pool as kvpush blocks, heads between TP sizes, the backend's
 messages and settings. Pure: no SGLang."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvpush import MAX_MESSAGE_BYTES
-from kvpush.integrations import sglang_core as core
-from kvpush.integrations.vllm_core import ParamsError
+from kvpush.integrations.sglang import core
+from kvpush.integrations.vllm.core import ParamsError
 
 HEAD_DIM, ITEM = 8, 2  # bf16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from kvpush.integrations import sglang as plugin
+from kvpush.integrations.sglang import plugin
 
 
 class Backend(enum.Enum):

@@ -1,4 +1,4 @@
-"""vllm_core.topology: head sharding as vLLM does it, and legs that cover every head of every block of every
+"""kvpush.integrations.topology: head sharding as vLLM does it, and legs that cover every head of every block of every
 decode rank exactly once, for any valid (KV heads, prefill TP, decode TP)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvpush.integrations.vllm_core.topology import Leg, Sharding, TopologyError, plan_legs, senders, targets
+from kvpush.integrations.topology import Leg, Sharding, TopologyError, plan_legs, senders, targets
 
 SIZES = st.sampled_from([1, 2, 3, 4, 6, 8, 16])
 

@@ -1,4 +1,4 @@
-"""kvpush.integrations.vllm_core: the vLLM connector's bookkeeping, without vLLM, torch or sockets.
+"""kvpush.integrations.vllm.core: the vLLM connector's bookkeeping, without vLLM, torch or sockets.
 
 The books run against a fake clock and fake effects that record what the engine was asked to do.
 A simulated prefill/decode pair (``World``) moves real numbers through the books' pushes, so the
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush.integrations import vllm_core as core
-from kvpush.integrations.vllm_core import (
+from kvpush.integrations.vllm import core
+from kvpush.integrations.vllm.core import (
     Abort,
     BlockIds,
     ConnectorConfig,

@@ -58,7 +58,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvpush.integrations import vllm_core
+    from kvpush.integrations.vllm import core as vllm_core
 
     role = {"prefill": "kv_producer", "decode": "kv_consumer", "single": None}[args.role]
     config = kv_config(role, args.kv_port, args.transport, args.failure_policy) if role else None

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from offline import PROMPTS, engine_env, engine_kwargs, greedy  # noqa: E402
 
-from kvpush.integrations import vllm_core  # noqa: E402
 from kvpush.integrations.vllm import KvpushConnector  # noqa: E402
+from kvpush.integrations.vllm import core as vllm_core  # noqa: E402
 
 CALLS: collections.Counter[str] = collections.Counter()
 SEEN: list[dict[str, Any]] = []

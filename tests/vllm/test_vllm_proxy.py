@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.integrations.vllm_core import decode_request_params
+from kvpush.integrations.vllm.core import decode_request_params
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -414,7 +414,7 @@ def _wake(server: Server, signal_all: bool, proxy_url: str) -> None:
 
 def _kvpush_lines(server: Server, since: int) -> str:
     """The connector's log lines (vLLM's format) since byte ``since`` of ``server``'s log, for the report."""
-    modules = ("consumer", "producer", "scheduler", "vllm_worker", "vllm_bridge")
+    modules = ("consumer", "producer", "scheduler", "worker", "bridge")
     return "\n".join(line[-320:] for line in log_lines(server, since=since)
                      if any(f"[{module}.py:" in line for module in modules))
 

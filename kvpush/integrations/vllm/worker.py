@@ -4,8 +4,8 @@
 without vLLM or torch (any objects with the attributes vLLM's would have), so the whole worker path,
 real kvpush engines included, is tested without vLLM (tests/integration/test_vllm_worker.py).
 
-Threads: the books of ``vllm_core`` and ``WorkerSide`` are driven from vLLM's thread only.
-``EngineBridge`` (``vllm_bridge``) runs every kvpush call on one private event-loop thread and hands
+Threads: the books of ``core`` and ``WorkerSide`` are driven from vLLM's thread only.
+``EngineBridge`` (``bridge``) runs every kvpush call on one private event-loop thread and hands
 results and inbound messages back as events on a queue, which every hook drains first.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 from kvpush import CacheDesc, RemoteAccess
 
-from . import vllm_core as core
-from .sched_group import confine
-from .vllm_bridge import EngineBridge
-from .vllm_settings import ConnectorSettings, cache_desc
+from ..sched_group import confine
+from . import core
+from .bridge import EngineBridge
+from .settings import ConnectorSettings, cache_desc
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class WorkerSide:
     def register(self, names: Sequence[str], tensors: Sequence[Any], slot_of: Sequence[int] | None = None) -> None:
         """Start the engine and register ``tensors`` (one per layer, in layer order) in place, each layer
         ``[num_blocks, heads, ...]`` as ``num_blocks * heads`` kvpush blocks of one head each (see
-        ``vllm_core.topology``); an MLA model's ``[num_blocks, (1,) block_size, latent]`` layers as they are, one
+        ``..topology``); an MLA model's ``[num_blocks, (1,) block_size, latent]`` layers as they are, one
         block per KV block (the latent is one head every rank holds whole).
 
         A model with several KV cache groups (``settings.groups`` not plain) shares each block of memory between

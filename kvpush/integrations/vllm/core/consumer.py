@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..families import PLAIN, Groups
-from .config import ConnectorConfig
+from ...config import ConnectorConfig
+from ...families import PLAIN, Groups
 from .effects import Clock, ConsumerEffects
 from .messages import Abort, Done, Message, Outcome, encode
 from .steps import RecvSpec

@@ -1,4 +1,4 @@
-"""The prefill side of kvpush's SGLang transfer backend (``sglang_backend.KvpushKVManager`` is both sides):
+"""The prefill side of kvpush's SGLang transfer backend (``backend.KvpushKVManager`` is both sides):
 decode ranks register here and the prefill links to their kvpush engines; each chunk of a room becomes one
 ``push_blocks`` per decode rank, in order, the last one carrying the room's aux row; aborts from either side
 end the other side's part of the room at once, whenever it comes, and never before the last byte that may land
@@ -28,9 +28,9 @@ from kvpush import BlocksCacheKey, Cache, LLMClusterInfo, LLMDataDist, LLMExcept
 from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
-from . import sglang_core as core
-from .liveness import gone_async, split_host_port
-from .vllm_bridge import describe_error
+from ..errors import describe_error
+from ..liveness import gone_async, split_host_port
+from . import core
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class PrefillSide(CommonKVManager):
         self.peers: dict[str, DecodePeer] = {}  # decode ranks by session
         self._pushes: dict[tuple[int, str], list[asyncio.Task[None]]] = {}  # a room's pushes per decode session
         self._room_waiting: dict[int, set[str]] = {}
-        # rooms aborted before the other side's part came: see ``sglang_core.AbortedRooms``
+        # rooms aborted before the other side's part came: see ``core.AbortedRooms``
         self._aborted_here = core.AbortedRooms()  # by this prefill, before the decode's destination came
         self._aborted_by_decode = core.AbortedRooms()  # by a decode, before this prefill's request came
         self._aborted_lock = threading.Lock()  # the two above, from SGLang's threads and the loop thread

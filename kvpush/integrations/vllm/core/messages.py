@@ -17,10 +17,10 @@ from typing import Any
 
 from kvpush import MAX_MESSAGE_BYTES
 
-from .topology import Geometry, LegInfo
+from ...config import MAX_TRANSFER_ID_BYTES
+from ...topology import Geometry, LegInfo
 
 PROTOCOL_VERSION = 2  # 2: block ids carry their leg (tensor parallelism); Hello / Welcome
-MAX_TRANSFER_ID_BYTES = 128
 MAX_REASON_BYTES = 512
 MAX_BLOCKS_PER_TRANSFER = 1 << 24
 

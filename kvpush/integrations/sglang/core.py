@@ -1,7 +1,8 @@
 """The SGLang-free core of kvpush's SGLang transfer backend: how SGLang's KV pool is registered as kvpush
 blocks, which blocks a prefill rank writes to a decode rank, the backend's two wire messages and its
-settings. Pure (no SGLang, torch, sockets or threads); it shares ``vllm_core``'s tensor-parallel maths
-(``Sharding``, ``Leg``), cluster ids and engine options rather than copying them.
+settings. Pure (no SGLang, torch, sockets or threads); it shares with vLLM's connector the tensor-parallel
+maths of ``..topology`` (``Sharding``, ``Leg``) and the cluster ids and engine options of ``..config`` rather
+than copying them.
 
 SGLang's MHA pool keeps one buffer per layer for K and one for V (``KVArgs.kv_data_ptrs``: K layers, then V
 layers), each ``[tokens, local_heads, head_dim]``, addressed by page (``page_size`` tokens). One head of one
@@ -26,7 +27,8 @@ import numpy as np
 
 from kvpush import AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, is_loopback
 
-from .vllm_core import ConnectorConfig, Leg, ParamsError, Sharding, TopologyError, derive_cluster_id
+from ..config import ConnectorConfig, ParamsError, derive_cluster_id
+from ..topology import Leg, Sharding, TopologyError
 
 __all__ = [
     "BACKEND_NAME", "MODEL_ID", "REGISTER_ROOM", "AbortedRooms", "BackendSettings", "Done", "LayoutError",
@@ -152,7 +154,7 @@ def _tokens(pages: Any, page_size: int) -> np.ndarray[Any, Any]:
 def slab_ids(leg: Leg, src_pages: Any, dst_pages: Any, prefill: PoolLayout,
              decode: PoolLayout) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """The kvpush block ids ``leg`` moves for pages ``src_pages`` (prefill) into ``dst_pages`` (decode),
-    pairwise: every token of every page, the leg's heads of each (``vllm_core.Leg.block_ids`` over tokens)."""
+    pairwise: every token of every page, the leg's heads of each (``topology.Leg.block_ids`` over tokens)."""
     return leg.block_ids(_tokens(src_pages, prefill.page_size), _tokens(dst_pages, decode.page_size),
                          prefill.local_heads, decode.local_heads)
 

@@ -7,9 +7,9 @@ A prefill instance (``kv_producer``) listens on ``VLLM_HOST_IP`` (or 127.0.0.1) 
 decode instance (``kv_consumer``) dials the prefill named in a request's ``kv_transfer_params``
 (``remote_host``/``remote_port``, default: its own ``kv_port`` on the same host), so a prefill and a
 decode server started with vLLM's defaults on one host find each other. ``kv_connector_extra_config``
-takes ``vllm_core.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines). With tensor
+takes ``..config.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines). With tensor
 parallelism every worker rank runs its own kvpush engine (rank ``r`` listening on ``port + 2 * r``) and
-pushes its own KV heads; prefill and decode may use different TP sizes (``vllm_core.topology``).
+pushes its own KV heads; prefill and decode may use different TP sizes (``..topology``).
 
 Every model family moves (``SupportsHMA``: vLLM's hybrid KV cache manager stays on): MLA's latent as it is,
 sliding-window groups only the blocks of their window, Mamba and linear-attention state its one block per
@@ -18,7 +18,7 @@ see ``families``. Such a model shares each block of memory between its groups' l
 registers the distinct layer slots, one page per block, and its instances exchange KV between equal TP sizes.
 
 This module is the thin part: it translates vLLM's hooks into calls on the scheduler book of
-``vllm_core`` and on ``vllm_worker.WorkerSide`` (the worker's books and ``vllm_bridge.EngineBridge``, which runs
+``core`` and on ``worker.WorkerSide`` (the worker's books and ``bridge.EngineBridge``, which runs
 every kvpush call on one private event-loop thread); both are vLLM-free. Only host (CPU) KV caches
 are supported: a CUDA cache is refused with the reason.
 """
@@ -51,10 +51,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
     KVConnectorStats,
 )
 
-from . import vllm_core as core
-from .vllm_fleet import fleet_member
-from .vllm_settings import ConnectorSettings, scheduled_requests
-from .vllm_worker import WorkerSide
+from . import core
+from .fleet import fleet_member
+from .settings import ConnectorSettings, scheduled_requests
+from .worker import WorkerSide
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ except ImportError:  # pragma: no cover - a vLLM without the enum
 
 
 class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
-    """One step's ``vllm_core.StepMeta``, in vLLM's metadata type."""
+    """One step's ``core.StepMeta``, in vLLM's metadata type."""
 
     def __init__(self, step: core.StepMeta) -> None:
         self.step = step

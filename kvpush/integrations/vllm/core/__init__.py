@@ -35,8 +35,9 @@ compatibility). Every name is re-exported here; import from the package.
 
 from kvpush import MAX_MESSAGE_BYTES
 
-from .config import (
+from ...config import (
     IDS_WAIT_MS,
+    MAX_TRANSFER_ID_BYTES,
     ROLES,
     ConnectorConfig,
     ConsumerParams,
@@ -50,12 +51,23 @@ from .config import (
     parse_params,
     prefill_request_params,
 )
+from ...topology import (
+    Geometry,
+    Leg,
+    LegInfo,
+    Sharding,
+    Target,
+    TopologyError,
+    dst_ids,
+    incompatibility,
+    plan_legs,
+    targets,
+)
 from .consumer import ConsumerBook, ConsumerState, Received
 from .effects import Clock, ConsumerEffects, ProducerEffects
 from .messages import (
     MAX_BLOCKS_PER_TRANSFER,
     MAX_REASON_BYTES,
-    MAX_TRANSFER_ID_BYTES,
     PROTOCOL_VERSION,
     Abort,
     BlockIds,
@@ -73,18 +85,6 @@ from .messages import (
 from .producer import TOMBSTONES, ProducerBook, ProducerState
 from .scheduler import IDS_IN_REMEMBERED, IdsHold, Scheduled, SchedulerBook
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
-from .topology import (
-    Geometry,
-    Leg,
-    LegInfo,
-    Sharding,
-    Target,
-    TopologyError,
-    dst_ids,
-    incompatibility,
-    plan_legs,
-    targets,
-)
 
 __all__ = [
     "IDS_IN_REMEMBERED", "IDS_WAIT_MS", "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook",

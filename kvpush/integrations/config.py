@@ -1,7 +1,8 @@
-"""What a connector is told: its settings (``ConnectorConfig``, from ``kv_connector_extra_config``),
-where engines listen (``listen_port``, ``PeerAddress``, ``derive_cluster_id``), what a request's
-``kv_transfer_params`` ask (``parse_params``) and the params a proxy sends (``prefill_request_params``,
-``decode_request_params``). Pure; anything unusable raises ``ParamsError`` naming the key.
+"""What an engine's kvpush side is told - vLLM's connector's and SGLang's backend's alike: its settings
+(``ConnectorConfig``, from ``kv_connector_extra_config``), where engines listen (``listen_port``, ``PeerAddress``,
+``derive_cluster_id``), what a request's ``kv_transfer_params`` ask (``parse_params``) and the params a proxy
+sends (``prefill_request_params``, ``decode_request_params``). Pure; anything unusable raises ``ParamsError``
+naming the key.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import MAX_TRANSFER_ID_BYTES
-
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+MAX_TRANSFER_ID_BYTES = 128  # a transfer id on the wire (UTF-8)
 IDS_WAIT_MS = 50  # a prefill's hold for its decode's block ids; measured: they come 8-12 ms (p50) after its request
 IDLE_WAIT_MS = 20  # how long an empty engine step waits for a transfer's news before vLLM takes the next one
 

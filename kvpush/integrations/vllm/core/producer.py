@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..families import PLAIN, Groups, LayoutError
-from .config import ConnectorConfig
+from ...config import ConnectorConfig
+from ...families import PLAIN, Groups, LayoutError
+from ...topology import Leg, LegInfo
 from .effects import Clock, ProducerEffects
 from .messages import Abort, BlockIds, Done, Message, Outcome, encode
 from .steps import FinishedSend, SendStep, blocks_for
-from .topology import Leg, LegInfo
 
 log = logging.getLogger(__name__)
 

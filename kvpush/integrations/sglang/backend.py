@@ -9,7 +9,7 @@ the aux (metadata) buffers and the ``KVPoll`` states. What moves differs:
 
 - Pages: the prefill pushes them with kvpush's ``push_blocks`` over a kvpush link it opens to the decode
   rank's engine (cma on one host; TCP or UCX between hosts; ``KVPUSH_TRANSPORT``), one push per prefill
-  chunk, each buffer one kvpush "layer" (see ``sglang_core`` for the blocks of a buffer).
+  chunk, each buffer one kvpush "layer" (see ``core`` for the blocks of a buffer).
 - Least privilege, as in the vLLM connector: the decode registers its pool ``RemoteAccess.GRANTED`` and, before
   it sends a room's pages to a prefill rank, grants that rank's cluster the blocks of those pages only, until
   the room ends (success, failure, abort); the prefill registers its pool ``PRIVATE``. Every link proves
@@ -18,14 +18,14 @@ the aux (metadata) buffers and the ``KVPoll`` states. What moves differs:
   landed; the decode writes it into the aux slot it chose for the room itself and only then reports
   ``KVPoll.Success`` for that prefill rank. Failures travel as SGLang's status messages.
 - Failure detection: a kvpush link that closes fails, at once, the rooms it was carrying; a peer whose process
-  no longer listens is gone, and every room waiting on it ends at once, whatever its stage (``sglang_decode``,
-  ``sglang_prefill``); SGLang's heartbeat also runs. kvpush bounds every layer by ``KVPUSH_SYNC_KV_TIMEOUT_MS``.
+  no longer listens is gone, and every room waiting on it ends at once, whatever its stage (``decode``,
+  ``prefill``); SGLang's heartbeat also runs. kvpush bounds every layer by ``KVPUSH_SYNC_KV_TIMEOUT_MS``.
 
 Threads: SGLang calls these classes on its scheduler thread and runs one ZMQ control thread per manager;
 every kvpush call runs on the manager's own event-loop thread (a ``kvpush.portal.Portal``).
 
 This module holds what both sides share (the engine, the pool's registration, the control messages' format)
-and SGLang's four classes; ``sglang_prefill`` and ``sglang_decode`` hold each side's transfers.
+and SGLang's four classes; ``prefill`` and ``decode`` hold each side's transfers.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from kvpush import BlocksCacheKey, Cache, CacheDesc, DataType, LLMDataDist, LLMR
 from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
-from . import sglang_core as core
-from .sglang_decode import DecodeSide
-from .sglang_prefill import PrefillSide
-from .vllm_bridge import describe_error
+from ..errors import describe_error
+from . import core
+from .decode import DecodeSide
+from .prefill import PrefillSide
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The kvpush engine of one vLLM worker and every call KvpushConnector makes on it (``EngineBridge``).
 
 Every kvpush call runs on one private event-loop thread (a ``kvpush.portal.Portal``); results and inbound
-messages go back to vLLM's thread as events on a queue, which ``WorkerSide`` (``vllm_worker``) drains
+messages go back to vLLM's thread as events on a queue, which ``WorkerSide`` (``worker``) drains
 first in every hook. Works without vLLM or torch.
 """
 
@@ -30,22 +30,13 @@ from kvpush import (
 from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
-from . import vllm_core as core
+from ..errors import describe_error
+from . import core
 
 log = logging.getLogger(__name__)
 
 MODEL_ID = 0  # the one blocks cache of an instance: BlocksCacheKey(cluster_id, MODEL_ID)
 _RETRYABLE = (LLMStatusCode.LLM_LINK_BUSY, LLMStatusCode.LLM_PROCESSING_LINK)
-
-
-def describe_error(error: BaseException) -> str:
-    if isinstance(error, LLMException):
-        return f"{error.status_code.name}: {error}"
-    if isinstance(error, asyncio.CancelledError):
-        return "cancelled"
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return f"{type(error).__name__}: {error}"
 
 
 # -- every kvpush call, in one place ---------------------------------------------------------------

@@ -16,9 +16,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ..fleet import Instance, Load, parse_discovery, parse_load
-from ..portal import Portal
-from .vllm_settings import ConnectorSettings
+from ...fleet import Instance, Load, parse_discovery, parse_load
+from ...portal import Portal
+from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class FleetMember:
         discovery, url = settings.config.discovery, settings.config.advertise_url
         assert discovery is not None and url is not None
         endpoints = parse_discovery(discovery)
-        from ..fleet.etcd import Registrar  # the fleet extra: a clear ImportError without it
+        from ...fleet.etcd import Registrar  # the fleet extra: a clear ImportError without it
 
         kv, clusters = [], []
         if settings.produce and settings.local is not None:

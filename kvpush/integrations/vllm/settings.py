@@ -21,8 +21,8 @@ from kvpush import (
     is_loopback,
 )
 
-from . import vllm_core as core
-from .families import PLAIN, Group, Groups
+from ..families import PLAIN, Group, Groups
+from . import core
 
 _DTYPES = {"float32": DataType.DT_FLOAT, "float16": DataType.DT_FLOAT16, "bfloat16": DataType.DT_BF16,
            "int8": DataType.DT_INT8}

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..families import PLAIN, Groups, LayoutError
+from .families import PLAIN, Groups, LayoutError
 
 
 class TopologyError(ValueError):

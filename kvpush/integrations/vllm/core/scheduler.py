@@ -19,10 +19,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..families import PLAIN, Groups, LayoutError
-from .config import ConsumerParams, ParamsError, PeerAddress, ProducerParams, decode_request_params, parse_params
+from ...config import (
+    MAX_TRANSFER_ID_BYTES,
+    ConsumerParams,
+    ParamsError,
+    PeerAddress,
+    ProducerParams,
+    decode_request_params,
+    parse_params,
+)
+from ...families import PLAIN, Groups, LayoutError
 from .effects import Clock
-from .messages import MAX_TRANSFER_ID_BYTES
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
 
 log = logging.getLogger(__name__)

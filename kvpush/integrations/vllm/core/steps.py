@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import PeerAddress
+from ...config import PeerAddress
 
 
 def per_group(blocks: Any) -> tuple[tuple[int, ...], ...]:

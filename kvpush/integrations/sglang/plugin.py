@@ -8,7 +8,7 @@ each scheduler process (``sglang.srt.plugins.load_plugins``); kvpush's (``pyproj
 2. adds a ``KVPUSH`` member to SGLang's ``TransferBackend`` enum, which SGLang builds from the argument's
    value in several processes (``TransferBackend("kvpush")``);
 3. wraps ``get_kv_class`` so that, for that member, it hands SGLang kvpush's manager, sender, receiver and
-   bootstrap-server classes (``kvpush.integrations.sglang_backend``, imported only then), in the module
+   bootstrap-server classes (``kvpush.integrations.sglang.backend``, imported only then), in the module
    that defines it and in every already-imported module that imported it by name.
 
 ``SGLANG_PLUGINS=kvpush`` restricts SGLang to this plugin; nothing else is needed to select it.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from .sglang_core import BACKEND_NAME
+from .core import BACKEND_NAME
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def kv_class(class_type: Any) -> type:
     """kvpush's class for SGLang's ``KVClassType`` ``class_type`` (the backend imported on first use)."""
     from sglang.srt.disaggregation.base import KVArgs
 
-    from . import sglang_backend as backend
+    from . import backend
 
     classes: dict[str, type] = {"kvargs": KVArgs, "manager": backend.KvpushKVManager,
                                 "sender": backend.KvpushKVSender, "receiver": backend.KvpushKVReceiver,

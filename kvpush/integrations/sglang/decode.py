@@ -1,4 +1,4 @@
-"""The decode side of kvpush's SGLang transfer backend (``sglang_backend.KvpushKVManager`` is both sides):
+"""The decode side of kvpush's SGLang transfer backend (``backend.KvpushKVManager`` is both sides):
 before a room's pages go to its prefill ranks the decode opens to each the blocks it writes, until the room
 ends; a prefill rank's success counts only once its last byte landed and its aux row came with it (kvpush's
 notification).
@@ -31,10 +31,10 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager
 from kvpush import BlockAccess, Cache, Delivery, LLMDataDist, LLMException
 from kvpush.portal import Portal
 
-from . import sglang_core as core
-from .liveness import gone, gone_async, split_host_port
-from .vllm_bridge import describe_error
-from .vllm_core import dst_ids
+from ..errors import describe_error
+from ..liveness import gone, gone_async, split_host_port
+from ..topology import dst_ids
+from . import core
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the worker books ask of the world, injected so the books stay pure: the engine effects of the
 prefill side (``ProducerEffects``) and of the decode side (``ConsumerEffects``), and the ``Clock``.
-``vllm_bridge.EngineBridge`` implements both effect protocols; tests pass recording fakes.
+``..bridge.EngineBridge`` implements both effect protocols; tests pass recording fakes.
 """
 
 from __future__ import annotations
