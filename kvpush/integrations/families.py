@@ -170,6 +170,14 @@ class Groups:
 PLAIN = Groups()
 
 
+def pair_tail(src: Any, dst: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """A sliding window's pages as each side names them, paired from the end (the newest pages are the ones a
+    window keeps): when one side names more (its window starts a page earlier), its oldest extra pages stay out."""
+    src, dst = np.asarray(src, np.int64).ravel(), np.asarray(dst, np.int64).ravel()
+    count = min(len(src), len(dst))
+    return src[len(src) - count:], dst[len(dst) - count:]
+
+
 def window_start(num_tokens: int, window: int, page_size: int, held_tokens: int = 0) -> int:
     """The first token of the page-aligned sliding window a decode needs after ``num_tokens`` prompt tokens,
     never before the ``held_tokens`` it already holds (SGLang's SWA pool: ``[window_start, num_tokens)``)."""

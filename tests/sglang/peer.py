@@ -4,6 +4,14 @@ CPU tensors laid out as SGLang's MHA pool lays them out (``MHATokenToKVPool``: p
 ``[tokens + page_size, kv_heads, head_dim]``, K layers then V layers in ``KVArgs``; page ``p`` holds tokens
 ``p * page_size ..``), and aux buffers as ``MetadataBuffers`` hands them (one row per request slot).
 
+With ``KVPUSH_TEST_STATE`` a model's state pool sits beside that pool, laid out as SGLang lays it out and named in
+``KVArgs.state_*`` as SGLang's ``setup_state_kv_args`` names it: ``swa``, a sliding-window model's window layers'
+own MHA sub-pool (``SWAKVPool.swa_kv_pool``: ``SWA_LAYERS`` K buffers then as many V buffers of
+``[SWA_TOKENS + page_size, kv_heads, head_dim]``, an item a page); ``mamba``, a hybrid model's recurrent state
+(``MambaPool`` through ``HybridLinearKVPool``: per Mamba layer a conv state ``[slots + 1, conv_dim, kernel - 1]`` and
+an SSM state ``[slots + 1, heads, head_dim, d_state]``, an item a slot); ``dsa``, a DSA indexer pool kvpush does not
+move.
+
 ``python peer.py prefill|decode PORT TP_RANK TP_SIZE``: prints one JSON line when ready, then answers JSON
 commands on stdin, one per line (see ``Peer.handle``). Nothing of SGLang is stubbed: only what a scheduler
 process would have set (its runtime context and parallel ranks) is set here, as SGLang's own tests do.
@@ -33,12 +41,21 @@ from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 LAYERS, TOTAL_HEADS, HEAD_DIM, PAGE, TOKENS = 3, 4, 16, 4, 256
 AUX_ITEMS = (16 * 4, 8 * 4)  # two aux buffers: bytes per row
 AUX_SLOTS = 8
+SWA_LAYERS, SWA_TOKENS = 2, 128  # a window sub-pool's layers and tokens (SGLang sizes it below the full pool)
+MAMBA_LAYERS, SLOTS = 2, 8  # Mamba layers; state slots (one per running request)
+MAMBA_SHAPES = ((24, 3), (2, 8, 16))  # conv: conv_dim x (kernel - 1); SSM: heads x head_dim x d_state
 
 
 def prefill_kv(layer: int, head: int) -> torch.Tensor:
     """The prefill's content of one buffer's global head: deterministic, different everywhere."""
     generator = torch.Generator().manual_seed(1000 * layer + head)
     return torch.randn(TOKENS + PAGE, HEAD_DIM, generator=generator).to(torch.bfloat16)
+
+
+def prefill_state(entry: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The prefill's content of one Mamba state entry (every slot of it)."""
+    generator = torch.Generator().manual_seed(50_000 + entry)
+    return torch.randn(SLOTS + 1, *shape, generator=generator)
 
 
 class Peer:
@@ -86,23 +103,57 @@ class Peer:
             setattr(args, name, [])
         args.is_hybrid_mla_backend = False
         args.swa_kv_cache_layout = None
+        self.state = os.environ.get("KVPUSH_TEST_STATE", "")
+        self.state_buffers = self._state_pool(args)
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, get_context().server_args, False)
         self.backend = backend
         self.rooms: dict[int, Any] = {}
 
-    def _buffer(self, layer: int, kv: int) -> torch.Tensor:
+    def _state_pool(self, args: KVArgs) -> list[torch.Tensor]:
+        """The ``KVPUSH_TEST_STATE`` pool's buffers, named in ``args`` as SGLang's ``append_state_component`` does."""
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        if not self.state:
+            return []
+        if self.state == "swa":
+            buffers = [self._buffer(100 + layer, kv, SWA_TOKENS) for kv in (0, 1) for layer in range(SWA_LAYERS)]
+            kind, items = StateType.SWA, [b[0].nbytes * PAGE for b in buffers]
+            args.swa_kv_cache_layout = "nhd"
+        elif self.state == "mamba":
+            buffers = []
+            for _ in range(MAMBA_LAYERS):
+                for shape in MAMBA_SHAPES:
+                    entry = len(buffers)
+                    buffers.append(prefill_state(entry, shape) if self.role == "prefill"
+                                   else torch.zeros(SLOTS + 1, *shape))
+            kind, items = StateType.MAMBA, [b[0].nbytes for b in buffers]
+        else:
+            buffers = [torch.zeros(TOKENS + PAGE, 64, dtype=torch.uint8)]
+            kind, items = StateType(self.state), [64 * PAGE]
+        args.state_types = [kind]
+        args.state_data_ptrs = [[b.data_ptr() for b in buffers]]
+        args.state_data_lens = [[b.nbytes for b in buffers]]
+        args.state_item_lens = [items]
+        args.state_layer_ids = [[]]
+        args.state_dim_per_tensor = [[0] * len(buffers)]
+        args.state_slice_outer_counts = [[1] * len(buffers)]
+        args.state_conv_shard_groups = [[]]
+        return buffers
+
+    def _buffer(self, layer: int, kv: int, tokens: int = TOKENS) -> torch.Tensor:
         if self.role == "decode":
-            return torch.zeros(TOKENS + PAGE, len(self.heads), HEAD_DIM, dtype=torch.bfloat16)
-        return torch.stack([prefill_kv(2 * layer + kv, head) for head in self.heads], dim=1).contiguous()
+            return torch.zeros(tokens + PAGE, len(self.heads), HEAD_DIM, dtype=torch.bfloat16)
+        return torch.stack([prefill_kv(2 * layer + kv, head)[:tokens + PAGE] for head in self.heads],
+                           dim=1).contiguous()
 
     # -- commands ------------------------------------------------------------------------------------
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
         op = command["op"]
         return getattr(self, f"op_{op}")(**{k: v for k, v in command.items() if k != "op"})
 
-    def op_receive(self, room: int, pages: list[int], aux: int, bootstrap: str,
-                   metadata: bool = True) -> dict[str, Any]:
+    def op_receive(self, room: int, pages: list[int], aux: int, bootstrap: str,  # noqa: PLR0913
+                   metadata: bool = True, state: list[list[int] | None] | None = None) -> dict[str, Any]:
         """Decode: a receiver for ``room`` (SGLang's order: parallel info, init, metadata; without ``metadata``,
         as SGLang's prealloc queue holds it before it has pages: ``op_send_metadata`` sends them)."""
         deadline = time.monotonic() + 10
@@ -113,7 +164,9 @@ class Peer:
         receiver = get_kv_class(self.backend, KVClassType.RECEIVER)(mgr=self.manager, bootstrap_addr=bootstrap,
                                                                      bootstrap_room=room)
         self.before = [b.clone() for b in self.k + self.v]  # what "written elsewhere" compares with
+        self.state_before = [b.clone() for b in self.state_buffers]
         self.rooms[room] = (receiver, pages, aux)
+        self.room_state = {**getattr(self, "room_state", {}), room: state}
         receiver.init(0)
         if metadata:
             self.op_send_metadata(room)
@@ -121,7 +174,9 @@ class Peer:
 
     def op_send_metadata(self, room: int) -> dict[str, Any]:
         receiver, pages, aux = self.rooms[room]
-        receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux)
+        state = self.room_state.get(room)
+        receiver.send_metadata(np.asarray(pages, dtype=np.int32), aux,
+                               None if state is None else [None if s is None else np.asarray(s) for s in state])
         return {"status": int(receiver.poll())}
 
     def op_open(self, room: int, pages: list[int], aux: int, bootstrap: str) -> dict[str, Any]:
@@ -133,7 +188,8 @@ class Peer:
         return {"status": int(sender.poll())}
 
     def op_send(self, room: int, pages: list[int], aux: int, bootstrap: str, chunks: int = 1,  # noqa: PLR0913
-                fill_aux: int = 7, hold: int = 0, abort: bool = False, stall: float = 0) -> dict[str, Any]:
+                fill_aux: int = 7, hold: int = 0, abort: bool = False, stall: float = 0,
+                state: list[list[int] | None] | None = None) -> dict[str, Any]:
         """Prefill: a sender for ``room``; once the decode's metadata is in, send ``pages`` in ``chunks``, all
         but the last ``hold`` of them (``op_send_rest`` sends those); with ``abort``, abort the room right after.
         ``stall``: kvpush's loop thread does not run for that long first (as on a loaded host), so what the
@@ -152,8 +208,9 @@ class Peer:
         parts = np.array_split(np.asarray(pages, dtype=np.int32), chunks)
         if stall:
             self.manager.portal.call_soon(time.sleep, stall)
-        for part in parts[:chunks - hold]:
-            sender.send(part)
+        state_indices = None if state is None else [None if s is None else np.asarray(s) for s in state]
+        for index, part in enumerate(parts[:chunks - hold]):
+            sender.send(part, state_indices if index == chunks - 1 else None)
         if abort:
             sender.abort()
         self.held = parts[chunks - hold:]
@@ -207,6 +264,36 @@ class Peer:
         return {"mismatched_buffers": mismatches, "aux_ok": aux_ok,
                 "written_elsewhere": sum(int(not torch.equal(a[others], b[others])) for a, b in zip(pages_of, before)),
                 "room_untouched": all(torch.equal(a[pages], b[pages]) for a, b in zip(pages_of, before))}
+
+    def op_check_state(self, room: int, src: list[int]) -> dict[str, Any]:
+        """Decode: does the room's state hold the prefill's state ``src`` (the prefill's SWA pages, paired from the
+        end with this side's, every head this rank holds; or its Mamba slot), and is every other page or slot of
+        the state pool as it was?"""
+        dst = np.asarray((self.room_state.get(room) or [None])[0])
+        src_ids = np.asarray(src)
+        mismatched, elsewhere = 0, 0
+        if self.state == "swa":
+            count = min(len(src_ids), len(dst))
+            src_ids, dst = src_ids[len(src_ids) - count:], dst[len(dst) - count:]
+            offsets = np.arange(PAGE)
+            dst_tokens = (dst[:, None] * PAGE + offsets).ravel()
+            src_tokens = (src_ids[:, None] * PAGE + offsets).ravel()
+            for index, buffer in enumerate(self.state_buffers):
+                layer, kv = 100 + index % SWA_LAYERS, index // SWA_LAYERS
+                for local, head in enumerate(self.heads):
+                    expected = prefill_kv(2 * layer + kv, head)[src_tokens]
+                    mismatched += int((buffer[dst_tokens, local] != expected).any())
+            written = dst_tokens
+        else:
+            for entry, buffer in enumerate(self.state_buffers):
+                expected = prefill_state(entry, tuple(buffer.shape[1:]))[int(src_ids[0])]
+                mismatched += int(not torch.equal(buffer[int(dst[0])], expected))
+            written = dst
+        for buffer, before in zip(self.state_buffers, self.state_before):
+            keep = torch.ones(buffer.shape[0], dtype=torch.bool)
+            keep[torch.as_tensor(written)] = False
+            elsewhere += int(not torch.equal(buffer[keep], before[keep]))
+        return {"mismatched": mismatched, "written_elsewhere": elsewhere}
 
     def op_abort(self, room: int) -> dict[str, Any]:
         endpoint = self.rooms[room][0]

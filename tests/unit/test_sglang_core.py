@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvpush import MAX_MESSAGE_BYTES
+from kvpush.integrations.config import ParamsError
 from kvpush.integrations.sglang import core
-from kvpush.integrations.vllm.core import ParamsError
 
 HEAD_DIM, ITEM = 8, 2  # bf16
 
@@ -147,3 +147,69 @@ def test_aborted_rooms_remember_why_and_forget_the_oldest_past_their_bound() -> 
     rooms.add(2, "again")  # re-added: now the newest
     rooms.add(5, "aborted 5")
     assert rooms.reason(2) == "again" and rooms.reason(3) is None and len(rooms) == 3
+
+
+# -- state pools beside the KV (KVArgs.state_*) ------------------------------------------------------------
+
+def with_states(args: SimpleNamespace, *components: tuple[str, list[int], list[int]]) -> SimpleNamespace:
+    """``components``: (SGLang's StateType name, each entry's buffer bytes, each entry's item bytes)."""
+    args.state_types = [SimpleNamespace(name=kind) for kind, _, _ in components]
+    args.state_data_lens = [lens for _, lens, _ in components]
+    args.state_item_lens = [items for _, _, items in components]
+    return args
+
+
+def test_a_window_sub_pool_is_a_pool_of_its_own_and_a_state_a_cache_per_slot_size() -> None:
+    page = 4 * 2 * HEAD_DIM * ITEM
+    args = with_states(kv_args(total=2), ("SWA", [6 * page] * 4, [page] * 4),
+                       ("MAMBA", [9 * 288, 9 * 1024, 9 * 288, 9 * 1024], [288, 1024, 288, 1024]))
+    swa, mamba = core.state_pools(args, 1, 0)
+    assert swa.window is not None and (swa.window.buffers, swa.window.pages, swa.window.local_heads) == (4, 6, 2)
+    assert mamba.groups == (core.SlotGroup((0, 2), 9, 288), core.SlotGroup((1, 3), 9, 1024))
+    assert core.state_model_ids((swa, mamba)) == [[1], [2, 3]]  # after the KV pool's (core.MODEL_ID 0)
+    assert tuple(core.StatePool.from_wire(p.to_wire()) for p in (swa, mamba)) == (swa, mamba)
+    registration = core.Registration("127.0.0.1", 1, 2, layout(1, 0, total=2), (64,), (swa, mamba))
+    assert core.Registration.decode(registration.encode()) == registration
+
+
+def test_a_state_pool_kvpush_does_not_move_is_refused_by_name() -> None:
+    with pytest.raises(core.LayoutError, match="DSA state pool"):
+        core.state_pools(with_states(kv_args(total=2), ("DSA", [640], [64])), 1, 0)
+    with pytest.raises(core.LayoutError, match="do not cut into slots"):
+        core.state_pools(with_states(kv_args(total=2), ("MAMBA", [1000], [288])), 1, 0)
+
+
+def test_the_two_sides_state_pools_must_agree_and_a_state_moves_between_equal_tp_sizes_only() -> None:
+    page = 4 * 2 * HEAD_DIM * ITEM
+    args = with_states(kv_args(total=2), ("MAMBA", [9 * 288], [288]))
+    (mamba,) = core.state_pools(args, 1, 0)
+    one = layout(1, 0, total=2)
+    assert core.incompatibility(one, one, (mamba,), ()) == "state pools: prefill ['MAMBA'], decode []"
+    other = core.StatePool("MAMBA", None, (core.SlotGroup((0,), 9, 512),))
+    assert "MAMBA state pool 0: prefill MAMBA (1 x 9 slots of 288 bytes)" in (
+        core.incompatibility(layout(1, 0, total=2), layout(1, 0, total=2), (mamba,), (other,)) or "")
+    assert "equal TP sizes only" in (core.incompatibility(layout(2, 0, total=2), one, (mamba,), (mamba,)) or "")
+    (swa,) = core.state_pools(with_states(kv_args(total=2), ("SWA", [6 * page] * 4, [page] * 4)), 1, 0)
+    (wide,) = core.state_pools(with_states(kv_args(total=2), ("SWA", [6 * page] * 6, [page] * 6)), 1, 0)
+    assert core.incompatibility(layout(1, 0, total=2), layout(1, 0, total=2), (swa,), (wide,)) == (
+        "SWA state pool 0: buffers (layers x K/V): prefill 4, decode 6")
+
+
+def test_a_window_s_pages_pair_from_the_end_and_a_state_moves_its_slot_in_every_slot_size() -> None:
+    page = 4 * 2 * HEAD_DIM * ITEM
+    (swa,) = core.state_pools(with_states(kv_args(total=2), ("SWA", [6 * page] * 2, [page] * 2)), 1, 0)
+    assert swa.window is not None
+    leg = core.overlap(swa.window, swa.window)
+    ((cache, src, dst),) = core.state_pushes(swa, swa, [9, 2, 5], [4, 1], leg)
+    assert cache == 0 and src[:8].tolist() == list(range(2 * 4 * 2, 3 * 4 * 2))  # page 2's tokens, both heads
+    assert dst[:8].tolist() == list(range(4 * 4 * 2, 5 * 4 * 2))  # into page 4
+    (mamba,) = core.state_pools(with_states(kv_args(total=2), ("MAMBA", [9 * 288, 9 * 1024], [288, 1024])), 1, 0)
+    pushes = core.state_pushes(mamba, mamba, [3], [7], None)
+    assert [(c, s.tolist(), d.tolist()) for c, s, d in pushes] == [(0, [3], [7]), (1, [3], [7])]
+    with pytest.raises(core.LayoutError, match="one slot per side"):
+        core.state_pushes(mamba, mamba, [3, 4], [7], None)
+    with pytest.raises(core.LayoutError, match="decode's MAMBA slot 9"):
+        core.state_pushes(mamba, mamba, [3], [9], None)
+    indices = [np.asarray([3, 4]), None]
+    decoded = core.decode_state_indices(core.encode_state_indices(indices))
+    assert decoded[0] is not None and decoded[0].tolist() == [3, 4] and decoded[1] is None

@@ -69,9 +69,10 @@ class KvpushKVManager(PrefillSide, DecodeSide):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if any(types for types in (getattr(args, "state_types", None) or [])):
-            raise NotImplementedError("kvpush SGLang backend: this model keeps state beside its KV (mamba, SWA or "
-                                      f"DSA pools: {args.state_types}); only full-attention KV pools move so far")
+        try:
+            self.states = core.state_pools(args, self.attn_tp_size, self.attn_tp_rank)
+        except core.LayoutError as error:
+            raise NotImplementedError(f"kvpush SGLang backend: {error}") from None
         self.settings = core.BackendSettings.from_env()
         if not is_mla_backend and getattr(args, "kv_head_num", None) is None:
             # SGLang 0.5.23's decode does not fill in KVArgs' head counts (its prefill does): read the model's
@@ -86,6 +87,7 @@ class KvpushKVManager(PrefillSide, DecodeSide):
         self.dd = LLMDataDist(LLMRole.DECODER if self.is_decode else LLMRole.PROMPT, self.cluster_id)
         self._tasks = TaskScope(f"kvpush-sglang-{self.cluster_id}")
         self.cache: Cache | None = None
+        self.state_caches: list[list[Cache]] = []  # each state pool's caches (``core.state_model_ids``)
         self._init_prefill_side()
         self._init_decode_side()
         listen = (self.local_ip, 0) if self.is_decode else None
@@ -106,6 +108,9 @@ class KvpushKVManager(PrefillSide, DecodeSide):
                  self.layout.tp_size, self.cluster_id, self.layout.buffers, self.layout.pages, self.layout.page_size,
                  self.layout.local_heads, self.layout.slab_bytes,
                  f", listening on {self.listen_address}" if self.listen_address else "")
+        if self.states:
+            log.info("kvpush SGLang backend: state pools beside the KV: %s",
+                     "; ".join(pool.describe() for pool in self.states))
 
     async def _start(self, listen: tuple[str, int] | None) -> None:
         await self.dd.init(self.settings.engine_options(listen))
@@ -114,6 +119,15 @@ class KvpushKVManager(PrefillSide, DecodeSide):
         self.cache = self.dd.cache_manager.register_blocks_cache(desc, list(self.kv_args.kv_data_ptrs),
                                                                  BlocksCacheKey(self.cluster_id, core.MODEL_ID),
                                                                  remote_access=access)
+        for index, (pool, ids) in enumerate(zip(self.states, core.state_model_ids(self.states))):
+            pointers = list(self.kv_args.state_data_ptrs[index])
+            shapes = [(pool.window.buffers, (pool.window.blocks, pool.window.slab_bytes), pointers)] if pool.window \
+                else [(len(g.members), (g.slots, g.slot_bytes), [pointers[m] for m in g.members]) for g in pool.groups]
+            self.state_caches.append([
+                self.dd.cache_manager.register_blocks_cache(CacheDesc(count, shape, DataType.DT_UINT8), buffers,
+                                                            BlocksCacheKey(self.cluster_id, model_id),
+                                                            remote_access=access)
+                for (count, shape, buffers), model_id in zip(shapes, ids)])
         if self.is_decode:
             self.dd.add_link_listener(self._on_link)
             self._tasks.spawn(self._read_done(self.dd.notifications))
@@ -138,7 +152,8 @@ class KvpushKVManager(PrefillSide, DecodeSide):
     # -- the messages both sides exchange over SGLang's ZMQ control sockets ------------------------
     def _registration(self) -> core.Registration:
         host, port = self.listen_address or (self.local_ip, 0)
-        return core.Registration(host, port, self.cluster_id, self.layout, tuple(self.kv_args.aux_item_lens))
+        return core.Registration(host, port, self.cluster_id, self.layout, tuple(self.kv_args.aux_item_lens),
+                                 self.states)
 
     def build_receiver_registration_message(self) -> list[bytes]:
         return [core.REGISTER_ROOM, self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii"),
@@ -152,7 +167,8 @@ class KvpushKVManager(PrefillSide, DecodeSide):
                 str(self.rank_port).encode("ascii"), self._session().encode("ascii"),
                 b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes(),
                 b"" if is_dummy else str(aux_index).encode("ascii"),
-                str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii")]
+                str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii"),
+                b"" if is_dummy or not state_indices else core.encode_state_indices(state_indices)]
 
     def _session(self) -> str:
         return str(NetworkAddress(self.local_ip, self.rank_port).to_host_port_str())
@@ -218,7 +234,8 @@ class KvpushKVReceiver(CommonKVReceiver):
                       state_indices: list[Any] | None = None, decode_prefix_len: int | None = None,
                       *args: Any, **kwargs: Any) -> None:
         if self.bootstrap_infos is not None and self.conclude_state is None:
-            problem = self.kv_mgr.grant(self.bootstrap_room, self.bootstrap_infos, kv_indices, aux_index)
+            problem = self.kv_mgr.grant(self.bootstrap_room, self.bootstrap_infos, kv_indices, aux_index,
+                                        state_indices)
             if problem is not None:
                 self.kv_mgr.record_failure(self.bootstrap_room, problem)
                 self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)

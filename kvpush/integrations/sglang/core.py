@@ -11,6 +11,19 @@ registered as ``tokens * local_heads`` kvpush blocks of one head each (token ``t
 ``t * local_heads + h``); a prefill rank writes a decode rank the heads they share (``overlap``) of every
 token of the pages it was sent, computed with numpy; kvpush merges touching blocks into runs, so with equal
 TP sizes a page moves as one run per buffer. MLA pools have one latent "head" every rank holds whole.
+
+A model may keep state beside that pool (``KVArgs.state_types``; ``StatePool``), and two kinds of it move with
+the KV, after the room's last chunk:
+
+- ``SWA``: a sliding-window model's window layers keep their own sub-pool, with pages of their own; it is
+  registered as the KV pool is (``PoolLayout``), and the pages both sides name for the window (SGLang computes
+  them on each side: the page-aligned window before the prompt's end) are paired from the end
+  (``families.pair_tail``);
+- ``MAMBA``: a hybrid model's recurrent state (Mamba, GDN, ...): one entry per state tensor and layer, each a
+  buffer of slots (one per request); entries of one slot size are one registered cache, and a room moves one
+  slot (the prefill's request's) into one slot (the decode's). Equal tensor-parallel sizes only.
+
+Any other state (DSA indexers, QSA, block scales, DeepSeek-V4's rings) is refused at start-up, named.
 """
 
 from __future__ import annotations
@@ -28,16 +41,18 @@ import numpy as np
 from kvpush import AUTH_TOKEN_ENV, MAX_MESSAGE_BYTES, is_loopback
 
 from ..config import ConnectorConfig, ParamsError, derive_cluster_id
+from ..families import pair_tail
 from ..topology import Leg, Sharding, TopologyError
 
 __all__ = [
-    "BACKEND_NAME", "MODEL_ID", "REGISTER_ROOM", "AbortedRooms", "BackendSettings", "Done", "LayoutError",
-    "PoolLayout", "PrefillRank", "Registration", "cluster_id_of", "decode_done", "encode_done", "incompatibility",
-    "overlap", "prefill_ranks", "slab_ids",
+    "AbortedRooms", "BACKEND_NAME", "BackendSettings", "Done", "LayoutError", "MODEL_ID", "PoolLayout",
+    "PrefillRank", "REGISTER_ROOM", "Registration", "SlotGroup", "StatePool", "cluster_id_of", "decode_done",
+    "decode_state_indices", "encode_done", "encode_state_indices", "incompatibility", "overlap", "prefill_ranks",
+    "slab_ids", "state_model_ids", "state_pools", "state_pushes",
 ]
 
 BACKEND_NAME = "kvpush"  # the value of --disaggregation-transfer-backend
-MODEL_ID = 0  # the one blocks cache of a rank: BlocksCacheKey(cluster_id, MODEL_ID)
+MODEL_ID = 0  # the KV pool's blocks cache: BlocksCacheKey(cluster_id, MODEL_ID); state pools' follow it (1, 2, ..)
 REGISTER_ROOM = b"None"  # SGLang's first frame of a decode rank's registration (its other messages carry a room)
 _DONE_MAGIC = b"KSD1"  # kvpush-SGLang done, version 1
 _DONE_HEADER = struct.Struct("<4sQII")  # magic, room, prefill rank, number of aux buffers
@@ -64,11 +79,13 @@ class PoolLayout:
     mla: bool = False
 
     @classmethod
-    def of(cls, kv_args: Any, tp_size: int, tp_rank: int, mla: bool) -> PoolLayout:
+    def of(cls, kv_args: Any, tp_size: int, tp_rank: int, mla: bool, data_lens: Any = None,
+           item_lens: Any = None) -> PoolLayout:
         """From SGLang's ``KVArgs`` (its buffers' and pages' byte counts, page size, KV heads); refuses pools
         whose buffers differ (a draft model's pool beside the target's) or whose pages do not cut into head
-        slabs."""
-        data_lens, item_lens = list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
+        slabs. ``data_lens``/``item_lens``: another pool's buffers of the same heads (an SWA sub-pool's)."""
+        data_lens = list(kv_args.kv_data_lens if data_lens is None else data_lens)
+        item_lens = list(kv_args.kv_item_lens if item_lens is None else item_lens)
         page_size = int(kv_args.page_size)
         local_heads = int(getattr(kv_args, "kv_head_num", 1) or 1)
         total_heads = int(getattr(kv_args, "total_kv_head_num", 1) or 1)
@@ -122,15 +139,163 @@ class PoolLayout:
         return layout
 
 
-def incompatibility(prefill: PoolLayout, decode: PoolLayout) -> str | None:
+@dataclass(frozen=True)
+class SlotGroup:
+    """Mamba state entries of one slot size, registered as one cache: ``entries`` buffers (the KVArgs entries
+    ``members``) of ``slots`` slots of ``slot_bytes``."""
+
+    members: tuple[int, ...]
+    slots: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """One of a model's state components (``KVArgs.state_types[i]``) as kvpush registers it: ``kind`` ``SWA``
+    (``window``: its sub-pool's layout) or ``MAMBA`` (``groups``: its entries by slot size)."""
+
+    kind: str
+    window: PoolLayout | None = None
+    groups: tuple[SlotGroup, ...] = ()
+
+    @property
+    def caches(self) -> int:
+        """Registered caches: one for a window sub-pool, one per slot size of a state."""
+        return 1 if self.kind == "SWA" else len(self.groups)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "window": self.window.to_wire() if self.window else None,
+                "groups": [[list(g.members), g.slots, g.slot_bytes] for g in self.groups]}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> StatePool:
+        try:
+            kind = str(body["kind"])
+            window = PoolLayout.from_wire(body["window"]) if body.get("window") is not None else None
+            groups = tuple(SlotGroup(tuple(int(m) for m in members), int(slots), int(size))
+                           for members, slots, size in body["groups"])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise LayoutError(f"bad state pool {body!r}: {error}") from None
+        if kind not in ("SWA", "MAMBA") or (kind == "SWA") != (window is not None) or (kind == "MAMBA" and not groups):
+            raise LayoutError(f"bad state pool {body!r}")
+        return cls(kind, window, groups)
+
+    def describe(self) -> str:
+        if self.window is not None:
+            return f"SWA ({self.window.buffers} buffers of {self.window.pages} pages)"
+        return "MAMBA (" + ", ".join(f"{len(g.members)} x {g.slots} slots of {g.slot_bytes} bytes"
+                                     for g in self.groups) + ")"
+
+
+def _kind(state_type: Any) -> str:
+    return str(getattr(state_type, "name", state_type)).rsplit(".", 1)[-1].upper()
+
+
+def state_pools(kv_args: Any, tp_size: int, tp_rank: int) -> tuple[StatePool, ...]:
+    """The state components of SGLang's ``KVArgs`` as kvpush registers them; raises LayoutError naming a component
+    that does not move (yet) or whose buffers do not cut into its pages or slots."""
+    pools = []
+    types = list(getattr(kv_args, "state_types", None) or [])
+    for index, state_type in enumerate(types):
+        kind = _kind(state_type)
+        data_lens = [int(n) for n in kv_args.state_data_lens[index]]
+        item_lens = [int(n) for n in kv_args.state_item_lens[index]]
+        if kind == "SWA":
+            window = PoolLayout.of(kv_args, tp_size, tp_rank, False, data_lens, item_lens)
+            pools.append(StatePool("SWA", window))
+        elif kind == "MAMBA":
+            if not data_lens or len(data_lens) != len(item_lens) or any(
+                    size < 1 or total % size for total, size in zip(data_lens, item_lens)):
+                raise LayoutError(f"state pool {index} (MAMBA): buffers of {sorted(set(data_lens))} bytes do not cut "
+                                  f"into slots of {sorted(set(item_lens))} bytes")
+            by_shape: dict[tuple[int, int], list[int]] = {}
+            for entry, (total, size) in enumerate(zip(data_lens, item_lens)):
+                by_shape.setdefault((total // size, size), []).append(entry)
+            pools.append(StatePool("MAMBA", None, tuple(SlotGroup(tuple(members), slots, size)
+                                                        for (slots, size), members in by_shape.items())))
+        else:
+            raise LayoutError(f"this model keeps a {kind} state pool beside its KV (state component {index} of "
+                              f"{[_kind(t) for t in types]}); kvpush moves SWA and MAMBA state pools only, so far")
+    return tuple(pools)
+
+
+def encode_state_indices(indices: list[Any]) -> bytes:
+    """A side's state indices (one list per state pool, None where it has none) for a message."""
+    return json.dumps([None if part is None else np.asarray(part, np.int64).ravel().tolist()
+                       for part in indices]).encode()
+
+
+def decode_state_indices(data: bytes) -> list[np.ndarray[Any, Any] | None]:
+    """Raises LayoutError for anything but ``encode_state_indices``' output."""
+    try:
+        parts = json.loads(data)
+        if not isinstance(parts, list):
+            raise TypeError("not a list")
+        return [None if part is None else np.asarray(part, np.int64) for part in parts]
+    except (ValueError, TypeError) as error:
+        raise LayoutError(f"bad state indices: {error}") from None
+
+
+def state_model_ids(states: tuple[StatePool, ...]) -> list[list[int]]:
+    """The blocks-cache model ids of each state pool's caches (the KV pool's is ``MODEL_ID``; theirs follow it, in
+    order), as both sides derive them: a prefill pushes into a decode's cache by that id."""
+    ids, next_id = [], MODEL_ID + 1
+    for pool in states:
+        ids.append(list(range(next_id, next_id + pool.caches)))
+        next_id += pool.caches
+    return ids
+
+
+def state_pushes(prefill: StatePool, decode: StatePool, src: Any, dst: Any,
+                 leg: Leg | None) -> list[tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """What one state component of a room moves: (cache within the component, src block ids, dst block ids) for
+    the prefill's indices ``src`` and the decode's ``dst`` (SGLang's state indices of each side): a window's pages
+    paired from the end, this rank's heads of every token of them (``leg``: the window sub-pools' ``overlap``); a
+    state's one slot in every slot size. Raises LayoutError for indices that do not fit."""
+    src, dst = np.asarray(src, np.int64).ravel(), np.asarray(dst, np.int64).ravel()
+    if prefill.kind == "SWA":
+        assert prefill.window is not None and decode.window is not None
+        src, dst = pair_tail(src, dst)
+        if leg is None or not len(src):
+            return []
+        return [(0, *slab_ids(leg, src, dst, prefill.window, decode.window))]
+    if len(src) != 1 or len(dst) != 1:
+        raise LayoutError(f"a MAMBA state moves one slot per side; the prefill names {len(src)}, the decode "
+                          f"{len(dst)}")
+    for side, slot, pool in (("prefill", int(src[0]), prefill), ("decode", int(dst[0]), decode)):
+        if any(not 0 <= slot < group.slots for group in pool.groups):
+            raise LayoutError(f"the {side}'s MAMBA slot {slot} is outside its {pool.describe()}")
+    return [(index, src, dst) for index in range(len(prefill.groups))]
+
+
+def incompatibility(prefill: PoolLayout, decode: PoolLayout, prefill_states: tuple[StatePool, ...] = (),
+                     decode_states: tuple[StatePool, ...] = ()) -> str | None:
     """Why the decode's pool cannot take the prefill's KV (each differing value named on both sides), or
-    None. Different tensor-parallel sizes are bridged head by head; nothing else is."""
-    problems = [f"{what}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}"
-                for key, what in (("buffers", "KV buffers (layers x K/V)"), ("page_size", "page size"),
-                                  ("slab_bytes", "bytes per head per token (head size x dtype)"),
-                                  ("total_heads", "KV heads"), ("mla", "MLA"))
-                if getattr(prefill, key) != getattr(decode, key)]
+    None. Different tensor-parallel sizes are bridged head by head (a window sub-pool's too); a recurrent state
+    moves between equal ones only; nothing else is bridged."""
+    problems = _differences(prefill, decode, "KV")
+    kinds = [pool.kind for pool in prefill_states], [pool.kind for pool in decode_states]
+    if kinds[0] != kinds[1]:
+        problems.append(f"state pools: prefill {kinds[0]}, decode {kinds[1]}")
+    else:
+        for index, (mine, theirs) in enumerate(zip(prefill_states, decode_states)):
+            if mine.window is not None and theirs.window is not None:
+                problems += _differences(mine.window, theirs.window, f"SWA state pool {index}")
+            elif mine.groups != theirs.groups:
+                problems.append(f"MAMBA state pool {index}: prefill {mine.describe()}, decode {theirs.describe()}")
+            elif mine.kind == "MAMBA" and prefill.tp_size != decode.tp_size:
+                problems.append(f"MAMBA state pool {index}: prefill TP {prefill.tp_size}, decode TP {decode.tp_size} "
+                                f"(a recurrent state moves between equal TP sizes only)")
     return "; ".join(problems) or None
+
+
+def _differences(prefill: PoolLayout, decode: PoolLayout, pool: str) -> list[str]:
+    what = {"buffers": "KV buffers (layers x K/V)", "page_size": "page size",
+            "slab_bytes": "bytes per head per token (head size x dtype)", "total_heads": "KV heads", "mla": "MLA"}
+    if pool != "KV":
+        what = {key: f"{pool}: {text.removeprefix('KV ')}" for key, text in what.items()}
+    return [f"{text}: prefill {getattr(prefill, key)}, decode {getattr(decode, key)}" for key, text in what.items()
+            if getattr(prefill, key) != getattr(decode, key)]
 
 
 def overlap(prefill: PoolLayout, decode: PoolLayout) -> Leg | None:
@@ -201,10 +366,12 @@ class Registration:
     cluster_id: int
     layout: PoolLayout
     aux_item_lens: tuple[int, ...]
+    states: tuple[StatePool, ...] = ()
 
     def encode(self) -> bytes:
         return json.dumps({"v": 1, "host": self.host, "port": self.port, "cluster_id": self.cluster_id,
-                           "layout": self.layout.to_wire(), "aux_item_lens": list(self.aux_item_lens)}).encode()
+                           "layout": self.layout.to_wire(), "aux_item_lens": list(self.aux_item_lens),
+                           "states": [pool.to_wire() for pool in self.states]}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Registration:
@@ -214,7 +381,8 @@ class Registration:
             if body.get("v") != 1:
                 raise LayoutError(f"registration version {body.get('v')!r}; this side speaks 1")
             return cls(str(body["host"]), int(body["port"]), int(body["cluster_id"]),
-                       PoolLayout.from_wire(body["layout"]), tuple(int(n) for n in body["aux_item_lens"]))
+                       PoolLayout.from_wire(body["layout"]), tuple(int(n) for n in body["aux_item_lens"]),
+                       tuple(StatePool.from_wire(pool) for pool in body.get("states", [])))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise LayoutError(f"bad kvpush registration: {error}") from None
 

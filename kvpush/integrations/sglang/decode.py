@@ -48,6 +48,8 @@ class DecodeSide(CommonKVManager):
     portal: Portal
     dd: LLMDataDist
     cache: Cache | None
+    state_caches: list[list[Cache]]
+    states: tuple[core.StatePool, ...]
     layout: core.PoolLayout
     _stopped: bool
 
@@ -121,10 +123,11 @@ class DecodeSide(CommonKVManager):
         return ensured
 
     def grant(self, room: int, bootstrap_infos: list[dict[str, Any]], kv_indices: np.ndarray[Any, Any],
-              aux_index: int | None) -> str | None:
-        """Before a room's pages are sent to its prefill ranks: open to each one the blocks it writes, and
-        remember the room's aux slot. Returns why it could not, or None: a rank with no kvpush link to this
-        decode whose process is gone is one reason. Scheduler thread."""
+              aux_index: int | None, state_indices: list[Any] | None = None) -> str | None:
+        """Before a room's pages (and its state's, ``state_indices``: per state pool) are sent to its prefill
+        ranks: open to each one the blocks it writes, and remember the room's aux slot. Returns why it could not,
+        or None: a rank with no kvpush link to this decode whose process is gone is one reason. Scheduler
+        thread."""
         grants = []
         links = self.dd.links
         for info in bootstrap_infos:
@@ -139,41 +142,52 @@ class DecodeSide(CommonKVManager):
             grants.append((cluster, int(info.get("attn_tp_rank", info.get("tp_rank", 0))),
                            int(info.get("attn_tp_size", self.layout.tp_size))))
         pages = np.asarray(kv_indices, dtype=np.int64).copy()
+        states = [None if part is None else np.asarray(part, np.int64).copy() for part in state_indices or []]
 
         async def open_blocks() -> str | None:
-            return self._open(room, grants, pages, aux_index)
+            return self._open(room, grants, pages, aux_index, states)
         try:
             return self.portal.run(open_blocks(), timeout=_GRANT_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - reported as the room's failure
             return describe_error(error)
 
-    def _open(self, room: int, grants: list[tuple[int, int, int]], pages: np.ndarray[Any, Any],
-              aux_index: int | None) -> str | None:
+    def _open(self, room: int, grants: list[tuple[int, int, int]], pages: np.ndarray[Any, Any],  # noqa: PLR0913
+              aux_index: int | None, states: list[np.ndarray[Any, Any] | None] | None = None) -> str | None:
         assert self.cache is not None
         self._revoke(room)
         self._room_prefills[room] = {cluster for cluster, _, _ in grants}
         if aux_index is not None:
             self._room_aux[room] = aux_index
         accesses = self._grants[room] = []
-        if not len(pages):
-            return None
-        tokens = (pages[:, None] * self.layout.page_size + np.arange(self.layout.page_size)).ravel()
-        for cluster, tp_rank, tp_size in grants:
-            prefill = self._peer_layout(tp_rank, tp_size)
-            leg = core.overlap(prefill, self.layout)
-            if leg is None:
+        opened: list[tuple[Cache, core.PoolLayout | None, np.ndarray[Any, Any]]] = \
+            [(self.cache, self.layout, pages)] if len(pages) else []
+        for pool, caches, part in zip(self.states, self.state_caches, states or []):
+            if part is None or not len(part):
                 continue
-            try:
-                accesses.append(self.dd.cache_manager.allow(self.cache, cluster, dst_ids(leg, tokens,
-                                                                                         self.layout.local_heads)))
-            except (LLMException, TypeError, ValueError) as error:
-                return f"kvpush: cannot open room {room}'s pages to cluster {cluster}: {describe_error(error)}"
+            if pool.window is not None:
+                opened.append((caches[0], pool.window, part))
+            else:  # a recurrent state: its slot in every slot size
+                opened += [(cache, None, part) for cache in caches]
+        for cluster, tp_rank, tp_size in grants:
+            for cache, layout, ids in opened:
+                if layout is None:
+                    blocks = ids
+                else:
+                    leg = core.overlap(self._peer_layout(tp_rank, tp_size, layout), layout)
+                    if leg is None:
+                        continue
+                    tokens = (ids[:, None] * layout.page_size + np.arange(layout.page_size)).ravel()
+                    blocks = dst_ids(leg, tokens, layout.local_heads)
+                try:
+                    accesses.append(self.dd.cache_manager.allow(cache, cluster, blocks))
+                except (LLMException, TypeError, ValueError) as error:
+                    return f"kvpush: cannot open room {room}'s pages to cluster {cluster}: {describe_error(error)}"
         return None
 
-    def _peer_layout(self, tp_rank: int, tp_size: int) -> core.PoolLayout:
-        """A prefill rank's pool as this decode rank assumes it (the prefill checks the assumption at
-        registration and fails every room it cannot serve)."""
-        mine = self.layout
+    def _peer_layout(self, tp_rank: int, tp_size: int, mine: core.PoolLayout | None = None) -> core.PoolLayout:
+        """A prefill rank's pool (``mine``'s counterpart: the KV pool's by default) as this decode rank assumes it
+        (the prefill checks the assumption at registration and fails every room it cannot serve)."""
+        mine = mine or self.layout
         local = 1 if mine.mla else max(1, mine.total_heads // tp_size)
         return core.PoolLayout(mine.buffers, mine.pages, mine.page_size, local,
                                mine.slab_bytes, mine.total_heads, tp_size, tp_rank, mine.mla)

@@ -49,6 +49,7 @@ class TransferInfo:
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: int | None = None
+    dst_state_indices: list[np.ndarray[Any, Any] | None] | None = None  # per state pool (``core.StatePool``)
 
     @classmethod
     def from_zmq(cls, msg: list[bytes]) -> TransferInfo:
@@ -57,7 +58,8 @@ class TransferInfo:
                    session=msg[3].decode("ascii"),
                    dst_kv_indices=np.frombuffer(msg[4], dtype=np.int32) if not is_dummy else np.empty(0, np.int32),
                    dst_aux_index=None if is_dummy else int(msg[5]), required_dst_info_num=int(msg[6]),
-                   is_dummy=is_dummy, decode_prefix_len=int(msg[7]) if len(msg) > 7 and msg[7] else None)
+                   is_dummy=is_dummy, decode_prefix_len=int(msg[7]) if len(msg) > 7 and msg[7] else None,
+                   dst_state_indices=core.decode_state_indices(msg[8]) if len(msg) > 8 and msg[8] else None)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class PrefillSide(CommonKVManager):
     portal: Portal
     dd: LLMDataDist
     cache: Cache | None
+    state_caches: list[list[Cache]]
+    states: tuple[core.StatePool, ...]
     layout: core.PoolLayout
     settings: core.BackendSettings
     _tasks: TaskScope
@@ -136,7 +140,7 @@ class PrefillSide(CommonKVManager):
         session = msg[3].decode("ascii")
         try:
             registration = core.Registration.decode(msg[4])
-            refusal = core.incompatibility(self.layout, registration.layout)
+            refusal = core.incompatibility(self.layout, registration.layout, self.states, registration.states)
         except (core.LayoutError, IndexError) as error:
             log.error("kvpush SGLang backend: decode %s registered what this prefill cannot read: %s", session, error)
             return
@@ -206,20 +210,20 @@ class PrefillSide(CommonKVManager):
         infos = self.transfer_infos.get(bootstrap_room)
         if infos is None:
             return  # a dummy rank of this room: SGLang already settled it
-        if state_indices and any(indices is not None and len(indices) for indices in state_indices):
-            self.conclude_failure(bootstrap_room=bootstrap_room,
-                                  failure_reason="kvpush SGLang backend: state pages (mamba/SWA/DSA) do not move yet")
-            return
+        states = None
+        if is_last_chunk and state_indices and any(part is not None for part in state_indices):
+            states = [None if part is None else np.asarray(part, np.int64).copy() for part in state_indices]
         for event in (indices_event, wait_event):  # CPU pools have none; a device event would be waited for here
             if event is not None and hasattr(event, "synchronize"):
                 event.synchronize()
         targets = [info for info in infos.values() if not info.is_dummy]
         src_pages = np.asarray(kv_indices, dtype=np.int64).copy()
         self.portal.call_soon(self._queue_pushes, bootstrap_room, targets, src_pages, index_slice, is_last_chunk,
-                              aux_index)
+                              aux_index, states)
 
-    def _queue_pushes(self, room: int, targets: list[TransferInfo], src_pages: np.ndarray[Any, Any],
-                      index_slice: slice, last: bool, aux_index: int | None) -> None:
+    def _queue_pushes(self, room: int, targets: list[TransferInfo], src_pages: np.ndarray[Any, Any],  # noqa: PLR0913
+                      index_slice: slice, last: bool, aux_index: int | None,
+                      states: list[np.ndarray[Any, Any] | None] | None = None) -> None:
         # on the loop thread, as aborts are (``_abort_room``): a room failed before its chunk got here never
         # starts it, and one that did not is counted before an abort can look
         if self.request_status.get(room) in (None, KVPoll.Failed):
@@ -232,14 +236,16 @@ class PrefillSide(CommonKVManager):
         for info in targets:
             earlier = self._pushes.setdefault((room, info.session), [])
             self._staging_outstanding[room] += 1
-            task = self._tasks.spawn(self._push(info, src_pages, index_slice, last, aux_index, list(earlier)))
+            task = self._tasks.spawn(self._push(info, src_pages, index_slice, last, aux_index, list(earlier), states))
             task.add_done_callback(functools.partial(self._pushed, info, last))
             earlier.append(task)
 
-    async def _push(self, info: TransferInfo, src_pages: np.ndarray[Any, Any], index_slice: slice, last: bool,
-                    aux_index: int | None, earlier: list[asyncio.Task[None]]) -> None:
-        """One chunk of a room to one decode rank, after the room's earlier chunks to it; the last one carries
-        the aux row, delivered once every byte landed. Bounded per buffer by kvpush's ``sync_kv_timeout``.
+    async def _push(self, info: TransferInfo, src_pages: np.ndarray[Any, Any], index_slice: slice,  # noqa: PLR0913
+                    last: bool, aux_index: int | None, earlier: list[asyncio.Task[None]],
+                    states: list[np.ndarray[Any, Any] | None] | None = None) -> None:
+        """One chunk of a room to one decode rank, after the room's earlier chunks to it; the last one moves the
+        room's state (``states``: this side's indices per state pool) first and carries the aux row, delivered
+        once every byte landed. Bounded per buffer by kvpush's ``sync_kv_timeout``.
         Raises what failed it; cancelling it (an abort) ends it once no byte of it can still land. ``_pushed``
         settles it, however it ended."""
         room = info.room
@@ -256,6 +262,8 @@ class PrefillSide(CommonKVManager):
         if len(dst_pages) != len(src_pages):
             raise LLMException(LLMStatusCode.LLM_PARAM_INVALID, f"room {room}: {len(src_pages)} prefill pages, "
                                                                 f"{len(dst_pages)} decode pages")
+        if states is not None:
+            await self._push_states(peer, info, states)
         notify = self._done(room, aux_index, len(peer.registration.aux_item_lens)) if last else None
         leg = core.overlap(self.layout, decode_layout)
         key = BlocksCacheKey(peer.registration.cluster_id, core.MODEL_ID)
@@ -267,6 +275,31 @@ class PrefillSide(CommonKVManager):
                                                     tensor_num_per_layer=1, notify=notify)
         elif notify is not None:
             await self.dd.send_notification(peer.registration.cluster_id, notify)
+
+    async def _push_states(self, peer: DecodePeer, info: TransferInfo,
+                           states: list[np.ndarray[Any, Any] | None]) -> None:
+        """The room's state into the decode's, pool by pool: a window's pages paired from the end, a recurrent
+        state's slot (``core.state_pushes``). A pool one side names indices for and the other does not fails the
+        room (never a decode left with a state it did not get)."""
+        theirs = info.dst_state_indices or []
+        ids = core.state_model_ids(peer.registration.states)
+        for index, (mine, pool) in enumerate(zip(self.states, peer.registration.states)):
+            src = states[index] if index < len(states) else None
+            dst = theirs[index] if index < len(theirs) else None
+            if src is None and dst is None:
+                continue
+            if src is None or dst is None:
+                raise LLMException(LLMStatusCode.LLM_PARAM_INVALID, f"room {info.room}: state pool {index} "
+                                   f"({mine.kind}): only the {'decode' if src is None else 'prefill'} names indices")
+            leg = core.overlap(mine.window, pool.window) if mine.window and pool.window else None
+            try:
+                pushes = core.state_pushes(mine, pool, src, dst, leg)
+            except core.LayoutError as error:
+                raise LLMException(LLMStatusCode.LLM_PARAM_INVALID, f"room {info.room}: {error}") from None
+            for cache_index, src_ids, dst_ids in pushes:
+                key = BlocksCacheKey(peer.registration.cluster_id, ids[index][cache_index])
+                await self.dd.cache_manager.push_blocks(key, self.state_caches[index][cache_index], cast(Any, src_ids),
+                                                        cast(Any, dst_ids), tensor_num_per_layer=1)
 
     def _pushed(self, info: TransferInfo, last: bool, task: asyncio.Task[None]) -> None:
         """A push ended (loop thread) - done, failed, or cancelled, even before it started (its body never ran
