@@ -141,6 +141,22 @@ def test_the_mla_model_by_hand(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(1000)
+def test_the_hybrid_model_by_hand(tmp_path: Path) -> None:
+    """docs/guides/models.md's hybrid block: a Granite-4-shaped model (Mamba2 layers beside attention ones) loads
+    its prompt but the last token from the prefill (the state and the KV), every KV cache group registered."""
+    returncode, output, home = paste(block(ROOT / "docs" / "guides" / "models.md", "models-hybrid"), tmp_path)
+    logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}-hybrid.log").read_text()[-3000:]
+                   for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}-hybrid.log").exists())
+    assert returncode == 0, output[-4000:] + logs
+    answer = json.loads(next(line for line in output.splitlines() if line.startswith('{"id"')))
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, (usage, logs)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert "KV cache groups [state, state, state, full]" in output, output[-2000:]
+    assert (home / ".cache" / "kvpush" / "granite-hybrid-tiny" / "config.json").exists()
+
+
+@pytest.mark.timeout(1000)
 def test_kvpush_demo_vllm(tmp_path: Path) -> None:
     """The README's one command: the plain instance, then P/D through the router; every process stopped."""
     home = tmp_path / "home"
