@@ -154,10 +154,16 @@ class Plan:
     hidden_pairs: int
 
 
-def plan(quick: bool) -> Plan:
-    if quick:
-        return Plan((32, 512), {32: 3, 512: 3}, 8, (512,), 2)
-    return Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 6)
+def plan(quick: bool, lengths: Sequence[int] = ()) -> Plan:
+    """The prompt lengths, repetitions and output tokens of a run; ``lengths``: these prompt lengths instead (3
+    repetitions each when ``quick``, else the full plan's or 3), the hidden share measured at those of them the
+    plan measures it at."""
+    chosen = Plan((32, 512), {32: 3, 512: 3}, 8, (512,), 2) if quick else \
+        Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 6)
+    if not lengths:
+        return chosen
+    return Plan(tuple(lengths), {n: 3 if quick else chosen.reps.get(n, 3) for n in lengths}, chosen.max_tokens,
+                tuple(n for n in chosen.hidden_lengths if n in lengths), chosen.hidden_pairs)
 
 
 def prompt(length: int, rep: int, vocab: int) -> list[int]:
@@ -1141,7 +1147,8 @@ def header_lines(stamp: str, machine: dict[str, Any], elapsed: float | None) -> 
     model = machine.get("model") or {}
     family = (machine.get("model") or {}).get("family", "llama")
     command = "python bench/vllm_bench.py" + (" --quick" if machine.get("quick") else "") + (
-        f" --family {family}" if family != "llama" else "")
+        f" --family {family}" if family != "llama" else "") + (
+        f" --lengths {','.join(map(str, machine['lengths']))}" if machine.get("lengths_asked") else "")
     took = f"{elapsed:.0f} s" if elapsed is not None else "time not recorded"
     load = machine.get("loadavg_start")
     busy = f"; load average {load[0]:.1f} at the start (a shared host)" if load else ""
@@ -1192,6 +1199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="prompts of 32 and 512 tokens, 3 repetitions")
+    parser.add_argument("--lengths", default="", help="comma-separated prompt lengths instead of the plan's (with "
+                                                      "--quick: 3 repetitions each), e.g. 512,2048")
     parser.add_argument("--cases", default=",".join(SYSTEMS),
                         help=f"comma-separated, from {','.join(SYSTEMS)} (single always runs: it is the reference)")
     parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
@@ -1219,7 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{args.python} cannot import vllm and kvpush (run this with vLLM's CPU build, e.g. "
                          f"/work/vllm-venv/bin/python, or pass --python): {check.stderr.strip()[-300:]}\n")
         return 2
-    bench = plan(args.quick)
+    bench = plan(args.quick, [int(n) for n in args.lengths.split(",") if n])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "vllm-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
@@ -1239,7 +1248,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "quick": args.quick, "model": model_info,
-               "lengths": list(bench.lengths), "reps": {str(k): v for k, v in bench.reps.items()},
+               "lengths": list(bench.lengths), "lengths_asked": bool(args.lengths), "reps": {str(k): v for k, v in bench.reps.items()},
                "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg()}
     jsonl = out / f"{stamp}.jsonl"
 

@@ -197,3 +197,9 @@ def test_the_bytes_each_request_moved_are_set_beside_what_full_attention_would_m
                             {"bytes_moved_per_request": 16 * 1024, "full_attention_bytes_per_request": full})
     lines = tables([record])
     assert "| 33 | kvpush | 0.02 MiB | 0.06 MiB | 0.25x |" in lines
+
+
+def test_a_run_may_ask_for_its_own_prompt_lengths() -> None:
+    asked = plan(True, [512, 2048])
+    assert (asked.lengths, asked.reps, asked.hidden_lengths) == ((512, 2048), {512: 3, 2048: 3}, (512,))
+    assert plan(False, [2048]).reps == {2048: 3}
