@@ -1248,7 +1248,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "quick": args.quick, "model": model_info,
-               "lengths": list(bench.lengths), "lengths_asked": bool(args.lengths), "reps": {str(k): v for k, v in bench.reps.items()},
+               "lengths": list(bench.lengths), "lengths_asked": bool(args.lengths),
+               "reps": {str(k): v for k, v in bench.reps.items()},
                "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg()}
     jsonl = out / f"{stamp}.jsonl"
 
