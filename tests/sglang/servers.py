@@ -190,6 +190,25 @@ def idle(url: str, timeout: float = 30) -> dict[str, float]:
         time.sleep(0.5)
 
 
+def kill_prefill_under_load(router_url: str, prefill: Server, prompts: list[str], new_tokens: int) -> float:
+    """Send ``prompts`` through the router at once, SIGKILL the prefill a second later (mid-transfer), and wait for
+    every answer, a failure included; the seconds until the last one came back."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        started = time.monotonic()
+        futures = [pool.submit(generate, router_url, text, new_tokens, 120) for text in prompts]
+        time.sleep(1.0)
+        prefill.process.send_signal(signal.SIGKILL)
+        prefill.stop(grace=0)
+        for future in futures:
+            try:
+                future.result(timeout=90)
+            except (urllib.error.URLError, OSError, TimeoutError):
+                pass  # failed: fine, as long as it returned
+        return time.monotonic() - started
+
+
 def abort(url: str, rid: str) -> None:
     """SGLang's ``/abort_request`` for ``rid``."""
     request = urllib.request.Request(url + "/abort_request", json.dumps({"rid": rid}).encode(),

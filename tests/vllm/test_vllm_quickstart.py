@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,15 +125,22 @@ def test_quick_start_by_hand(tmp_path: Path) -> None:
     assert (home / ".cache" / "kvpush" / "demo-model" / "config.json").exists()
 
 
+def models_block(name: str, tmp_path: Path) -> tuple[dict[str, Any], str, Path, str]:
+    """docs/guides/models.md's block ``models-<name>`` pasted into bash: (its completion's answer, its output, its
+    home, the tails of its servers' logs)."""
+    returncode, output, home = paste(block(ROOT / "docs" / "guides" / "models.md", f"models-{name}"), tmp_path)
+    logs = "".join(f"\n--- {server}\n" + Path(f"/tmp/{server}-{name}.log").read_text()[-3000:]
+                   for server in ("prefill", "decode", "proxy") if Path(f"/tmp/{server}-{name}.log").exists())
+    assert returncode == 0, output[-4000:] + logs
+    answer = json.loads(next(line for line in output.splitlines() if line.startswith('{"id"')))
+    return answer, output, home, logs
+
+
 @pytest.mark.timeout(1000)
 def test_the_mla_model_by_hand(tmp_path: Path) -> None:
     """docs/guides/models.md's MLA block: a DeepSeek-V2-shaped model's prompt comes whole from the prefill's
     latent (every prompt token cached on the decode), the latent registered as it is."""
-    returncode, output, home = paste(block(ROOT / "docs" / "guides" / "models.md", "models-mla"), tmp_path)
-    logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}-mla.log").read_text()[-3000:]
-                   for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}-mla.log").exists())
-    assert returncode == 0, output[-4000:] + logs
-    answer = json.loads(next(line for line in output.splitlines() if line.startswith('{"id"')))
+    answer, output, home, logs = models_block("mla", tmp_path)
     usage = answer["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"], (usage, logs)
     assert answer["choices"][0]["finish_reason"] == "length"
@@ -144,11 +152,7 @@ def test_the_mla_model_by_hand(tmp_path: Path) -> None:
 def test_the_hybrid_model_by_hand(tmp_path: Path) -> None:
     """docs/guides/models.md's hybrid block: a Granite-4-shaped model (Mamba2 layers beside attention ones) loads
     its prompt but the last token from the prefill (the state and the KV), every KV cache group registered."""
-    returncode, output, home = paste(block(ROOT / "docs" / "guides" / "models.md", "models-hybrid"), tmp_path)
-    logs = "".join(f"\n--- {name}\n" + Path(f"/tmp/{name}-hybrid.log").read_text()[-3000:]
-                   for name in ("prefill", "decode", "proxy") if Path(f"/tmp/{name}-hybrid.log").exists())
-    assert returncode == 0, output[-4000:] + logs
-    answer = json.loads(next(line for line in output.splitlines() if line.startswith('{"id"')))
+    answer, output, home, logs = models_block("hybrid", tmp_path)
     usage = answer["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, (usage, logs)
     assert answer["choices"][0]["finish_reason"] == "length"

@@ -262,8 +262,8 @@ class PrefillSide(CommonKVManager):
         if len(dst_pages) != len(src_pages):
             raise LLMException(LLMStatusCode.LLM_PARAM_INVALID, f"room {room}: {len(src_pages)} prefill pages, "
                                                                 f"{len(dst_pages)} decode pages")
-        if states is not None:
-            await self._push_states(peer, info, states)
+        if last and (states is not None or any(part is not None for part in info.dst_state_indices or [])):
+            await self._push_states(peer, info, states or [])
         notify = self._done(room, aux_index, len(peer.registration.aux_item_lens)) if last else None
         leg = core.overlap(self.layout, decode_layout)
         key = BlocksCacheKey(peer.registration.cluster_id, core.MODEL_ID)
