@@ -57,15 +57,18 @@ def deployment(sglang_python: Path, gemma3: Path, tmp_path_factory: pytest.TempP
 
 def test_a_sliding_window_model_gives_the_single_instances_outputs_from_the_prompts_pushed_kv(
         deployment: dict[str, Any]) -> None:
-    before = sg.metrics(deployment["decode"].url)
+    before = {name: sg.metrics(deployment[name].url) for name in ("prefill", "decode")}
     for text in PROMPTS:
         expected = sg.generate(deployment["single"].url, text, NEW_TOKENS)
         got = sg.generate(deployment["router"].url, text, NEW_TOKENS)
         print(f"{got['meta_info']['prompt_tokens']} prompt tokens: equal {got['text'] == expected['text']}")
         assert got["text"] == expected["text"], (text[:40], got["text"], expected["text"])
-    after = sg.metrics(deployment["decode"].url)
-    computed = [k for k in after if k.startswith("sglang:realtime_tokens_total") and "prefill" in k]
-    assert computed and all(after[k] == before.get(k, 0.0) for k in computed), computed  # none computed there
+    after = {name: sg.metrics(deployment[name].url) for name in ("prefill", "decode")}
+    computed = [k for k in after["prefill"] if k.startswith("sglang:realtime_tokens_total") and "prefill" in k]
+    assert computed, sorted(k for k in after["prefill"] if "tokens" in k)
+    key = next((k for k in computed if "compute" in k), computed[0])
+    grew = {name: after[name].get(key, 0.0) - before[name].get(key, 0.0) for name in after}
+    assert grew["prefill"] >= 1500 and grew["decode"] == 0, (key, grew)  # the prompts computed there, not here
     log = deployment["decode"].log_tail(10**7)
     assert "kvpush SGLang backend: decode" in log and "state pools beside the KV" not in log  # one pool, as any
 
