@@ -496,7 +496,7 @@ _INTERRUPTED = textwrap.dedent("""
                                             LLMRole, Placement)
     port = int(sys.argv[1])
     engine = LLMDataDist(LLMRole.PROMPT, 1)
-    engine.init({"llm.SyncKvCacheWaitTime": "2000"})
+    engine.init({"llm.SyncKvCacheWaitTime": "10000"})  # only Ctrl-C ends the push in time
     tensors = [np.ones((16, 256), np.int32) for _ in range(4)]
     cache = engine.cache_manager.register_blocks_cache(CacheDesc(4, [16, 256], DataType.DT_INT32, Placement.HOST),
                                                        [int(t.ctypes.data) for t in tensors], BlocksCacheKey(1, 0))
@@ -538,4 +538,4 @@ def test_ctrl_c_during_a_blocking_push_cancels_it_and_returns(decode_peer: Peer)
             proc.wait(10)
     lines = output.split()
     assert proc.returncode == 0 and "interrupted" in lines and "finalized" in lines, output
-    assert elapsed < 8, elapsed  # cancelled and cleaned up within sync_kv_timeout, then returned
+    assert elapsed < 8, elapsed  # cancelled and cleaned up well before sync_kv_timeout (10 s), then returned
