@@ -577,7 +577,7 @@ def _mha_equivalent(model: dict[str, Any]) -> str:
 
 def bytes_pushed(server: Server) -> float:
     """The prefill's ``vllm:kvpush_bytes_pushed_total`` (KvpushConnector's counter) as of now."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+    with urllib.request.urlopen(f"http://{server.url}/metrics", timeout=30) as answer:
         text = answer.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:kvpush_bytes_pushed_total"))
