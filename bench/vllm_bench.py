@@ -575,12 +575,10 @@ def _mha_equivalent(model: dict[str, Any]) -> str:
     return f" (its full multi-head KV would be {mha // 1024} KiB: {model.get('kv_bytes_per_token', 0) / mha:.2f}x)"
 
 
-def bytes_pushed(server: Server) -> float:
-    """The prefill's ``vllm:kvpush_bytes_pushed_total`` (KvpushConnector's counter) as of now."""
-    with urllib.request.urlopen(f"http://{server.url}/metrics", timeout=30) as answer:
-        text = answer.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:kvpush_bytes_pushed_total"))
+def bytes_pushed(trace: Sequence[dict[str, Any]]) -> int:
+    """What a prefill's pushes were asked to move so far, from its trace (bench/vllm_timed_connector.py's
+    cumulative ``bytes`` lines: the connector's ``producer.bytes_pushed``)."""
+    return max((int(e["total"]) for e in trace if e.get("ev") == "bytes"), default=0)
 
 
 def start_server(settings: Settings, name: str, core: int, kv_config: dict[str, Any] | None,
@@ -983,7 +981,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             bar = Bar(f"{system} {length} tokens", reps)
             samples, paired = [], []
             busy: dict[str, list[float]] = {s.name: [] for s in servers}
-            pushed_before = bytes_pushed(servers[0]) if system.startswith("kvpush") else None
+            pushed_before = bytes_pushed(read_trace(servers[0].trace)) if system.startswith("kvpush") else None
             for rep in range(reps):
                 ids = prompt(length, rep, vocab)
                 paired.append(baseline.measure(length, rep, ids, bench.max_tokens))
@@ -998,7 +996,9 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                     _empty(storage)
             measured = dict(extra)
             if pushed_before is not None:  # what the prefill's pushes moved per request (every layer, every block)
-                measured["bytes_moved_per_request"] = round((bytes_pushed(servers[0]) - pushed_before) / reps)
+                time.sleep(0.2)  # its last trace lines are written (line-buffered) by now
+                moved = bytes_pushed(read_trace(servers[0].trace)) - pushed_before
+                measured["bytes_moved_per_request"] = round(moved / reps)
                 measured["full_attention_bytes_per_request"] = settings.full_attention_bytes(length)
             measured["core_share_in_request"] = {name: round(median(shares), 2) for name, shares in busy.items()}
             good = [s for s in paired if not s.error]

@@ -20,6 +20,9 @@ Trace lines (``time.monotonic()``, which is one clock for every process of a Lin
 - prefill, scheduler side, one per request it held for its decode's block ids, when it lets it run:
   ``{"ev": "held", "t": .., "held_ms": .., "ids_in": true|false}`` (``ids_in``: released by the ids,
   else by the hold's bound).
+- prefill, whenever the bytes its pushes were asked to move grew: ``{"ev": "bytes", "t": .., "total": ..}`` (the
+  connector's ``producer.bytes_pushed``, cumulative: what every layer of every block pushed so far takes; the
+  benchmark's servers run with ``--disable-log-stats``, so vLLM's ``/metrics`` do not carry it).
 - decode: ``{"ev": "ids", "t": ..}`` when a step hands the worker requests to receive, and
   ``{"ev": "landed", "t": .., "reqs": [..]}`` at the first hook call that reports them in
   ``finished_recving`` (the decode engine steps continuously while a request waits, so this is within
@@ -50,6 +53,7 @@ class TimedKvpushConnector(KvpushConnector):
         self._serial = False
         self._before: dict[str, int] = {}
         self._held: dict[str, float] = {}  # scheduler: request id -> when it was first held
+        self._bytes_written = 0  # prefill worker: the bytes_pushed of its last "bytes" line
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._trace is not None:
@@ -114,6 +118,10 @@ class TimedKvpushConnector(KvpushConnector):
     def _landed(self, recving: set[str] | None) -> None:
         if recving:
             self._write({"ev": "landed", "t": time.monotonic(), "reqs": sorted(recving)})
+        pushed = self.stats().get("producer.bytes_pushed", 0)
+        if pushed != self._bytes_written:
+            self._bytes_written = pushed
+            self._write({"ev": "bytes", "t": time.monotonic(), "total": pushed})
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)

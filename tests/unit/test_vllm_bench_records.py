@@ -203,3 +203,11 @@ def test_a_run_may_ask_for_its_own_prompt_lengths() -> None:
     asked = plan(True, [512, 2048])
     assert (asked.lengths, asked.reps, asked.hidden_lengths) == ((512, 2048), {512: 3, 2048: 3}, (512,))
     assert plan(False, [2048]).reps == {2048: 3}
+
+
+def test_the_bytes_a_prefill_pushed_are_read_from_its_trace() -> None:
+    from bench.vllm_bench import bytes_pushed
+
+    trace = [{"ev": "step", "t_bind": 1.0}, {"ev": "bytes", "t": 1.1, "total": 4096}, {"ev": "bytes", "t": 2.0,
+                                                                                      "total": 12288}]
+    assert bytes_pushed(trace) == 12288 and bytes_pushed([]) == 0
