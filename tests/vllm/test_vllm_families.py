@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from serving import log_lines, start_vllm, wait_healthy
-from test_vllm_tp import STARTUP_S, check_outputs, complete, kill_a_prefill_rank_mid_request, start_stack
+from serving import log_lines
+from test_vllm_tp import STARTUP_S, check_outputs, kill_a_prefill_rank_mid_request, plain_reference, start_stack
 
 ARGS = ("--max-model-len", "2100")
 _rng = random.Random(11)
@@ -45,13 +45,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def family_reference(family: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """A plain vLLM instance's greedy tokens (no connector) for PROMPTS + [KILLED]."""
     name, model = family
-    plain = start_vllm(f"plain-{name}", model, "1", None, tmp_path_factory.mktemp(f"{name}-plain"), *ARGS,
-                       *FAMILY_ARGS[name])
-    try:
-        wait_healthy([plain], STARTUP_S)
-        return [complete(plain.url, prompt, timeout=STARTUP_S)[0] for prompt in [*PROMPTS, KILLED]]
-    finally:
-        plain.stop()
+    return plain_reference(f"plain-{name}", model, tmp_path_factory.mktemp(f"{name}-plain"), [*PROMPTS, KILLED],
+                           *ARGS, *FAMILY_ARGS[name])
 
 
 @pytest.mark.timeout(3 * STARTUP_S)

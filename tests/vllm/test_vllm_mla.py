@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from serving import log_lines, start_vllm, wait_healthy
-from test_vllm_tp import STARTUP_S, check_outputs, complete, kill_a_prefill_rank_mid_request, start_stack
+from serving import log_lines
+from test_vllm_tp import STARTUP_S, check_outputs, kill_a_prefill_rank_mid_request, plain_reference, start_stack
 
 MLA_ARGS = ("--attention-backend", "CPU_MLA", "--max-model-len", "2100", "--max-num-batched-tokens", "2100")
 _rng = random.Random(7)
@@ -43,12 +43,8 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mla_reference(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """A plain vLLM instance's greedy tokens (no connector) for PROMPTS + [KILLED]."""
-    plain = start_vllm("plain-mla", mla_model, "1", None, tmp_path_factory.mktemp("mla-plain"), *MLA_ARGS)
-    try:
-        wait_healthy([plain], STARTUP_S)
-        return [complete(plain.url, prompt, timeout=STARTUP_S)[0] for prompt in [*PROMPTS, KILLED]]
-    finally:
-        plain.stop()
+    return plain_reference("plain-mla", mla_model, tmp_path_factory.mktemp("mla-plain"), [*PROMPTS, KILLED],
+                           *MLA_ARGS)
 
 
 @pytest.mark.timeout(3 * STARTUP_S)

@@ -109,6 +109,17 @@ def start_stack(model: Path, work: Path, p_tp: int, d_tp: int, transport: str, *
             server.stop()
 
 
+def plain_reference(name: str, model: Path, work: Path, prompts: list[list[int]], *extra_args: str) -> list[list[int]]:
+    """A plain vLLM instance's greedy tokens (no connector, ``extra_args`` to ``vllm serve``) for ``prompts``; the
+    instance ended after."""
+    plain = start_vllm(name, model, "1", None, work, *extra_args)
+    try:
+        wait_healthy([plain], STARTUP_S)
+        return [complete(plain.url, prompt, timeout=STARTUP_S)[0] for prompt in prompts]
+    finally:
+        plain.stop()
+
+
 def complete(url: str, prompt: list[int], timeout: float = 120) -> tuple[list[int], int | None]:
     status, answer = post(f"{url}/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                      "temperature": 0.0, "ignore_eos": True, "return_token_ids": True},
