@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .ports import free_port
 
 MODEL_DIR = Path.home() / ".cache" / "kvpush" / "demo-model"
 SERVED = "demo"
@@ -77,14 +78,8 @@ class Server:
             self.process.wait(timeout=15)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(name: str, model: Path, core: int, work: Path, kv: dict[str, Any] | None) -> Server:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
                "--model", str(model), "--served-model-name", SERVED, "--dtype", "float32", "--enforce-eager",
@@ -212,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         alone = [asyncio.run(_ask(plain.url, prompt)) for _, prompt in _requests()]
         plain.stop()
         print("a prefill (core 0) and a decode (core 1) with KvpushConnector, and the router ...", flush=True)
-        kv_port = _free_port()
+        kv_port = free_port(span=2)  # the prefill listens on it, the decode on the next
         connector = {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm"}
         prefill = _start("prefill", model, 0, work, {**connector, "kv_role": "kv_producer", "kv_port": kv_port})
         decode = _start("decode", model, 1, work, {**connector, "kv_role": "kv_consumer", "kv_port": kv_port,

@@ -101,7 +101,10 @@ class Peer:
         return reply
 
     def stderr_tail(self) -> str:
-        if self.process.poll() is None:
+        """Its standard error's end, once it exited (its stdout may close a moment before it does)."""
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
             return "(running)"
         return (self.process.stderr.read() if self.process.stderr else "")[-3000:]
 

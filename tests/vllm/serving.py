@@ -14,7 +14,6 @@ import contextlib
 import http.client
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -29,35 +28,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
+from kvpush.cli.ports import free_port
+
 MODEL_NAME = "tiny"
 KV_CONNECTOR = {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm"}
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out to outgoing connections (Linux's default: 32768)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(span: int = 1) -> int:
-    """A loopback port ``p`` with ``p`` .. ``p + span - 1`` all free: a connector's ``kv_port`` needs as many as
-    its instances listen on (a decode on ``kv_port + 1``, the rank-r worker of a TP instance on ``+ 2r``).
-    Chosen below the kernel's ephemeral range, so no outgoing connection takes it between this probe and the
-    server's bind (one did: a TP prefill's rank 1 found ``kv_port + 2`` in use)."""
-    rng = random.Random()
-    high = _ephemeral_low() - span
-    for _ in range(200):
-        port = rng.randrange(20000, high)
-        with contextlib.ExitStack() as probes:
-            try:
-                for offset in range(span):
-                    probes.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no {span} free consecutive loopback ports below {high + span}")
 
 
 @dataclass
