@@ -137,9 +137,11 @@ def add_arguments(proxy: argparse.ArgumentParser) -> None:
                          help="the instances' --prefix-caching-hash-algo (default sha256, vLLM's)")
     placing.add_argument("--prefix-hash-seed", default=None, metavar="SEED",
                          help="the instances' engines' PYTHONHASHSEED, if they set one")
-    placing.add_argument("--tokenizer", default=None, metavar="PATH",
-                         help="tokenize text prompts here (a model directory or name, with the tokenizer extra) "
-                              "instead of asking the instances")
+    placing.add_argument("--tokenizer", default="auto", metavar="PATH",
+                         help="tokenize text prompts here with this model directory's or name's tokenizer (with the "
+                              "tokenizer extra); default auto: the instances' model's, when its files are on this host "
+                              "and transformers is installed, else the instances tokenize; none: the instances "
+                              "tokenize (a round trip on each request's path)")
     placing.add_argument("--no-kv-events", action="store_true",
                          help="do not follow the instances' KV events: guess what they hold from what was sent")
     proxy.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
@@ -173,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                                       kv_probe_timeout_s=args.kv_probe_timeout, policy=policy,
                                       block_size=args.block_size, hash_algorithm=args.prefix_hash_algo,
                                       hash_seed=args.prefix_hash_seed, sources=sources,
-                                      follow_events=not args.no_kv_events, tokenizer=args.tokenizer)
+                                      follow_events=not args.no_kv_events,
+                                      tokenizer=None if args.tokenizer == "none" else args.tokenizer)
     except ValueError as error:  # SpecError, FleetError, HashConfigError
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):

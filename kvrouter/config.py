@@ -35,8 +35,8 @@ class ProxyConfig:
     request (``kvrouter.core.placement``); ``block_size``, ``hash_algorithm`` and ``hash_seed`` are the
     instances' prefix-cache settings (``block_size`` None: learnt from their KV events); ``sources`` says where
     an instance publishes its KV events (by URL; the others are asked); ``follow_events`` False: every
-    index is guessed from the requests sent; ``tokenizer``: where to load the model's tokenizer (None: the
-    instances tokenize)."""
+    index is guessed from the requests sent; ``tokenizer``: where to load the model's tokenizer ("auto": the one
+    the instances serve, if its files are on this host; None: the instances tokenize; ``kvrouter.tokens``)."""
 
     prefills: Sequence[Prefill]
     decodes: Sequence[str]  # base URLs
@@ -58,7 +58,7 @@ class ProxyConfig:
     sources: Mapping[str, Source] = field(default_factory=dict)
     follow_events: bool = True
     index_capacity: int = DEFAULT_CAPACITY
-    tokenizer: str | None = None
+    tokenizer: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.discovery is not None:

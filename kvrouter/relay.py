@@ -49,6 +49,7 @@ class Hop:
     method: str
     upstream: str
     json: Any = None
+    data: bytes | None = None  # the body as it is (JSON), sent instead of ``json`` re-encoded
     headers: Mapping[str, str] | None = None
     route: str | None = None
     resend: bool = False
@@ -122,7 +123,8 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
     """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
     status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
     upstream a 502 (the answers ``fail`` makes), or with ``hop.resend`` Unanswered (when a connection error
-    says nothing was answered). ``leading``: once the upstream answered a stream, the prefill's first token
+    says nothing was answered). ``hop.data``: the client's body as it came, passed on without re-encoding it.
+    ``leading``: once the upstream answered a stream, the prefill's first token
     goes to the client as soon as it is there, unless the upstream's came first (``_follow``). ``answering``
     is called once, when the answer's first body bytes (or the prefill's first token) are there: the prompt
     has been computed."""
@@ -130,7 +132,10 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
     remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
     upstream = hop.upstream
     try:
-        async with session.request(hop.method, upstream + request.path, json=hop.json, headers=hop.headers,
+        headers = hop.headers
+        if hop.data is not None:
+            headers = {**(headers or {}), "Content-Type": "application/json"}
+        async with session.request(hop.method, upstream + request.path, json=hop.json, data=hop.data, headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=remaining)) as reply:
             passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
             if hop.route is not None:
@@ -262,9 +267,9 @@ def target_url(target: str | Prefill) -> str:
     return target if isinstance(target, str) else target.url
 
 
-def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str],
+def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes: Pool[str],  # noqa: PLR0913
                    indexes: Mapping[str, tuple[int, bool]] | None = None,
-                   pending: Mapping[str, int] | None = None) -> str:
+                   pending: Mapping[str, int] | None = None, tokenizer_local: bool = False) -> str:
     """The proxy's counters and upstream states in Prometheus' text exposition format; ``indexes``: each
     instance's cache index (block hashes, and whether its KV events are followed); ``pending``: the prompt
     tokens each instance was given to compute and has not begun to answer."""
@@ -312,6 +317,9 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
     lines += ["# HELP kvpush_proxy_tokenize_failed_total Prompts placed by load alone: they could not be tokenized.",
               "# TYPE kvpush_proxy_tokenize_failed_total counter",
               f"kvpush_proxy_tokenize_failed_total {counters.get('tokenize_failed', 0)}",
+              "# HELP kvpush_proxy_tokenizer_local Whether the router tokenizes text prompts itself (--tokenizer): "
+              "1, or 0 when it asks an instance's /tokenize.",
+              "# TYPE kvpush_proxy_tokenizer_local gauge", f"kvpush_proxy_tokenizer_local {int(tokenizer_local)}",
               "# HELP kvpush_proxy_kv_events_total Instances' KV event batches, by what became of them.",
               "# TYPE kvpush_proxy_kv_events_total counter"]
     lines += [f'kvpush_proxy_kv_events_total{{kind="{label(key[len("events_"):])}"}} {value}'

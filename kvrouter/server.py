@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -67,7 +68,7 @@ from .relay import (
     render_metrics,
     target_url,
 )
-from .tokens import Tokens
+from .tokens import Tokens, most_tokens
 
 __all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
            "start"]  # (what tests and tools used from here before the router had a package of its own)
@@ -76,6 +77,8 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
 UPSTREAM_KEEPALIVE_S = 4.0
+LEARN_AFTER_S = 0.005
+MAX_LEARNING = 64  # requests placed without their ids whose ids are still being had for the guessed index
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
@@ -115,6 +118,7 @@ class Proxy:
         self._compat: dict[str, str] = {}  # upstream URL -> its KV-geometry fingerprint (fleet members)
         self._unpaired: set[str] = set()  # fleet members already logged as matching no peer
         self._registered_sources: dict[str, Any] = {}  # fleet members' event sources, by URL
+        self._learning: set[asyncio.Task[None]] = set()  # ``_learn`` tasks in flight
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -163,6 +167,8 @@ class Proxy:
                                              connector=connector) as self._session:
                 self.caches.start(self._session)
                 self._sync_caches()
+                if self.decodes.targets:  # the tokenizer, off every request's path (``kvrouter.tokens``)
+                    self.tokens.discover(self._session, self.decodes.targets[0])
                 if self.config.kv_probe_s > 0:
                     tasks.append(loop.create_task(probing.watch(self.prefills, self.counters, self.config.kv_probe_s,
                                                                 self.config.kv_probe_timeout_s),
@@ -174,9 +180,10 @@ class Proxy:
                     tasks.append(loop.create_task(watcher.run(), name="kvpush-proxy-fleet"))
                 yield
         finally:
-            for task in tasks:
+            for task in [*tasks, *self._learning]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._learning, return_exceptions=True)
+            await self.tokens.close()
             await self.caches.close()
             self._session = None
 
@@ -226,9 +233,10 @@ class Proxy:
 
     # -- completions -------------------------------------------------------------------------------
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_body(request)
-        if isinstance(body, web.Response):
-            return body
+        read = await self._read_body(request)
+        if isinstance(read, web.Response):
+            return read
+        body, raw = read
         headers = self._upstream_headers(request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
@@ -246,12 +254,12 @@ class Proxy:
                         self.decodes.failed(decode, problem)
                         continue
                 if prompt is None:
-                    prompt = await self._prompt(request.path, body, decode)
+                    prompt = await self._prompt(request.path, body, decode, self._needs_ids(request.path, body))
                 decision = self._place(prompt)
                 if decision is None:
                     continue  # every decode went down meanwhile: wait for one
                 try:
-                    return await self._attempt(request, body, headers, decision, prompt, deadline)
+                    return await self._attempt(request, body, raw, headers, decision, prompt, deadline)
                 except Unanswered as error:
                     backoff = self.decodes.failed(decision.decode, str(error))
                     resends += 1
@@ -265,10 +273,11 @@ class Proxy:
             self.counters["client_left"] += 1
             raise
 
-    async def _read_body(self, request: web.Request) -> dict[str, Any] | web.Response:
-        """The request's JSON object, or the error answer to send instead."""
+    async def _read_body(self, request: web.Request) -> tuple[dict[str, Any], bytes] | web.Response:
+        """The request's JSON object and its bytes as they came, or the error answer to send instead."""
         try:
-            body = await request.json()
+            raw = await request.read()
+            body = json.loads(raw)
         except web.HTTPRequestEntityTooLarge:
             return self._fail(413, f"the request body exceeds this proxy's limit of {self.config.max_body_bytes} bytes")
         except ValueError as error:
@@ -277,7 +286,7 @@ class Proxy:
             return self._fail(400, "the request body must be a JSON object")
         if body.get("n") not in (None, 1):
             return self._fail(400, "n > 1 is not supported through the kvpush proxy (one KV transfer per request)")
-        return body
+        return body, raw
 
     async def _next_decode(self, deadline: float, give_up_waiting: float) -> str | web.Response:
         """A decode that is up, waiting while every one sits out a back-off (or a fleet has none yet) until
@@ -302,14 +311,40 @@ class Proxy:
             hasher = self._hashers[size] = BlockHasher(size, self.config.hash_algorithm, self.config.hash_seed)
         return hasher
 
-    async def _prompt(self, path: str, body: Mapping[str, Any], instance: str) -> _Prompt:
-        """The request's prompt for placement: tokenized and hashed, or its length estimated (4 bytes a token)."""
-        ids = await self.tokens.ids(path, body, self.session, instance)
+    def _guessing(self, url: str) -> bool:
+        """Whether ``url``'s index is guessed from the requests sent (its KV events are not followed)."""
+        return not self.caches.view(url).following
+
+    def _needs_ids(self, path: str, body: Mapping[str, Any]) -> bool:
+        """Whether placement may depend on the prompt's token ids: not when one decode is up and the request
+        cannot be disaggregated (no prefill is up, or the prompt is too short however it tokenizes:
+        ``tokens.most_tokens``); then the ids are only what the guessed index learns, which ``_learn`` gets off the
+        request's path."""
+        if self.config.policy.static or len(self.decodes.up()) != 1:
+            return True
+        bound = most_tokens(path, body)
+        return bound is None or (bound >= self.config.policy.pd_min_tokens and bool(self.prefills.up()))
+
+    async def _prompt(self, path: str, body: Mapping[str, Any], instance: str, needed: bool = True) -> _Prompt:
+        """The request's prompt for placement: tokenized and hashed, or its length estimated (4 bytes a token;
+        not ``needed``: not tokenized here, see ``_needs_ids``)."""
+        ids = await self.tokens.ids(path, body, self.session, instance) if needed else None
         if ids is None:
-            self.counters["tokenize_failed"] += 1
+            self.counters["tokenize_failed"] += needed
             text = body.get("prompt") if "prompt" in body else body.get("messages")
             return _Prompt(max(1, len(str(text)) // 4), (), False)
         return _Prompt(len(ids), tuple(self._hasher().block_hashes(ids)), True)
+
+    async def _learn(self, path: str, body: Mapping[str, Any], decode: str) -> None:
+        """What a request placed without its ids put in ``decode``'s cache, for its guessed index (a decode whose
+        KV events are followed learns it from them), once its answer is out: tokenizing a long prompt takes a
+        millisecond of CPU, which its answer's last bytes need no share of."""
+        try:
+            await asyncio.sleep(LEARN_AFTER_S)
+            prompt = await self._prompt(path, body, decode)
+            self.caches.sent(decode, prompt.hashes)
+        finally:
+            self._learning.discard(asyncio.current_task())
 
     def _place(self, prompt: _Prompt) -> Decision | None:
         """The decision for ``prompt`` among the instances up now (ties: in turn)."""
@@ -336,8 +371,9 @@ class Proxy:
             return []
         return [p for p in self.prefills.targets if self._compat.get(p.url, mine) != mine]
 
-    async def _attempt(self, request: web.Request, body: dict[str, Any], headers: Mapping[str, str],  # noqa: PLR0913
-                       decision: Decision, prompt: _Prompt, deadline: float) -> web.StreamResponse:
+    async def _attempt(self, request: web.Request, body: dict[str, Any], raw: bytes,  # noqa: PLR0913
+                       headers: Mapping[str, str], decision: Decision, prompt: _Prompt,
+                       deadline: float) -> web.StreamResponse:
         """One try of ``decision``: its prefill (if it accepts), then the decode's answer relayed. Raises
         Unanswered."""
         transfer_id = new_transfer_id()
@@ -375,7 +411,10 @@ class Proxy:
                      f", prefill {prefill.prefill.url}" if prefill is not None else "", reason)
             self.decodes.acquire(decode)
             try:
-                hop = Hop("POST", decode, json=copy, headers=headers, route=route, resend=True, reason=reason)
+                # a request the decode gets as the client sent it goes as its bytes (no re-encoding)
+                data = raw if route == DECODE_ONLY and "kv_transfer_params" not in body else None
+                hop = Hop("POST", decode, json=copy if data is None else None, data=data, headers=headers, route=route,
+                          resend=True, reason=reason)
                 response = await relay(self.session, request, hop, deadline, self._fail, leading, computed)
             finally:
                 self.decodes.release(decode)
@@ -386,7 +425,10 @@ class Proxy:
             self.decodes.accepted(decode)
             self.counters[f"route_{route.replace('-', '_')}"] += 1
             self.counters[f"decision:{route}:{_why(decision.reason)}"] += 1
-            self.caches.sent(decode, prompt.hashes)
+            if prompt.exact or not self._guessing(decode):
+                self.caches.sent(decode, prompt.hashes)
+            elif len(self._learning) < MAX_LEARNING:  # (bounded: under a flood the guesses miss some)
+                self._learning.add(asyncio.get_running_loop().create_task(self._learn(request.path, body, decode)))
             if prefill is not None:
                 self.caches.sent(prefill.prefill.url, prompt.hashes)
             return response
@@ -482,7 +524,8 @@ class Proxy:
     async def metrics(self, request: web.Request) -> web.Response:
         indexes = {url: (len(view.exact if view.following else view.guessed), view.following)
                    for url, view in self.caches.views.items()}
-        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes, indexes, self._pending),
+        return web.Response(text=render_metrics(self.counters, self.prefills, self.decodes, indexes, self._pending,
+                                                 self.tokens.local),
                             content_type="text/plain", charset="utf-8")
 
 

@@ -1,19 +1,27 @@
 """A request's prompt as the token ids vLLM will compute (``Tokens``), so the router can hash its blocks.
 
 - ``/v1/completions`` with token ids: those, as they are (free).
-- a text prompt: the model's tokenizer, loaded by the router (``tokenizer``: a model directory or name with
-  tokenizer files, read with ``transformers.AutoTokenizer``), as vLLM tokenizes it (``add_special_tokens``
-  as the request says, default true); without one, the instance's own ``POST /tokenize``.
+- a text prompt: the model's tokenizer, loaded by the router, as vLLM tokenizes it (``add_special_tokens`` as the
+  request says, default true). Which tokenizer (``tokenizer``):
+  - ``"auto"`` (the default): the one the instances serve, found in the background at start-up from an
+    instance's ``GET /v1/models`` (its ``root``: the model's directory or name), loaded from local files only
+    (``transformers.AutoTokenizer``, ``local_files_only``: never a download). Until it is loaded, or when it
+    cannot be (no ``transformers``, the model is on another host), the instance's own ``POST /tokenize``;
+  - a model directory or name: that one, loaded at start-up;
+  - None (``--tokenizer none``): always the instance's ``POST /tokenize`` (a round trip on the request's path).
 - ``/v1/chat/completions``: the instance's ``POST /tokenize`` with the messages (vLLM renders its chat template
   as it would for the request; a template the router rendered itself could differ from vLLM's choice).
 
 A prompt that cannot be tokenized (a batch of prompts, an instance that does not answer within
-``TOKENIZE_TIMEOUT_S``) is placed by load alone. Tokenizing runs off the event loop (a thread).
+``TOKENIZE_TIMEOUT_S``) is placed by load alone. A long text (``INLINE_CHARS`` or more) is tokenized off the
+event loop (a thread); a short one on it (a thread's hand-off costs more than its tokenizing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import importlib.util
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,21 +31,77 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 TOKENIZE_TIMEOUT_S = 2.0
+AUTO = "auto"
+INLINE_CHARS = 2048  # texts shorter than this are tokenized on the event loop (~50 us for 40 words here)
 _CHAT_KEYS = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
               "tools", "add_special_tokens", "mm_processor_kwargs")
 
 
-class Tokens:
-    """Token ids of requests: ``ids(path, body, session, instance_url)``; ``tokenizer``: a local one, or None."""
+def text_prompt(path: str, body: Mapping[str, Any]) -> str | None:
+    """The request's one text prompt (``/v1/completions``), or None (token ids, a batch, a chat)."""
+    if path.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
-    def __init__(self, tokenizer: str | None = None) -> None:
+
+def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
+    """An upper bound on the prompt's tokens without tokenizing it, or None when there is none to be had: token
+    ids count themselves; a text has at most one token per UTF-8 byte (byte-level BPE and byte fallback never
+    make more) plus a few special tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt) and not path.endswith("/chat/completions"):
+        return len(prompt)
+    text = text_prompt(path, body)
+    return None if text is None else len(text.encode("utf-8", "replace")) + 8
+
+
+class Tokens:
+    """Token ids of requests: ``ids(path, body, session, instance_url)``; ``tokenizer``: ``AUTO``, a local one,
+    or None (the instances tokenize). ``loading``: the background load of the auto tokenizer, once started."""
+
+    def __init__(self, tokenizer: str | None = AUTO) -> None:
         self.tokenizer_name = tokenizer
         self._tokenizer: Any = None
-        if tokenizer is not None:
+        self.loading: asyncio.Task[None] | None = None
+        if tokenizer is not None and tokenizer != AUTO:
             from transformers import AutoTokenizer  # the router's tokenizer extra: a clear ImportError without it
 
-            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            self._loaded(AutoTokenizer.from_pretrained(tokenizer))
         self.failures = 0
+
+    @property
+    def local(self) -> bool:
+        """Whether text prompts are tokenized here (else by an instance)."""
+        return self._tokenizer is not None
+
+    def discover(self, session: aiohttp.ClientSession, instance: str) -> None:
+        """With ``AUTO``: start loading the tokenizer ``instance`` serves, in the background (once)."""
+        if self.tokenizer_name == AUTO and self.loading is None and importlib.util.find_spec("transformers"):
+            self.loading = asyncio.get_running_loop().create_task(self._discover(session, instance),
+                                                                  name="kvpush-proxy-tokenizer")
+
+    async def _discover(self, session: aiohttp.ClientSession, instance: str) -> None:
+        """The tokenizer of ``instance``'s model, from its local files; on any failure the instances tokenize."""
+        try:
+            async with session.get(f"{instance}/v1/models",
+                                   timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S)) as reply:
+                models = (await reply.json())["data"]
+            root = models[0].get("root") or models[0]["id"]
+
+            def load() -> Any:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(root, local_files_only=True)
+            self._loaded(await asyncio.to_thread(load))
+            log.info("text prompts are tokenized here, with %s's tokenizer", root)
+        except Exception as error:  # noqa: BLE001 - any failure: the instances keep tokenizing
+            log.info("the instances' tokenizer could not be loaded here (%s); they tokenize text prompts",
+                     str(error)[:200] or type(error).__name__)
 
     async def ids(self, path: str, body: Mapping[str, Any], session: aiohttp.ClientSession,
                   instance: str) -> list[int] | None:
@@ -54,7 +118,11 @@ class Tokens:
             if not isinstance(prompt, str):
                 return None
             special = body.get("add_special_tokens", True) is not False
+            if self._tokenizer is None:
+                self.discover(session, instance)
             if self._tokenizer is not None:
+                if len(prompt) < INLINE_CHARS:
+                    return self._encode(prompt, special)
                 return await asyncio.to_thread(self._encode, prompt, special)
             return await self._remote(session, instance, {"prompt": prompt, "add_special_tokens": special},
                                       body.get("model"))
@@ -64,8 +132,27 @@ class Tokens:
             return None
 
     def _encode(self, prompt: str, special: bool) -> list[int]:
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
+        if backend is not None:  # what its __call__ runs, without the Python around it (batches, lazy imports)
+            fast: list[int] = backend.encode(prompt, add_special_tokens=special).ids
+            return fast
         ids: list[int] = self._tokenizer(prompt, add_special_tokens=special)["input_ids"]
         return ids
+
+    def _loaded(self, tokenizer: Any) -> None:
+        """``tokenizer`` is the one to use from now on: used once first (what it loads or builds on first use
+        happens here, not on a request's path), then what loading it left behind is put out of the garbage
+        collector's sight (transformers leaves millions of objects that live as long as the router: a full
+        collection that walked them would stall every request in flight for 100 ms or more)."""
+        self._tokenizer = tokenizer
+        self._encode("warm up: the first use", True)
+        gc.collect()
+        gc.freeze()
+
+    async def close(self) -> None:
+        if self.loading is not None:
+            self.loading.cancel()
+            await asyncio.gather(self.loading, return_exceptions=True)
 
     async def _remote(self, session: aiohttp.ClientSession, instance: str, fields: Mapping[str, Any],
                       model: Any) -> list[int] | None:

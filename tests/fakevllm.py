@@ -32,6 +32,8 @@ class FakeVllm:
         #: what GET /kv_event_sources answers (vLLM: its KVEventsConfig per data parallel rank); None: 404
         self.event_sources: dict[str, Any] | None = None
         self.tokenized: list[dict[str, Any]] = []  # POST /tokenize bodies (answered: one token per character)
+        self.raw: list[bytes] = []  # the completions' bodies as they came
+        self.model_root: str | None = None  # the "root" /v1/models names (vLLM: the model's directory or name)
 
     async def start(self, port: int = 0) -> FakeVllm:
         app = web.Application()
@@ -49,6 +51,7 @@ class FakeVllm:
         return self
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
+        self.raw.append(await request.read())
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
@@ -71,7 +74,10 @@ class FakeVllm:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+        model: dict[str, Any] = {"id": "tiny", "owned_by": self.name}
+        if self.model_root is not None:
+            model["root"] = self.model_root
+        return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)

@@ -1,0 +1,154 @@
+"""What the router puts on a request's path (issue 42): its tokenizing and its re-encoding. Stand-ins for vLLM
+(tests/fakevllm.py) record what reaches them; the tokenizer is a real one (``kvpush.cli.tiny_model``'s BPE,
+saved to a directory as a model's tokenizer is)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from fakevllm import FakeVllm
+
+from kvrouter import server
+from kvrouter.config import ProxyConfig
+from kvrouter.core.placement import Policy
+from kvrouter.core.pools import parse_prefill
+from kvrouter.tokens import most_tokens, text_prompt
+
+BLOCK = 16
+
+
+async def until(condition: Callable[[], Awaitable[bool]], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpush.cli.tiny_model import _train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    _train_tokenizer(512, 0).save_pretrained(str(path))
+    return path
+
+
+class Router:
+    def __init__(self, decode: FakeVllm, prefill: FakeVllm, url: str) -> None:
+        self.decode, self.prefill, self.url = decode, prefill, url
+
+    async def get(self, session: aiohttp.ClientSession, path: str) -> str:
+        async with session.get(self.url + path) as reply:
+            return await reply.text()
+
+    async def post(self, session: aiohttp.ClientSession, data: bytes) -> str:
+        async with session.post(self.url + "/v1/completions", data=data,
+                                headers={"Content-Type": "application/json"}) as reply:
+            assert reply.status == 200, await reply.text()
+            await reply.read()
+            return reply.headers["X-Kvpush-Route"]
+
+
+async def router(tokenizer: str | None, root: str | None) -> AsyncIterator[Router]:
+    decode, prefill = await FakeVllm("decode").start(), await FakeVllm("prefill").start()
+    decode.model_root = root
+    config = ProxyConfig([parse_prefill(f"{prefill.url}#kv=14600")], [decode.url], kv_probe_s=0,
+                         policy=Policy(pd_min_tokens=256), block_size=BLOCK, tokenizer=tokenizer)
+    runner = await server.start(config, "127.0.0.1", 0)
+    try:
+        yield Router(decode, prefill, f"http://127.0.0.1:{server.bound_port(runner)}")
+    finally:
+        await runner.cleanup()
+        for fake in (decode, prefill):
+            assert fake.runner is not None
+            await fake.runner.cleanup()
+
+
+@pytest.fixture
+async def auto(tokenizer_dir: Path) -> AsyncIterator[Router]:
+    """The default (``--tokenizer auto``), in front of a decode whose model's tokenizer is on this host."""
+    async for r in router("auto", str(tokenizer_dir)):
+        yield r
+
+
+@pytest.fixture
+async def remote(tokenizer_dir: Path) -> AsyncIterator[Router]:
+    """``--tokenizer none``: the instances tokenize, whatever is on this host."""
+    async for r in router(None, str(tokenizer_dir)):
+        yield r
+
+
+def words(n: int, seed: int) -> str:
+    vocabulary = "cache block layer prefill decode push token model engine request".split()
+    return " ".join(vocabulary[(seed * 7 + i * 3) % len(vocabulary)] for i in range(n))
+
+
+def body(prompt: Any, **fields: Any) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2, **fields}, indent=1).encode()
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+async def test_the_default_finds_the_instances_tokenizer_and_tokenizes_here(auto: Router, reference: Any) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        long = words(400, 1)  # long enough to disaggregate: placement needs its blocks
+        assert await auto.post(session, body(long)) == "pd"
+        assert not auto.decode.tokenized and not auto.prefill.tokenized  # no /tokenize round trip
+        # its blocks were hashed from the same ids vLLM computes: the same prompt again is held by the decode
+        again = words(400, 1) + " push"
+        route = await auto.post(session, body(again))
+        ids = reference(long)["input_ids"]
+        assert route == "decode-only"
+        metrics = await auto.get(session, "/metrics")
+        assert f'kvpush_proxy_index_blocks{{url="{auto.decode.url}",source="guessed"}} {len(ids) // BLOCK}' in metrics
+
+
+async def test_none_asks_the_instance(remote: Router) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        assert await remote.post(session, body(words(400, 2))) == "pd"
+        assert [t["prompt"] for t in remote.decode.tokenized] == [words(400, 2)]
+        assert "kvpush_proxy_tokenizer_local 0" in await remote.get(session, "/metrics")
+
+
+async def test_a_prompt_too_short_to_disaggregate_goes_untokenized_and_is_learnt_after(remote: Router) -> None:
+    """One decode up and a prompt shorter than the threshold however it tokenizes: placement cannot depend on
+    its blocks, so the request goes first and its blocks reach the guessed index after its answer."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        short = "a" * 100
+        sent = body(short)
+        assert await remote.post(session, sent) == "decode-only"
+        assert remote.decode.raw == [sent]  # its bytes as the client sent them: not decoded and encoded again
+
+        async def learnt() -> bool:
+            return f'kvpush_proxy_index_blocks{{url="{remote.decode.url}",source="guessed"}} {100 // BLOCK}' in \
+                await remote.get(session, "/metrics")
+        await until(learnt)  # (the stand-in's /tokenize: one token per character)
+        assert [t["prompt"] for t in remote.decode.tokenized] == [short]
+        assert "kvpush_proxy_tokenize_failed_total 0" in await remote.get(session, "/metrics")
+
+
+async def _contains(text: Awaitable[str], needle: str) -> bool:
+    return needle in await text
+
+
+def test_an_upper_bound_on_a_prompts_tokens_without_tokenizing_it() -> None:
+    assert most_tokens("/v1/completions", {"prompt": [1, 2, 3]}) == 3
+    assert most_tokens("/v1/completions", {"prompt": [[1, 2]]}) == 2
+    assert most_tokens("/v1/completions", {"prompt": "héllo"}) == len("héllo".encode()) + 8
+    assert most_tokens("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch
+    assert most_tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) is None
+    assert text_prompt("/v1/completions", {"prompt": ["one"]}) == "one"
+    assert text_prompt("/v1/chat/completions", {"prompt": "x"}) is None
