@@ -16,8 +16,8 @@ off; one request at a time; the client does the routing a proxy would, so no pro
 - ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, on core 1, where the single instance
   computed the same prompts) and a decode (``kv_consumer``, core 0) with KvpushConnector (its timed
   subclass, bench/vllm_timed_connector.py) and ``kv_connector_extra_config={"transport": ...}``.
-  Each request goes as ``kvpush proxy`` sends it: the prefill's copy first (``max_tokens=1``, streamed),
-  and once the prefill accepted it (the head of its answer came) the decode's; the client streams the
+  Each request goes as ``kvpush proxy`` sends it: the prefill's copy (``max_tokens=1``, streamed) and the
+  decode's at once, under one transfer id the client mints; the client streams the
   decode's, led by the prefill's first token when that came first (the proxy's ``first_token``: the
   decode's copy of it is checked). "pushed in forward" counts the requests whose
   block ids reached the prefill before its forward started (the others are pushed after it).
@@ -264,6 +264,9 @@ def timing_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
 
 
 PHASES = ("to_prefill", "held", "to_forward", "forward", "to_first_token", "tail")
+# the decode's side: its request to its scheduler, its block ids out, and their way to the prefill's scheduler (a
+# held request) or how far into the prefill's forward they left (an unheld one; negative: before it)
+HOLD_PHASES = ("decode_to_scheduler", "decode_ids_out", "ids_to_prefill", "ids_after_forward_start")
 
 
 def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
@@ -288,18 +291,29 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
         return None
     start = min(e["t_bind"] for e in steps)
     forward_end = max(e["t_forward_end"] for e in steps)
-    released = held[0]["t"] if held else start
-    seen = released - held[0]["held_ms"] / 1e3 if held else start
+    seen_prefill = [e["t"] for e in trace_prefill if e.get("ev") == "seen" and begin <= e["t"] <= end]
+    released = held[0]["t"] if held else min(seen_prefill, default=start)
+    seen = released - held[0]["held_ms"] / 1e3 if held else released
     marks = (begin, seen, released, start, forward_end, first)
     phases = {name: round((b - a) * 1e3, 2) for name, a, b in zip(PHASES, marks, marks[1:])}
     phases["tail"] = round((min(landed) - forward_end) * 1e3, 2)
+    # the hold, from the decode's side: its request reached its scheduler, its block ids went out
+    seen_decode = [e["t"] for e in trace_decode if e.get("ev") == "seen" and begin <= e["t"] <= end]
+    ids_out = [e["t"] for e in trace_decode if e.get("ev") == "ids" and begin <= e["t"] <= end]
+    if seen_decode and ids_out:
+        phases["decode_to_scheduler"] = round((min(seen_decode) - begin) * 1e3, 2)
+        phases["decode_ids_out"] = round((min(ids_out) - min(seen_decode)) * 1e3, 2)
+        # the ids' way to the prefill's scheduler (held) or, unheld, how far into its forward they left
+        phases["ids_to_prefill" if held else "ids_after_forward_start"] = round(
+            ((released if held else min(ids_out)) - (min(ids_out) if held else start)) * 1e3, 2)
     return phases
 
 
 def phases_p50(phases: Sequence[dict[str, float] | None]) -> dict[str, float]:
     """The median of each phase over the requests whose trace was complete."""
     complete = [p for p in phases if p is not None]
-    return {name: round(median([p[name] for p in complete]), 1) for name in PHASES} if complete else {}
+    names = [*PHASES, *(name for name in HOLD_PHASES if all(name in p for p in complete))]
+    return {name: round(median([p[name] for p in complete]), 1) for name in names} if complete else {}
 
 
 def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None, Timing | None]],
@@ -398,6 +412,19 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
             cells = [str(r["phases_p50_ms"].get(name, "")) for name in PHASES]
             lines.append(f"| {r['prompt_tokens']} | {r['case']} | " + " | ".join(cells)
                          + f" | {r.get('ttft_p50_ms', '')} | {r.get('single_ttft_p50_ms', '')} |")
+        sided = [r for r in phased if "decode_to_scheduler" in r["phases_p50_ms"]]
+        if sided:  # the decode's side, and what is neither compute nor bytes
+            lines += ["", "| prompt | case | decode: to its scheduler | decode: its block ids out | ids: to the "
+                      "prefill's scheduler (held) | ids: after the prefill's forward began (unheld) | neither compute "
+                      "nor bytes (to prefill + held + to forward + to first token) | the single instance's (its TTFT "
+                      "- the prefill's forward) |", "|---|---|---|---|---|---|---|---|"]
+            for r in sorted(sided, key=lambda r: (r["prompt_tokens"], r["case"])):
+                p = r["phases_p50_ms"]
+                overhead = p["to_prefill"] + p["held"] + p["to_forward"] + p["to_first_token"]
+                single = r.get("single_ttft_p50_ms")
+                own = f"{single - p['forward']:.1f}" if single else ""
+                lines.append(f"| {r['prompt_tokens']} | {r['case']} | "
+                             + " | ".join(str(p.get(n, "")) for n in HOLD_PHASES) + f" | {overhead:.1f} | {own} |")
     moved = [r for r in records if r.get("bytes_moved_per_request") is not None and "result" not in r]
     if moved:  # what each request moved, beside what the same model would move were every layer full attention
         lines += ["", "| prompt | case | bytes moved per request | every layer full attention would move "
@@ -667,7 +694,8 @@ def post(server: Server, ids: list[int], max_tokens: int, params: dict[str, Any]
 
 def accept(server: Server, ids: list[int], params: dict[str, Any], timeout_s: float = 600) -> http.client.HTTPResponse:
     """The prefill's copy of a request as ``kvpush proxy`` sends it (one token, streamed): returns once the
-    prefill accepted it (the head of its answer came); ``drain`` reads the rest."""
+    prefill accepted it (the head of its answer came; the decode's copy went at the same time); ``drain``
+    reads the rest."""
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout_s)
     connection.request("POST", "/v1/completions", _body(ids, 1, True, params), {"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -752,14 +780,13 @@ class Route:
         if self.system == "single":
             return stream(self.servers[0], ids, max_tokens, None, started)
         prefill, decode = self.servers
-        if self.system.startswith("kvpush"):  # as kvpush proxy sends them: the prefill accepts, then the decode
+        if self.system.startswith("kvpush"):  # as kvpush proxy sends them: both copies at once
             tid = uuid.uuid4().hex
             to_prefill = {"do_remote_decode": True, "transfer_id": tid}
             to_decode = {"do_remote_prefill": True, "transfer_id": tid}
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 if not self.decode_first:
-                    prefilling = accept(prefill, ids, to_prefill)
-                    prefilled = pool.submit(drain, prefilling)
+                    prefilled = pool.submit(lambda: drain(accept(prefill, ids, to_prefill)))
                     sample = stream(decode, ids, max_tokens, to_decode, started)
                     lead_at, lead = prefilled.result()
                     # the proxy's lead (kvrouter.core.first_token): a greedy stream's first token is the

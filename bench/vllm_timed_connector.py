@@ -23,7 +23,10 @@ Trace lines (``time.monotonic()``, which is one clock for every process of a Lin
 - prefill, whenever the bytes its pushes were asked to move grew: ``{"ev": "bytes", "t": .., "total": ..}`` (the
   connector's ``producer.bytes_pushed``, cumulative: what every layer of every block pushed so far takes; the
   benchmark's servers run with ``--disable-log-stats``, so vLLM's ``/metrics`` do not carry it).
-- decode: ``{"ev": "ids", "t": ..}`` when a step hands the worker requests to receive, and
+- scheduler side, both roles: ``{"ev": "seen", "t": .., "side": "prefill"|"decode"}`` when its scheduler first asks
+  about a request that sends (prefill) or expects (decode) a prefill's KV: it came through vLLM's front end;
+- decode: ``{"ev": "ids", "t": ..}`` when a step hands the worker requests to receive (their block ids go to the
+  prefill from there), and
   ``{"ev": "landed", "t": .., "reqs": [..]}`` at the first hook call that reports them in
   ``finished_recving`` (the decode engine steps continuously while a request waits, so this is within
   one empty step of the landing notification).
@@ -53,6 +56,7 @@ class TimedKvpushConnector(KvpushConnector):
         self._serial = False
         self._before: dict[str, int] = {}
         self._held: dict[str, float] = {}  # scheduler: request id -> when it was first held
+        self._seen: set[str] = set()  # decode scheduler: requests whose "seen" line was written
         self._bytes_written = 0  # prefill worker: the bytes_pushed of its last "bytes" line
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -70,6 +74,13 @@ class TimedKvpushConnector(KvpushConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         released = self._scheduler.stats["held_ids_in"] if self._scheduler is not None else 0
+        params = getattr(request, "kv_transfer_params", None) or {}
+        side = "decode" if params.get("do_remote_prefill") else "prefill" if params.get("do_remote_decode") else None
+        if side is not None and request.request_id not in self._seen:
+            self._seen.add(request.request_id)
+            self._write({"ev": "seen", "t": time.monotonic(), "side": side})
+            if len(self._seen) > 4096:
+                self._seen.clear()
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
         now = time.monotonic()
         if answer[0] is None:

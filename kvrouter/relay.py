@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -72,18 +72,80 @@ class Leading:
     mismatched: bool = False  # ... and the decode's differed: the client's connection was cut
 
 
-class PrefillRun:
-    """A prefill's accepted copy of one request: its response is drained by a task until ``end``; with
-    ``leading``, its first token is handed to ``leading.first``."""
+@dataclass(frozen=True)
+class Refusal:
+    """A prefill did not take its copy of a request: why, and whether the request itself was refused (4xx)."""
 
-    def __init__(self, pool: Pool[Prefill], prefill: Prefill, reply: aiohttp.ClientResponse, transfer_id: str,
-                 leading: Leading | None = None) -> None:
+    reason: str
+    client_error: bool = False
+
+
+class Abandoned(Exception):
+    """The decode's copy was given up before its answer began: its prefill refused (``refusal``)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.reason)
+        self.refusal = refusal
+
+
+class PrefillRun:
+    """A prefill's copy of one request, sent at once (``post``: the path, body and headers) and run by a task:
+    ``settled`` resolves to None once the prefill accepted it (answered the head of its stream within
+    ``accept_timeout_s``), or to its ``Refusal``; an accepted answer is drained until ``end``; with ``leading``,
+    its first token is handed to ``leading.first``. It counts against ``prefill`` in ``pool`` until ``end``, which
+    records how it went (accepted, or failed and backing off)."""
+
+    def __init__(self, session: aiohttp.ClientSession, pool: Pool[Prefill], prefill: Prefill,  # noqa: PLR0913
+                 post: tuple[str, Any, Mapping[str, str]], deadline: float, accept_timeout_s: float,
+                 transfer_id: str, leading: Leading | None = None) -> None:
         self.prefill = prefill
         self.leading = leading
+        self.transfer_id = transfer_id
+        loop = asyncio.get_running_loop()
+        self.settled: asyncio.Future[Refusal | None] = loop.create_future()
         self._pool = pool
-        self._task = asyncio.get_running_loop().create_task(self._drain(reply, transfer_id))
+        pool.acquire(prefill)
+        self._task = loop.create_task(self._run(session, post, deadline, accept_timeout_s))
 
-    async def _drain(self, reply: aiohttp.ClientResponse, transfer_id: str) -> None:
+    async def _run(self, session: aiohttp.ClientSession, post: tuple[str, Any, Mapping[str, str]], deadline: float,
+                   accept_timeout_s: float) -> None:
+        url, body, headers = post
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        reply: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(min(accept_timeout_s, remaining)):
+                reply = await session.post(url, json=body, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=remaining))
+                if reply.status != 200:
+                    text = (await reply.content.read(500)).decode("utf-8", "replace")
+                    refusal = Refusal(f"answered {reply.status}: {text}", reply.status < 500)
+                    reply.close()
+                    self._settle(refusal)
+                    return
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            if reply is not None:
+                reply.close()
+            self._settle(Refusal(describe(error)))
+            return
+        except BaseException:
+            if reply is not None:
+                reply.close()
+            raise
+        self._pool.accepted(self.prefill)
+        self._settle(None)
+        await self._drain(reply)
+
+    def _settle(self, refusal: Refusal | None) -> None:
+        if refusal is not None and not refusal.client_error:
+            backoff = self._pool.failed(self.prefill, refusal.reason)
+            log.warning("transfer %s: prefill %s did not accept the request (%s); skipped for %.2f s",
+                        self.transfer_id, self.prefill.url, refusal.reason, backoff)
+        if not self.settled.done():
+            self.settled.set_result(refusal)
+        if refusal is not None and self.leading is not None and not self.leading.first.done():
+            self.leading.first.set_result(None)
+
+    async def _drain(self, reply: aiohttp.ClientResponse) -> None:
         """Read the prefill's stream to its end; an error event in it is logged (the decode learns of a
         failed prefill from kvpush itself)."""
         first = None if self.leading is None else self.leading.first
@@ -91,14 +153,14 @@ class PrefillRun:
             lines = _Lines(reply)
             while line := await lines.next():
                 if line.startswith(b"data:") and b'"error"' in line:
-                    log.warning("transfer %s: prefill %s: %s", transfer_id, self.prefill.url,
+                    log.warning("transfer %s: prefill %s: %s", self.transfer_id, self.prefill.url,
                                 line[5:505].decode("utf-8", "replace").strip())
                 elif first is not None and not first.done() and (event := event_of(line)) is not None:
                     assert self.leading is not None
                     first.set_result(lead_of(event, self.leading.client_wants_ids))
             reply.release()  # read to its end: the connection goes back to the pool
         except (aiohttp.ClientError, TimeoutError) as error:
-            log.warning("transfer %s: prefill %s failed after accepting: %s", transfer_id, self.prefill.url,
+            log.warning("transfer %s: prefill %s failed after accepting: %s", self.transfer_id, self.prefill.url,
                         describe(error))
         finally:
             if first is not None and not first.done():
@@ -114,12 +176,17 @@ class PrefillRun:
         finally:
             self._task.cancel()
             await asyncio.wait([self._task])
+            if not self.settled.done():
+                self.settled.set_result(Refusal("cancelled"))
+            if self.leading is not None and not self.leading.first.done():
+                self.leading.first.set_result(None)
             self._pool.release(self.prefill)
 
 
 async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, deadline: float,  # noqa: PLR0913
                 fail: Callable[[int, str], web.Response], leading: Leading | None = None,
-                answering: Callable[[], None] | None = None) -> web.StreamResponse:
+                answering: Callable[[], None] | None = None,
+                settled: asyncio.Future[Refusal | None] | None = None) -> web.StreamResponse:
     """Pass the answer of ``hop.upstream`` to the request's path on to the client as it arrives:
     status, headers, body chunk by chunk. Before the first byte: a timeout is a 504, an unreachable
     upstream a 502 (the answers ``fail`` makes), or with ``hop.resend`` Unanswered (when a connection error
@@ -127,7 +194,9 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
     ``leading``: once the upstream answered a stream, the prefill's first token
     goes to the client as soon as it is there, unless the upstream's came first (``_follow``). ``answering``
     is called once, when the answer's first body bytes (or the prefill's first token) are there: the prompt
-    has been computed."""
+    has been computed. ``settled``: the prefill the upstream (a decode) waits for is sent its copy at the same
+    time, and may refuse it: until it accepted, nothing goes to the client; if it refuses before the upstream's
+    answer began, the upstream's request is cut (vLLM aborts it) and ``Abandoned`` raised."""
     response: web.StreamResponse | None = None
     remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
     upstream = hop.upstream
@@ -135,8 +204,10 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
         headers = hop.headers
         if hop.data is not None:
             headers = {**(headers or {}), "Content-Type": "application/json"}
-        async with session.request(hop.method, upstream + request.path, json=hop.json, data=hop.data, headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=remaining)) as reply:
+        opening = session.request(hop.method, upstream + request.path, json=hop.json, data=hop.data, headers=headers,
+                                  timeout=aiohttp.ClientTimeout(total=remaining))
+        reply, initial = await _answer_begun(opening, settled)
+        async with reply:
             passed = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
             if hop.route is not None:
                 passed["X-Kvpush-Route"] = hop.route
@@ -144,10 +215,11 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
                 passed["X-Kvpush-Reason"] = hop.reason.encode("ascii", "replace").decode("ascii")
             response = web.StreamResponse(status=reply.status, reason=reply.reason, headers=passed)
             await response.prepare(request)
+            lines = _Lines(reply, answering, initial)
             if leading is not None and reply.status == 200 and reply.content_type == "text/event-stream":
-                await _follow(_Lines(reply, answering), response, leading)
+                await _follow(lines, response, leading)
             else:
-                await _Lines(reply, answering).pass_on(response)
+                await lines.pass_on(response)
             await response.write_eof()
             return response
     except Mismatch as error:
@@ -175,15 +247,55 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, hop: Hop, 
         return response
 
 
+async def _answer_begun(opening: Awaitable[aiohttp.ClientResponse],
+                        settled: asyncio.Future[Refusal | None] | None) -> tuple[aiohttp.ClientResponse, bytes]:
+    """The upstream's response once it may go to the client, and the body bytes read meanwhile: at once
+    without ``settled``; else once its prefill accepted (``settled`` None) or its answer's body began (a
+    decode that gave up waiting answers alone), whichever is first. A refusal before either: the upstream's
+    request is cut and ``Abandoned`` raised."""
+    task: asyncio.Future[Any] = asyncio.ensure_future(opening)
+    reply: aiohttp.ClientResponse | None = None
+    try:
+        while settled is not None and not settled.done():
+            await asyncio.wait([task, settled], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                continue
+            if reply is not None:  # the first body bytes (b"": its end) came before the prefill settled
+                return reply, task.result()
+            reply = task.result()
+            if reply.status != 200:
+                return reply, b""
+            task = asyncio.ensure_future(reply.content.readany())  # its waiting, when cancelled, loses nothing
+        refusal = settled.result() if settled is not None else None
+        if refusal is not None:
+            raise Abandoned(refusal)
+        if reply is None:
+            return await task, b""
+        task.cancel()
+        await asyncio.wait([task])
+        return reply, b"" if task.cancelled() else task.result()
+    except BaseException:
+        task.cancel()
+        await asyncio.wait([task])
+        if reply is None and not task.cancelled() and task.exception() is None:
+            reply = task.result()
+        if reply is not None and isinstance(reply, aiohttp.ClientResponse):
+            reply.close()  # drops the connection: vLLM aborts the request
+        raise
+
+
 class _Lines:
     """An upstream's event stream, line by line, up to ``MAX_LINE_BYTES`` a line (aiohttp's own readline
     stops at twice its read buffer, 512 KiB by default, and older versions take no bound of the caller's).
     Cancelling ``next`` loses nothing: bytes are kept here until a whole line is handed out."""
 
-    def __init__(self, reply: aiohttp.ClientResponse, on_data: Callable[[], None] | None = None) -> None:
+    def __init__(self, reply: aiohttp.ClientResponse, on_data: Callable[[], None] | None = None,
+                 initial: bytes = b"") -> None:
         self._content = reply.content
-        self._buffer = bytearray()
+        self._buffer = bytearray(initial)  # (bytes read before: ``_answer_begun``)
         self._on_data = on_data  # called once, at the first bytes read
+        if initial:
+            self.data()
 
     def data(self) -> None:
         """The answer has begun (its first bytes, or a token that leads it): ``on_data``, once."""

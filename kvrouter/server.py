@@ -7,12 +7,14 @@ docs/guides/router.md and docs/guides/vllm.md; the flags and metrics in docs/ref
 1. ``_place``: the prompt's token ids (``kvrouter.tokens``) hashed into prefix-cache blocks as vLLM hashes
    them (``core.hashing``), matched against each instance's view (``kvrouter.caches``), and decided by the
    pure ``core.placement.place`` (a decode alone, or a prefill and a decode; with its reason).
-2. ``_open_prefill``: for P/D, the prefill gets a copy with a fresh transfer id (``max_tokens=1``, streamed)
-   and must *accept* it - answer its head - within ``accept_timeout_s``; else it is skipped for a back-off
-   and the decode computes the request alone.
-3. ``_attempt``: the decode gets the client's request, with the accepting prefill's kvpush address in its
-   ``kv_transfer_params`` or plain; its answer is relayed to the client as it comes (``relay``), a streamed
-   greedy completion led by the prefill's first token (``core.first_token``).
+2. ``_attempt``/``_try``: for P/D, the prefill and the decode get their copies *at once*, under one transfer id the
+   router mints (``PrefillRun``: ``max_tokens=1``, streamed; the decode's with the prefill's kvpush address in its
+   ``kv_transfer_params``), so the decode's block ids reach the prefill while the prefill's request is on its
+   way (no hop waits for another). The prefill must *accept* - answer its head - within ``accept_timeout_s``;
+   one that refuses before the decode's answer began is skipped for a back-off, the decode's copy is cut (vLLM
+   aborts it and frees its blocks), and the next prefill is tried, or the decode computes the request alone.
+3. ``relay``: the decode's answer goes to the client as it comes, once its prefill accepted (or the decode
+   answered alone); a streamed greedy completion is led by the prefill's first token (``core.first_token``).
 
 Bounds: a request is answered or cut within ``timeout_s``; a decode that refuses or closes before any byte is
 skipped for a back-off and the request goes again (a new transfer) to one that accepts, for at most
@@ -57,11 +59,11 @@ from .core.pools import (
     prefill_body,
 )
 from .relay import (
+    Abandoned,
     Hop,
     Leading,
     PrefillRun,
     Unanswered,
-    describe,
     error_response,
     healthy,
     relay,
@@ -82,12 +84,6 @@ MAX_LEARNING = 64  # requests placed without their ids whose ids are still being
 MAX_RESENDS = 3  # a request whose decode closed the connection before answering goes again this many times
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED = ("Authorization", "X-Request-Id")  # request headers the upstreams get
-
-
-class _Refused(Exception):
-    def __init__(self, message: str, client_error: bool) -> None:
-        super().__init__(message)
-        self.client_error = client_error
 
 
 @dataclass(frozen=True)
@@ -374,28 +370,56 @@ class Proxy:
     async def _attempt(self, request: web.Request, body: dict[str, Any], raw: bytes,  # noqa: PLR0913
                        headers: Mapping[str, str], decision: Decision, prompt: _Prompt,
                        deadline: float) -> web.StreamResponse:
-        """One try of ``decision``: its prefill (if it accepts), then the decode's answer relayed. Raises
-        Unanswered."""
-        transfer_id = new_transfer_id()
-        decode, reason = decision.decode, decision.reason
-        leading = None
-        if decision.route == PD and leads(request.path, body):
-            leading = Leading(asyncio.get_running_loop().create_future(), body.get("return_token_ids") is True)
-        prefill = None
-        if decision.route == PD:
-            chosen = [p for p in self.prefills.targets if p.url == decision.prefill]
-            prefill, refusal = await self._open_prefill(request.path, body, headers, transfer_id, deadline,
-                                                        chosen if not self.config.policy.static else None,
-                                                        self._incompatible(decode), leading)
-            if prefill is None:
+        """One try of ``decision``: for P/D, its prefill and its decode get their copies at once (the decode's
+        waits for the KV); a prefill that refuses before the decode's answer began cuts the decode's copy, and the
+        next prefill is tried, or the decode computes the request alone. Raises Unanswered."""
+        only = [p for p in self.prefills.targets if p.url == decision.prefill] \
+            if decision.route == PD and not self.config.policy.static else None
+        tried: list[Prefill] = list(self._incompatible(decision.decode))
+        refusals: list[str] = []
+        alone = decision.route != PD
+        while True:
+            prefill = None if alone else self._next_prefill(only, tried)
+            reason = decision.reason
+            if decision.route == PD and prefill is None:
+                refusal = "; ".join(refusals) or f"every prefill is skipped ({self._down(self.prefills)})"
                 reason = f"{reason}; then the decode alone: {refusal}"
-                log.warning("transfer %s: no prefill accepted the request (%s); the decode computes it alone",
-                            transfer_id, refusal)
+                log.warning("no prefill accepted the request (%s); the decode computes it alone", refusal)
+            try:
+                return await self._try(request, body, raw, headers, decision, prompt, deadline, prefill, reason)
+            except Abandoned as abandoned:
+                assert prefill is not None
+                tried.append(prefill)
+                refusals.append(f"prefill {prefill.url} did not accept it: {abandoned.refusal.reason}")
+                # the request itself was refused (4xx): the decode answers it alone (and says what is wrong)
+                alone = abandoned.refusal.client_error
+
+    def _next_prefill(self, only: Sequence[Prefill] | None, tried: Sequence[Prefill]) -> Prefill | None:
+        """The prefill for the next try: ``only`` these, else each in the pool's order; None: none is left."""
+        if only is None:
+            return self.prefills.pick(exclude=tried)
+        return next((p for p in only if p not in tried), None)
+
+    async def _try(self, request: web.Request, body: dict[str, Any], raw: bytes,  # noqa: PLR0913
+                   headers: Mapping[str, str], decision: Decision, prompt: _Prompt, deadline: float,
+                   prefill: Prefill | None, reason: str) -> web.StreamResponse:
+        """The decode's answer relayed; with ``prefill``, the prefill's copy sent beside it (raises Abandoned when
+        it refuses before the decode's answer began). Raises Unanswered."""
+        transfer_id = new_transfer_id()
+        decode = decision.decode
+        leading = None
+        run: PrefillRun | None = None
+        if prefill is not None:
+            if leads(request.path, body):
+                leading = Leading(asyncio.get_running_loop().create_future(), body.get("return_token_ids") is True)
+            post = (prefill.url + request.path, prefill_body(body, transfer_id, leading is not None), headers)
+            run = PrefillRun(self.session, self.prefills, prefill, post, deadline, self.config.accept_timeout_s,
+                             transfer_id, leading)
         answered = False
         # what each instance computes for this request, counted against it until the answer begins (its
         # prompt is computed then: what is left is decoding, which ``running`` counts)
         computes = {decode: decision.computed if decision.route == DECODE_ONLY else prompt.tokens} \
-            if prefill is None else {prefill.prefill.url: decision.computed}
+            if prefill is None else {prefill.url: decision.computed}
         self._pending.update(computes)
 
         def computed() -> None:  # at the answer's first bytes, and at the end (a no-op by then, if they came)
@@ -404,18 +428,19 @@ class Proxy:
             computes = {}
         try:
             if prefill is None:
-                copy, route, leading = plain_body(body), DECODE_ONLY, None
+                copy, route = plain_body(body), DECODE_ONLY
             else:
-                copy, route = decode_body(body, transfer_id, prefill.prefill), PD
+                copy, route = decode_body(body, transfer_id, prefill), PD
             log.info("transfer %s: %s: decode %s%s: %s", transfer_id, route, decode,
-                     f", prefill {prefill.prefill.url}" if prefill is not None else "", reason)
+                     f", prefill {prefill.url}" if prefill is not None else "", reason)
             self.decodes.acquire(decode)
             try:
                 # a request the decode gets as the client sent it goes as its bytes (no re-encoding)
                 data = raw if route == DECODE_ONLY and "kv_transfer_params" not in body else None
                 hop = Hop("POST", decode, json=copy if data is None else None, data=data, headers=headers, route=route,
                           resend=True, reason=reason)
-                response = await relay(self.session, request, hop, deadline, self._fail, leading, computed)
+                response = await relay(self.session, request, hop, deadline, self._fail, leading, computed,
+                                       None if run is None else run.settled)
             finally:
                 self.decodes.release(decode)
             if leading is not None:
@@ -430,64 +455,12 @@ class Proxy:
             elif len(self._learning) < MAX_LEARNING:  # (bounded: under a flood the guesses miss some)
                 self._learning.add(asyncio.get_running_loop().create_task(self._learn(request.path, body, decode)))
             if prefill is not None:
-                self.caches.sent(prefill.prefill.url, prompt.hashes)
+                self.caches.sent(prefill.url, prompt.hashes)
             return response
-        finally:  # the decode answered, failed, or the client left (this handler is being cancelled)
+        finally:  # the decode answered, failed, the prefill refused, or the client left (this handler is cancelled)
             computed()
-            if prefill is not None:
-                await prefill.end(self.config.prefill_grace_s if answered else 0.0)
-
-    async def _open_prefill(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str],  # noqa: PLR0913
-                            transfer_id: str, deadline: float, only: Sequence[Prefill] | None,
-                            skip: Sequence[Prefill] = (),
-                            leading: Leading | None = None) -> tuple[PrefillRun | None, str]:
-        """The first prefill that accepts its copy of the request - ``only`` these, else each in the pool's
-        order - or (None, why none did): then the decode computes the request alone. ``leading``: the
-        prefill's first token is asked for (with its token id) and handed to it."""
-        loop = asyncio.get_running_loop()
-        tried: list[Prefill] = list(skip)
-        reasons: list[str] = []
-        while True:
-            if only is None:
-                prefill = self.prefills.pick(exclude=tried)
-            else:
-                prefill = next((p for p in only if p not in tried), None)
-            if prefill is None:
-                break
-            tried.append(prefill)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            self.prefills.acquire(prefill)
-            reply: aiohttp.ClientResponse | None = None
-            try:
-                async with asyncio.timeout(min(self.config.accept_timeout_s, remaining)):
-                    reply = await self.session.post(prefill.url + path,
-                                                    json=prefill_body(body, transfer_id, leading is not None),
-                                                    headers=headers, timeout=aiohttp.ClientTimeout(total=remaining))
-                    if reply.status != 200:
-                        text = (await reply.content.read(500)).decode("utf-8", "replace")
-                        raise _Refused(f"answered {reply.status}: {text}", client_error=reply.status < 500)
-            except (aiohttp.ClientError, TimeoutError, OSError, _Refused) as error:
-                self.prefills.release(prefill)
-                if reply is not None:
-                    reply.close()
-                reason = describe(error)
-                reasons.append(f"prefill {prefill.url} did not accept it: {reason}")
-                if isinstance(error, _Refused) and error.client_error:
-                    break  # the request itself was refused: the decode answers it (and says what is wrong)
-                backoff = self.prefills.failed(prefill, reason)
-                log.warning("transfer %s: prefill %s did not accept the request (%s); skipped for %.2f s", transfer_id,
-                            prefill.url, reason, backoff)
-                continue
-            except BaseException:
-                self.prefills.release(prefill)
-                if reply is not None:
-                    reply.close()
-                raise
-            self.prefills.accepted(prefill)
-            return PrefillRun(self.prefills, prefill, reply, transfer_id, leading), ""
-        return None, "; ".join(reasons) or f"every prefill is skipped ({self._down(self.prefills)})"
+            if run is not None:
+                await run.end(self.config.prefill_grace_s if answered else 0.0)
 
     def _fail(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
         self.counters[f"error_{status}"] += 1

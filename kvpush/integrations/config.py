@@ -17,7 +17,9 @@ from typing import Any
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MAX_TRANSFER_ID_BYTES = 128  # a transfer id on the wire (UTF-8)
-IDS_WAIT_MS = 50  # a prefill's hold for its decode's block ids; measured: they come 8-12 ms (p50) after its request
+# a prefill's hold for its decode's block ids before its forward: none, since ids that come during the forward join
+# it from the next layer on (issue 42: the hold was 4-8 ms of every P/D request's time to first token)
+IDS_WAIT_MS = 0
 IDLE_WAIT_MS = 20  # how long an empty engine step waits for a transfer's news before vLLM takes the next one
 
 
@@ -42,7 +44,8 @@ class ConnectorConfig:
     ``transfer_timeout_s`` bounds a decode's wait from allocation to the last byte; ``ids_timeout_s``
     how long a finished prefill request keeps its blocks for block ids that have not come;
     ``ids_wait_ms`` how long a prefill holds a request whose decode sends block ids before its forward,
-    waiting for them (so every layer is pushed as it is computed; 0: never held); ``idle_wait_ms`` how long
+    waiting for them (0, the default: never held; ids that come during the forward join it: the layers
+    computed so far go at once, the others as they are computed); ``idle_wait_ms`` how long
     an engine step that computes nothing waits for a transfer's news before vLLM takes the next one (0: not
     at all; vLLM's worker then spins between such steps); ``own_sched_group`` (true): a worker bound to some of
     the cores takes a session, so a scheduling group, of its own (``kvpush.integrations.sched_group``);

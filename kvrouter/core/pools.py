@@ -282,7 +282,7 @@ class Pool(Generic[T]):
 
 def prefill_body(body: Mapping[str, Any], transfer_id: str, first_token: bool = False) -> dict[str, Any]:
     """The prefill instance's copy: one token (``max_tokens``, and ``max_completion_tokens`` if set),
-    streamed (the response's head says the prefill accepted it: only then does the decode get its copy),
+    streamed (the response's head says the prefill accepted it; the decode's copy goes at the same time),
     no ``stream_options`` or ``min_tokens``, the prefill's kv_transfer_params. ``first_token``: the client
     gets the prefill's first token (``first_token.leads``), asked for with its id."""
     copy = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}

@@ -270,6 +270,34 @@ def test_an_empty_step_of_a_prefill_holding_a_request_waits_for_its_block_ids() 
         prefill.worker.close()
 
 
+def test_block_ids_that_come_during_the_forward_join_it(pair: tuple[Side, Side]) -> None:
+    """No hold (issue 42): the prefill's forward starts before its decode's block ids came; they come after its
+    first layer, the worker takes them at the next one, and the push goes with the forward: the first layer at
+    once, the others as they are computed. Every byte lands."""
+    prefill, decode = pair
+    src, dst = [3, 4], [13, 14]
+    compute = compute_tokens(prefill, src, 0, 8)
+    prefill.worker.begin_step(StepMeta(send=[SendStep("p-t11", "t11", tuple(src), 0, 8, 8)]))
+    compute(0)
+    prefill.worker.layer_saved(NAMES[0])
+    decode.step(StepMeta(recv=[recv_spec(prefill, "t11", dst, 8)]))
+    deadline = time.monotonic() + 10
+    while prefill.worker.events.empty():  # the ids reached the prefill's engine (mid-forward)
+        assert time.monotonic() < deadline, "the decode's block ids did not come"
+        time.sleep(0.005)
+    for layer in range(1, LAYERS):
+        compute(layer)
+        prefill.worker.layer_saved(NAMES[layer])
+    prefill.worker.end_step()
+    prefill.collect()
+    prefill.step(StepMeta(send_finished=[FinishedSend("p-t11", "t11", True, True)]))
+    until(lambda: "d-t11" in decode.recving and "p-t11" in prefill.sending, prefill, decode)
+    assert not decode.failed
+    assert_landed(prefill, decode, src, dst)
+    stats = prefill.worker.stats()
+    assert stats.get("producer.pushes_pipelined") == 1 and not stats.get("producer.pushes_after_forward")
+
+
 def test_a_prefill_that_dies_fails_the_decode_at_once_with_load_errors(pair: tuple[Side, Side]) -> None:
     prefill, decode = pair
     decode.step(StepMeta(recv=[recv_spec(prefill, "t3", [11, 12], 8)]))

@@ -1,8 +1,9 @@
 """kvrouter (kvpush proxy): routing only. Small aiohttp servers stand in for a vLLM prefill and decode
 (loopback) so the proxy's own behaviour can be checked: the two copies of a request, their
-kv_transfer_params, the prefill accepting before the decode gets its copy, the decode computing alone
-when no prefill accepts, streaming chunk by chunk, passthrough of usage and errors, spreading, back-off,
-resending, bounds, cancellation. Real vLLM servers behind the proxy are tested in tests/vllm."""
+kv_transfer_params, both copies sent at once, a decode's copy cut and sent again plain when its prefill
+refuses (the decode computing alone when no prefill accepts), streaming chunk by chunk, passthrough of usage
+and errors, spreading, back-off, resending, bounds, cancellation. Real vLLM servers behind the proxy are tested
+in tests/vllm."""
 
 from __future__ import annotations
 
@@ -81,6 +82,17 @@ async def start_proxy() -> AsyncIterator[Start]:
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
         yield session
+
+
+def waits_for_kv(fake: FakeVllm, landed: asyncio.Event | None = None, port: int | None = None) -> None:
+    """As vLLM's decode: a copy that expects a prefill's KV (from ``port``, or any) is answered once ``landed``
+    is set (None: never, until the proxy cuts it); any other copy at once."""
+    async def behaviour(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_prefill") and port in (None, params.get("remote_port")):
+            await (landed or asyncio.Event()).wait()
+        return await fake.answer(request, body)
+    fake.behaviour = behaviour
 
 
 # -- the two copies of a request ---------------------------------------------------------------------
@@ -273,24 +285,32 @@ async def test_a_decode_that_streams_first_or_a_request_that_does_not_lead_is_re
         assert "kvpush_proxy_first_token_prefill_total 0" in await reply.text()
 
 
-async def test_the_decode_gets_its_copy_only_once_the_prefill_accepted(
+async def test_both_copies_go_at_once_and_the_answer_waits_for_the_kv(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
-    accept = asyncio.Event()
+    """The push pattern (the router mints the transfer's id): the decode's copy does not wait for the prefill to
+    accept, so its block ids reach the prefill while the prefill's request is on its way."""
+    accept, landed = asyncio.Event(), asyncio.Event()
 
     async def slow_to_accept(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         await accept.wait()
+        landed.set()
         return await fakes["prefill"].answer(request, body)
 
     fakes["prefill"].behaviour = slow_to_accept
+    waits_for_kv(fakes["decode"], landed)
     url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url])
     reply_task = asyncio.create_task(client.post(url + "/v1/completions", json={"prompt": "x"}))
     await asyncio.wait_for(fakes["prefill"].started.wait(), 5)
-    await asyncio.sleep(0.3)
-    assert not fakes["decode"].bodies  # a decode never waits for KV from a prefill that has not the request
+    await asyncio.wait_for(fakes["decode"].started.wait(), 5)  # before the prefill accepted
+    params = fakes["decode"].bodies[0]["kv_transfer_params"]
+    assert params["transfer_id"] == fakes["prefill"].bodies[0]["kv_transfer_params"]["transfer_id"]
+    await asyncio.sleep(0.2)
+    assert not reply_task.done()
     accept.set()
     async with await asyncio.wait_for(reply_task, 5) as reply:
         assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
-    assert "kv_transfer_params" in fakes["decode"].bodies[0]
+        assert (await reply.json())["id"] == "cmpl-decode"
+    assert len(fakes["decode"].bodies) == 1 and not fakes["decode"].cancelled.is_set()
 
 
 async def test_the_decode_answer_does_not_wait_for_an_accepting_prefill_which_is_then_cancelled(
@@ -307,12 +327,16 @@ async def test_the_decode_answer_does_not_wait_for_an_accepting_prefill_which_is
 async def test_a_prefill_that_does_not_accept_in_time_is_cancelled_and_the_decode_computes_alone(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
     fakes["prefill"].behaviour = hang  # takes the connection, never answers (a frozen server)
+    waits_for_kv(fakes["decode"])
     url = await start_proxy([fakes["prefill"].url], [fakes["decode"].url], accept_timeout_s=0.3)
     request = {"prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}}
     async with client.post(url + "/v1/completions", json=request) as reply:
         assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
         assert (await reply.json())["id"] == "cmpl-decode"
-    assert fakes["decode"].bodies == [{"prompt": "x", "max_tokens": 2}]  # plain: no KV expected
+    # its copy that waited for the KV was cut (vLLM aborts it); then it got the request plain: no KV expected
+    assert fakes["decode"].bodies[0]["kv_transfer_params"]["do_remote_prefill"] is True
+    assert fakes["decode"].bodies[1:] == [{"prompt": "x", "max_tokens": 2}]
+    await asyncio.wait_for(fakes["decode"].cancelled.wait(), 5)
     await asyncio.wait_for(fakes["prefill"].cancelled.wait(), 5)
 
 
@@ -323,12 +347,16 @@ async def test_a_refusing_or_unreachable_prefill_is_skipped_and_the_decode_compu
         return web.json_response({"error": {"message": "no"}}, status=503)
 
     fakes["prefill"].behaviour = refuse
+    waits_for_kv(fakes["decode"])
     url = await start_proxy([fakes["prefill"].url, "http://127.0.0.1:9"], [fakes["decode"].url])
     async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
         assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "decode-only"
         assert (await reply.json())["id"] == "cmpl-decode"
-    assert len(fakes["prefill"].bodies) == 1 and "kv_transfer_params" not in fakes["decode"].bodies[0]
-    warnings = [record.getMessage() for record in caplog.records if record.name == proxy.__name__]
+    assert len(fakes["prefill"].bodies) == 1
+    # a copy for each prefill tried, each cut when it refused; then the request plain
+    # (a copy cut when its prefill refused; none for the unreachable one, refused before it went; then plain)
+    assert "kv_transfer_params" in fakes["decode"].bodies[0] and "kv_transfer_params" not in fakes["decode"].bodies[-1]
+    warnings = [record.getMessage() for record in caplog.records if record.name.startswith("kvrouter")]
     assert any("answered 503" in text and "skipped" in text for text in warnings)
     assert any("127.0.0.1:9" in text and "did not accept" in text for text in warnings)
     assert any("no prefill accepted" in text and "computes it alone" in text for text in warnings)
@@ -344,12 +372,16 @@ async def test_a_refusing_or_unreachable_prefill_is_skipped_and_the_decode_compu
 
 async def test_a_prefill_that_refuses_leaves_the_request_to_the_next_prefill(
         fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    waits_for_kv(fakes["decode"], port=14600)  # (the KV from 14601 is there at once)
     url = await start_proxy(["http://127.0.0.1:9#kv=14600", fakes["prefill2"].url + "#kv=14601"],
                             [fakes["decode"].url])
     for _ in range(2):
         async with client.post(url + "/v1/completions", json={"prompt": "x"}) as reply:
             assert reply.status == 200 and reply.headers["X-Kvpush-Route"] == "pd"
-    assert [body["kv_transfer_params"]["remote_port"] for body in fakes["decode"].bodies] == [14601, 14601]
+    # the copy waiting on the unreachable one was cut; then the next prefill's; then it sits out its back-off
+    assert [body["kv_transfer_params"]["remote_port"] for body in fakes["decode"].bodies] == [14600, 14601, 14601]
+    ids = [body["kv_transfer_params"]["transfer_id"] for body in fakes["decode"].bodies]
+    assert len(set(ids)) == 3  # each try a transfer of its own
 
 
 async def test_a_request_made_invalid_by_the_client_goes_to_the_decode_which_answers_it(

@@ -531,6 +531,43 @@ def test_ids_before_the_request_are_reported_in_once_for_the_scheduler() -> None
     assert [p.pipelined for p in fx.pushes.values()] == [True]  # t2 pipelined; t3 waits for its request to end
 
 
+def test_ids_during_the_forward_join_it_the_layers_in_memory_at_once_the_others_as_they_come() -> None:
+    """Issue 42: no hold for the ids. Those that come while the forward runs (the worker takes them at the next
+    layer) start a pipelined push of what the forward computes: the layers already in memory go at once, the
+    rest as each is saved, and the forward's end finishes it."""
+    book, fx, _ = producer(layers=4)
+    book.begin_step([SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])
+    book.layer_saved(0)
+    book.layer_saved(1)
+    assert not fx.pushes
+    give_ids(book)
+    (push,) = fx.pushes.values()
+    assert (push.src, push.dst, push.pipelined, push.layers) == ([10, 11, 12, 13], [50, 51, 52, 53], True, [0, 1])
+    book.layer_saved(2)
+    assert push.layers == [0, 1, 2] and not push.finished
+    book.layer_saved(3)
+    book.end_step()
+    assert push.layers == [0, 1, 2, 3] and push.finished and book.stats["pushes_pipelined"] == 1
+    book.on_push_done(1, None)
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)], layers=4)
+    assert fx.notified[-1][1] == Done("tid", Outcome.LANDED, 4)
+
+
+def test_ids_during_a_later_chunks_forward_join_it_with_the_earlier_chunks_blocks() -> None:
+    book, fx, _ = producer()
+    blocks = (10, 11, 12, 13)
+    run_step(book, [SendStep("p1", "tid", blocks, 0, 40, 100)])  # block 0 whole, 1 partial: nobody to push to
+    book.begin_step([SendStep("p1", "tid", blocks, 40, 80, 100)])
+    book.layer_saved(0)
+    give_ids(book)
+    (push,) = fx.pushes.values()
+    assert (push.src, push.pipelined, push.layers) == ([10, 11, 12], True, [0])  # up to this chunk's partial block
+    book.layer_saved(1)
+    book.end_step()
+    run_step(book, [SendStep("p1", "tid", blocks, 80, 100, 100)])
+    assert (fx.pushes[2].src, fx.pushes[2].pipelined) == ([12, 13], True)  # the partial one again, whole now
+
+
 def test_ids_after_the_forward_pass_are_served_by_one_push_of_every_layer() -> None:
     book, fx, _ = producer()
     run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])

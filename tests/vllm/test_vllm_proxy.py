@@ -260,8 +260,9 @@ def _pushes(server: Server) -> dict[str, float]:
 
 @pytest.mark.timeout(300)
 def test_every_request_through_the_proxy_is_pushed_during_its_prefills_forward(pd: Stack) -> None:
-    """The proxy sends the decode its copy once the prefill accepted its own; the prefill holds the request
-    (``ids_wait_ms``) until the decode's block ids came, so every layer is pushed as its forward computes it."""
+    """The proxy sends both copies at once; with ``ids_wait_ms`` set, the prefill holds the request until the
+    decode's block ids came, so every layer is pushed as its forward computes it (the tiny model's forward takes
+    less time than the ids' way: without the hold they would join it late or come after it)."""
     before = _pushes(pd.prefill)
     rows = [(len(p), pd.ref(p), _complete(pd.proxy.url, p)) for p in HELD]
     _check(rows, "/v1/completions through kvpush proxy, one at a time")

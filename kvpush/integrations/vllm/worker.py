@@ -159,8 +159,11 @@ class WorkerSide:
             self.consumer.begin_step(meta.recv, meta.recv_aborted)
 
     def layer_saved(self, layer_name: str) -> None:
-        """vLLM's save_kv_layer: that layer's KV of this step is in memory."""
+        """vLLM's save_kv_layer: that layer's KV of this step is in memory. A decode's block ids that came
+        meanwhile are taken first: their request joins the forward from this layer on."""
         if self.producer is not None:
+            if not self.events.empty():
+                self.drain()
             slot = self.layer_index.get(layer_name)
             if slot is not None:
                 self.step_saves[slot] += 1

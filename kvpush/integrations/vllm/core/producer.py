@@ -118,6 +118,7 @@ class ProducerBook:
         self._step: list[_Request] = []  # this step's requests
         self._step_pushes: list[int] = []  # this step's pipelined pushes
         self._step_layers: dict[int, set[int]] = {}
+        self._saved: set[int] = set()  # the layers of this step's forward in memory so far
         self._next_push = 1
         self._finished_sending: set[str] = set()
         self._ids_in: list[str] = []  # transfers whose every leg's ids came before their request ran
@@ -161,17 +162,27 @@ class ProducerBook:
         and whose blocks this step touches; then take note of finished requests."""
         for item in finished:
             self._finish(item)
+        self._saved = set()
         for send in sends:
             r = self._in_step(send)
             self._step.append(r)
             for t in list(r.legs.values()):
                 if t.failure is None and r.failure is None and t.dst_blocks is not None and not t.released:
-                    end = min(blocks_for(send.computed_after, self.block_size), self._end_block(t))
-                    push_id = self._start(t, t.pushed_upto, end, pipelined=True)
-                    t.pushed_upto = max(t.pushed_upto, self._end_block(t) if send.computed_after >= t.num_tokens
-                                        else send.computed_after // self.block_size)
-                    if push_id is not None:
-                        self._step_pushes.append(push_id)
+                    self._join_step(t)
+
+    def _join_step(self, t: _Outgoing) -> None:
+        """A pipelined push of what this step computes of leg ``t``'s request: at the step's start, or when its
+        block ids come during the forward (its layers already in memory go at once, the others as they come)."""
+        r = t.request
+        end = min(blocks_for(r.step_after, self.block_size), self._end_block(t))
+        push_id = self._start(t, t.pushed_upto, end, pipelined=True)
+        t.pushed_upto = max(t.pushed_upto, self._end_block(t) if r.step_after >= t.num_tokens
+                            else r.step_after // self.block_size)
+        if push_id is not None:
+            self._step_pushes.append(push_id)
+            for layer in sorted(self._saved):
+                self._step_layers[push_id].add(layer)
+                self.effects.push_layer(push_id, layer)
 
     def _in_step(self, send: SendStep) -> _Request:
         """The request ``send`` computes in this step, created on its first step, brought up to date."""
@@ -202,6 +213,7 @@ class ProducerBook:
 
     def layer_saved(self, layer: int) -> None:
         """Layer ``layer``'s KV of this step is in memory: push it for every pipelined push."""
+        self._saved.add(layer)
         for push_id in self._step_pushes:
             if push_id in self._step_layers:
                 self._step_layers[push_id].add(layer)
@@ -211,6 +223,7 @@ class ProducerBook:
         """After the forward pass: every pipelined push gets its missing layers (a model whose layers
         did not all reach ``save_kv_layer``) and is finished; late block ids are served."""
         step, pushes, self._step, self._step_pushes = self._step, self._step_pushes, [], []
+        self._saved = set()
         for r in step:
             r.computed_upto = max(r.computed_upto, r.step_after)
             r.in_step = False
@@ -525,7 +538,11 @@ class ProducerBook:
             self._fail(t, f"request finished with {r.computed_upto} of {t.num_tokens} prompt tokens computed",
                        Outcome.FAILED)
             return False
-        if not r.in_step:
+        if r.in_step:  # its ids came during the forward: it joins it
+            if t.pushed_upto < min(blocks_for(r.step_after, self.block_size), self._end_block(t)):
+                self._join_step(t)
+                return False
+        else:
             # Blocks every layer of which is in memory and that no later step writes: all of them
             # once the request finished, else the whole blocks below the computed tokens.
             limit = self._end_block(t) if r.finished else r.computed_upto // self.block_size
