@@ -144,6 +144,11 @@ def add_arguments(proxy: argparse.ArgumentParser) -> None:
                               "tokenize (a round trip on each request's path)")
     placing.add_argument("--no-kv-events", action="store_true",
                          help="do not follow the instances' KV events: guess what they hold from what was sent")
+    proxy.add_argument("--no-warm-links", action="store_true",
+                       help="do not send each prefill-decode pair a small warm-up request before any client's (by "
+                            "default the pairs up at start are warmed before the router listens, at most 20 s, "
+                            "and the others in the background as they come up: a pair's first transfer makes its "
+                            "link, which would otherwise be on its first client's path)")
     proxy.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
 
 
@@ -176,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
                                       block_size=args.block_size, hash_algorithm=args.prefix_hash_algo,
                                       hash_seed=args.prefix_hash_seed, sources=sources,
                                       follow_events=not args.no_kv_events,
-                                      tokenizer=None if args.tokenizer == "none" else args.tokenizer)
+                                      tokenizer=None if args.tokenizer == "none" else args.tokenizer,
+                                      warm_links=not args.no_warm_links)
     except ValueError as error:  # SpecError, FleetError, HashConfigError
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):

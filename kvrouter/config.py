@@ -59,6 +59,7 @@ class ProxyConfig:
     follow_events: bool = True
     index_capacity: int = DEFAULT_CAPACITY
     tokenizer: str | None = "auto"
+    warm_links: bool = False  # each prefill-decode pair carries a warm-up request first (``kvrouter.warm``)
 
     def __post_init__(self) -> None:
         if self.discovery is not None:

@@ -40,7 +40,7 @@ from aiohttp import web
 from kvpush.fleet import Membership, parse_discovery
 from kvpush.integrations.config import new_transfer_id
 
-from . import probing
+from . import probing, warm
 from .caches import Caches
 from .config import GUESS_BLOCK_SIZE, ProxyConfig
 from .core.first_token import leads
@@ -71,6 +71,7 @@ from .relay import (
     target_url,
 )
 from .tokens import Tokens, most_tokens
+from .warm import Warmer
 
 __all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
            "start"]  # (what tests and tools used from here before the router had a package of its own)
@@ -165,6 +166,12 @@ class Proxy:
                 self._sync_caches()
                 if self.decodes.targets:  # the tokenizer, off every request's path (``kvrouter.tokens``)
                     self.tokens.discover(self._session, self.decodes.targets[0])
+                if self.config.warm_links:  # every pair's first transfer, off every client's path
+                    headers = {"Authorization": f"Bearer {self.config.upstream_api_key}"} \
+                        if self.config.upstream_api_key else {}
+                    warmer = Warmer(self._session, self.counters, self.prefills, self._pairs, headers)
+                    await warmer.warm(warm.AT_START_S)
+                    tasks.append(loop.create_task(warmer.keep_warm(), name="kvpush-proxy-warm"))
                 if self.config.kv_probe_s > 0:
                     tasks.append(loop.create_task(probing.watch(self.prefills, self.counters, self.config.kv_probe_s,
                                                                 self.config.kv_probe_timeout_s),
@@ -182,6 +189,12 @@ class Proxy:
             await self.tokens.close()
             await self.caches.close()
             self._session = None
+
+    def _pairs(self) -> list[tuple[Prefill, str]]:
+        """Every (prefill, decode) the router may send a request through (another instance, the same geometry)."""
+        return [(prefill, decode) for decode in self.decodes.targets
+                for prefill in self.prefills.targets
+                if prefill.url != decode and prefill not in self._incompatible(decode)]
 
     def _sync(self) -> None:
         """The fleet's membership changed: the pools become its ready members (beside the static ones)."""

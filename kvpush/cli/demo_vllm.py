@@ -1,11 +1,15 @@
 """``kvpush demo --vllm``: P/D serving on this host, end to end, with nothing to configure.
 
 It builds (once, into ``~/.cache/kvpush/demo-model``) the tiny Llama of ``kvpush.cli.tiny_model``, serves it
-from one plain vLLM instance to measure what a request costs without P/D, stops it, then starts a prefill and
-a decode with KvpushConnector (each in its own session, on its own core) and the router in front of them
-(``kvpush proxy``, in this process), sends the same requests through it and prints, per request: the route
-and why, whether the decode loaded the prompt's KV from the prefill, the first tokens, and the time to first
-token against the plain instance. Everything it started is stopped at the end, on errors and on Ctrl-C too.
+from one plain vLLM instance (on core 0, where the prefill will compute) to measure what a request costs without
+P/D, stops it, then starts a prefill and a decode with KvpushConnector (each in its own session, on its own
+core) and the router in front of them (``kvpush proxy``, in this process, warming the pair's link before it
+listens), sends the same requests through it and prints, per request: the route and why, whether the decode
+loaded the prompt's KV from the prefill, the first tokens, and the time to first token against the plain
+instance: the median of ``REPEATS`` requests of the same shape on each (a new prompt each time, or the same
+cached history with a new question), on one kept-alive connection, so the ratio compares like with like. The
+very first request after start-up is timed too, beside the next of its kind. Everything it started is stopped
+at the end, on errors and on Ctrl-C too.
 
 Needs vLLM's CPU build and the proxy's packages in this Python: ``pip install 'kvpush[vllm,proxy]'`` (then
 ``pip uninstall -y torchvision torchaudio torchcodec triton``, whose CUDA builds break vLLM's imports).
@@ -38,7 +42,8 @@ ANSWER_TOKENS = 8
 PROMPTS = (("a long prompt", 900, 1), ("another long prompt", 600, 2), ("the first one again, and a question", 900, 1),
            ("a short prompt", 40, 3))
 STARTUP_S = 600.0
-WARM_UP = [50 + (i * 37) % 1800 for i in range(300)]  # a prompt of its own, sent first to each setup
+REPEATS = 5  # requests of each shape timed (the first is the one shown)
+PLAIN_CORE = 0  # the plain instance computes where the prefill will
 
 
 @dataclass
@@ -130,53 +135,66 @@ class Answer:
     reason: str
 
 
-async def _ask(url: str, prompt: list[int]) -> Answer:
-    import aiohttp
-
+async def _ask(session: Any, url: str, prompt: list[int]) -> Answer:
     body = {"model": SERVED, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens: list[int] = []
     first: float | None = None
     cached = None
     started = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        async with session.post(f"{url}/v1/completions", json=body) as reply:
-            if reply.status != 200:
-                raise RuntimeError(f"{url}: HTTP {reply.status}: {(await reply.text())[:300]}")
-            route, reason = reply.headers.get("X-Kvpush-Route", "-"), reply.headers.get("X-Kvpush-Reason", "")
-            async for raw in reply.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                for choice in chunk.get("choices") or ():
-                    if choice.get("token_ids") and first is None:
-                        first = time.monotonic()
-                    tokens += choice.get("token_ids") or []
-                if chunk.get("usage"):
-                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    async with session.post(f"{url}/v1/completions", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status}: {(await reply.text())[:300]}")
+        route, reason = reply.headers.get("X-Kvpush-Route", "-"), reply.headers.get("X-Kvpush-Reason", "")
+        async for raw in reply.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or ():
+                if choice.get("token_ids") and first is None:
+                    first = time.monotonic()
+                tokens += choice.get("token_ids") or []
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     return Answer(tokens, (first or time.monotonic()) - started, cached, route, reason)
 
 
-def _requests() -> list[tuple[str, list[int]]]:
+def _requests() -> list[tuple[str, list[list[int]]]]:
+    """Each row: what it is, and its ``REPEATS`` prompts (the one shown first; then new ones of its shape)."""
     out = []
     for what, length, seed in PROMPTS:
-        extra = 24 if "again" in what else 0  # the first prompt, then a new question: its prefix is cached
-        out.append((what, _prompt(length, seed, extra)))
+        if "again" in what:  # the first prompt, then a new question: its prefix is cached
+            first = _prompt(length, seed)
+            prompts = [first + _prompt(24, 1000 + 7 * i)[:24] for i in range(REPEATS)]
+        else:
+            prompts = [_prompt(length, seed + 100 * i) for i in range(REPEATS)]
+        out.append((what, prompts))
     return out
 
 
-async def _through_the_router(prefill: Server, decode: Server, kv_port: int) -> list[Answer]:
+async def _each(url: str) -> list[list[Answer]]:
+    """Every row's requests, on one session; the first prompt of a row again before its repeats (so a row whose
+    prompt is cached finds it cached every time)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        rows = []
+        for _, prompts in _requests():
+            rows.append([await _ask(session, url, prompt) for prompt in prompts])
+        return rows
+
+
+async def _through_the_router(prefill: Server, decode: Server, kv_port: int) -> list[list[Answer]]:
     import kvrouter
     from kvrouter import server as router
 
     config = kvrouter.ProxyConfig([kvrouter.parse_prefill(f"{prefill.url}#kv=127.0.0.1:{kv_port}")], [decode.url],
-                                  kv_probe_s=0, block_size=BLOCK, policy=kvrouter.Policy(pd_min_tokens=256))
-    runner = await router.start(config, "127.0.0.1", 0)
+                                  kv_probe_s=0, block_size=BLOCK, policy=kvrouter.Policy(pd_min_tokens=256),
+                                  warm_links=True)
+    runner = await router.start(config, "127.0.0.1", 0)  # (the pair's link is warmed before it returns)
     try:
-        url = f"http://127.0.0.1:{router.bound_port(runner)}"
-        await _ask(url, WARM_UP)  # links the decode to the prefill; not shown
-        return [await _ask(url, prompt) for _, prompt in _requests()]
+        return await _each(f"http://127.0.0.1:{router.bound_port(runner)}")
     finally:
         await runner.cleanup()
 
@@ -199,12 +217,11 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvpush-demo-vllm-"))
     started: list[Server] = []
     try:
-        print("one plain vLLM instance (core 1): the requests without P/D ...", flush=True)
-        plain = _start("plain", model, 1, work, None)
+        print(f"one plain vLLM instance (core {PLAIN_CORE}): the requests without P/D ...", flush=True)
+        plain = _start("plain", model, PLAIN_CORE, work, None)
         started.append(plain)
         _wait([plain])
-        asyncio.run(_ask(plain.url, WARM_UP))  # its first request is slower; not shown
-        alone = [asyncio.run(_ask(plain.url, prompt)) for _, prompt in _requests()]
+        alone = asyncio.run(_each(plain.url))
         plain.stop()
         print("a prefill (core 0) and a decode (core 1) with KvpushConnector, and the router ...", flush=True)
         kv_port = free_port(span=2)  # the prefill listens on it, the decode on the next
@@ -226,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
     return _report(alone, pd, work)
 
 
-def _report(alone: list[Answer], pd: list[Answer], work: Path) -> int:
+def _report(alone: list[list[Answer]], pd: list[list[Answer]], work: Path) -> int:
     print()
     equal = True
-    for (what, prompt), plain, routed in zip(_requests(), alone, pd):
+    for (what, prompts), plain_row, routed_row in zip(_requests(), alone, pd):
+        prompt, plain, routed = prompts[0], plain_row[0], routed_row[0]
         loaded = routed.cached is not None and routed.cached >= len(prompt) - 1
-        equal &= routed.tokens == plain.tokens
+        equal &= all(r.tokens == p.tokens for r, p in zip(routed_row, plain_row))
         print(f"{what}: {len(prompt)} prompt tokens")
         print(f"  route: {routed.route} ({routed.reason})")
         if routed.route == "pd":
@@ -241,10 +259,20 @@ def _report(alone: list[Answer], pd: list[Answer], work: Path) -> int:
             print(f"  the decode computed {len(prompt) - (routed.cached or 0)} prompt tokens itself "
                   f"({routed.cached} cached)")
         print(f"  first tokens: {routed.tokens[:6]} (the plain instance's: {plain.tokens[:6]})")
-        print(f"  time to first token: {routed.ttft_s * 1e3:.0f} ms through the router, {plain.ttft_s * 1e3:.0f} ms "
-              f"on the plain instance ({routed.ttft_s / plain.ttft_s:.2f}x)")
-    print(f"\nanswers {'equal' if equal else 'DIFFERENT from'} the plain instance's; logs in {work}; every process "
+        through, single = _median(routed_row[1:]), _median(plain_row[1:])
+        print(f"  time to first token, the median of {REPEATS - 1} more like it: {through:.0f} ms through the "
+              f"router, {single:.0f} ms on the plain instance ({through / single:.2f}x)")
+    first, next_ = pd[0][0].ttft_s * 1e3, _median(pd[0][1:])
+    print(f"\nthe very first request after start-up: {first:.0f} ms to its first token, the next like it "
+          f"{next_:.0f} ms ({first / next_:.2f}x: the router warmed the prefill-decode link before it listened)")
+    print(f"answers {'equal' if equal else 'DIFFERENT from'} the plain instance's; logs in {work}; every process "
           "this demo started is stopped")
-    print("(the demo model computes a prompt in milliseconds, so here the hop through the prefill costs more than it "
-          "saves;\n with a real model the prefill's compute dominates: see docs/performance/vllm.md)")
+    print("(the demo model computes a 900-token prompt in tens of milliseconds, so the few milliseconds that a\n"
+          " hop through the prefill adds show; with a real model the prefill's compute dominates: see\n"
+          " docs/performance/vllm.md)")
     return 0 if equal else 1
+
+
+def _median(answers: list[Answer]) -> float:
+    times = sorted(a.ttft_s * 1e3 for a in answers)
+    return times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2

@@ -705,3 +705,34 @@ def test_the_command_refuses_a_bad_url() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["proxy", "--prefill", "ftp://x", "--decode", "http://127.0.0.1:8200"])
     assert exit_info.value.code == 2
+
+
+# -- warm links ---------------------------------------------------------------------------------------
+
+async def test_each_pair_carries_a_warm_up_before_any_client_and_a_late_one_in_the_background(
+        fakes: dict[str, FakeVllm], start_proxy: Start, client: aiohttp.ClientSession) -> None:
+    """Issue 42: a pair's first transfer (the decode's link to the prefill) is made before any client's request:
+    the pairs up at start before the router listens, one that comes up later in the background."""
+    fakes["prefill2"].health_status = 503  # still starting
+    url = await start_proxy([fakes["prefill"].url + "#kv=14600", fakes["prefill2"].url + "#kv=14601"],
+                            [fakes["decode"].url], warm_links=True)
+    # already done when the router listens: one request through (prefill, decode), both copies at once
+    (warm_prefill,) = fakes["prefill"].bodies
+    warm_decode = next(b for b in fakes["decode"].bodies if b["kv_transfer_params"]["remote_port"] == 14600)
+    assert warm_prefill["kv_transfer_params"]["transfer_id"] == warm_decode["kv_transfer_params"]["transfer_id"]
+    assert warm_prefill["max_tokens"] == 1 and warm_decode["max_tokens"] == 1
+    assert not fakes["prefill2"].bodies
+    fakes["prefill2"].health_status = 200
+
+    async def warmed() -> bool:
+        async with client.get(url + "/metrics") as reply:
+            return 'kvpush_proxy_warmups_total{outcome="ok"} 2' in await reply.text()
+    for _ in range(100):
+        if await warmed():
+            break
+        await asyncio.sleep(0.1)
+    assert await warmed()
+    assert len(fakes["prefill2"].bodies) == 1
+    async with client.get(url + "/metrics") as reply:
+        text = await reply.text()
+    assert 'kvpush_proxy_requests_total{route="pd"} 0' in text  # warm-ups are not clients' requests
