@@ -41,7 +41,7 @@ from kvpush.cli.ports import free_port  # noqa: E402
 
 def _ttft(url: str, prompt: list[int]) -> float:
     body = json.dumps({"model": demo_vllm.SERVED, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True}).encode()
+                       "ignore_eos": True, "stream": True, "return_token_ids": True}).encode()
     started = time.perf_counter()
     request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as answer:
@@ -49,7 +49,7 @@ def _ttft(url: str, prompt: list[int]) -> float:
             line = raw.strip()
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                 chunk = json.loads(line[5:])
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                if any(choice.get("token_ids") for choice in chunk.get("choices") or ()):  # (its text may be "")
                     return time.perf_counter() - started
     raise RuntimeError(f"{url}: the stream ended without a token")
 

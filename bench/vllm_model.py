@@ -67,11 +67,13 @@ def default_dir(geometry: dict[str, int | str] | None = None) -> Path:
 
 
 def ensure_model(path: Path | None = None, geometry: dict[str, int | str] | None = None) -> Path:
-    """Build the model into ``path`` (default: ``default_dir()``) unless a complete one is there."""
+    """Build the model into ``path`` (default: ``default_dir()``) unless a complete one is there. A ``path``
+    that holds a model already (its ``config.json``: ``--model DIR``, any model) is used as it is, never
+    overwritten."""
     g = geometry or GEOMETRY
     out = path or default_dir(g)
     done = out / ".complete"
-    if done.exists():
+    if done.exists() or (path is not None and (path / "config.json").exists()):
         return out
     sys.path.insert(0, str(HERE.parent))
     from kvpush.cli.tiny_model import Shape, make_tiny_model

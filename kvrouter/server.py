@@ -70,7 +70,7 @@ from .relay import (
     render_metrics,
     target_url,
 )
-from .tokens import Tokens, most_tokens
+from .tokens import Tokens, given_ids, most_tokens
 from .warm import Warmer
 
 __all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
@@ -329,8 +329,8 @@ class Proxy:
         cannot be disaggregated (no prefill is up, or the prompt is too short however it tokenizes:
         ``tokens.most_tokens``); then the ids are only what the guessed index learns, which ``_learn`` gets off the
         request's path."""
-        if self.config.policy.static or len(self.decodes.up()) != 1:
-            return True
+        if self.config.policy.static or len(self.decodes.up()) != 1 or given_ids(path, body):
+            return True  # (token ids given: they cost nothing to have)
         bound = most_tokens(path, body)
         return bound is None or (bound >= self.config.policy.pd_min_tokens and bool(self.prefills.up()))
 

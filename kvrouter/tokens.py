@@ -47,6 +47,15 @@ def text_prompt(path: str, body: Mapping[str, Any]) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+def given_ids(path: str, body: Mapping[str, Any]) -> bool:
+    """Whether the request gives its prompt as token ids (``/v1/completions``, one prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return not path.endswith("/chat/completions") and isinstance(prompt, list) and bool(prompt) \
+        and all(type(t) is int for t in prompt)
+
+
 def most_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     """An upper bound on the prompt's tokens without tokenizing it, or None when there is none to be had: token
     ids count themselves; a text has at most one token per UTF-8 byte (byte-level BPE and byte fallback never
@@ -91,7 +100,9 @@ class Tokens:
             async with session.get(f"{instance}/v1/models",
                                    timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S)) as reply:
                 models = (await reply.json())["data"]
-            root = models[0].get("root") or models[0]["id"]
+            root = models[0].get("root")  # (vLLM's: the model's directory or name; its id may be a served alias)
+            if not root:
+                raise ValueError("its /v1/models names no root")
 
             def load() -> Any:
                 from transformers import AutoTokenizer

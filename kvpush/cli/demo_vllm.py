@@ -23,6 +23,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,8 +87,10 @@ class Server:
 def _start(name: str, model: Path, core: int, work: Path, kv: dict[str, Any] | None) -> Server:
     port = free_port()
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-               "--model", str(model), "--served-model-name", SERVED, "--dtype", "float32", "--enforce-eager",
+    # the whole server on its core (its HTTP front end too, which would otherwise share the other engine's core)
+    pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+    command = [*pin, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
+               str(port), "--model", str(model), "--served-model-name", SERVED, "--dtype", "float32", "--enforce-eager",
                "--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "8", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--distributed-executor-backend", "uni", "--seed", "0"]
     if kv is not None:
@@ -267,9 +270,11 @@ def _report(alone: list[list[Answer]], pd: list[list[Answer]], work: Path) -> in
           f"{next_:.0f} ms ({first / next_:.2f}x: the router warmed the prefill-decode link before it listened)")
     print(f"answers {'equal' if equal else 'DIFFERENT from'} the plain instance's; logs in {work}; every process "
           "this demo started is stopped")
-    print("(the demo model computes a 900-token prompt in tens of milliseconds, so the few milliseconds that a\n"
-          " hop through the prefill adds show; with a real model the prefill's compute dominates: see\n"
-          " docs/performance/vllm.md)")
+    print("(the demo model computes a 900-token prompt in about 25 ms, so every millisecond that is not compute\n"
+          " shows: here the router and this client share one process, and the two engines' HTTP front ends\n"
+          " share their two cores. Measured apart: the router's hop adds 1-2 ms (bench/router_hop.py), and P/D\n"
+          " with each engine pinned takes 1.0-1.2x a single instance's time to first token (bench/vllm_bench.py);\n"
+          " with a real model the prefill's compute dominates: see docs/performance/vllm.md)")
     return 0 if equal else 1
 
 

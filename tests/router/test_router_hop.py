@@ -152,3 +152,11 @@ def test_an_upper_bound_on_a_prompts_tokens_without_tokenizing_it() -> None:
     assert most_tokens("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) is None
     assert text_prompt("/v1/completions", {"prompt": ["one"]}) == "one"
     assert text_prompt("/v1/chat/completions", {"prompt": "x"}) is None
+
+
+def test_token_ids_given_are_always_used() -> None:
+    from kvrouter.tokens import given_ids
+
+    assert given_ids("/v1/completions", {"prompt": [1, 2]}) and given_ids("/v1/completions", {"prompt": [[1, 2]]})
+    assert not given_ids("/v1/completions", {"prompt": "12"}) and not given_ids("/v1/completions", {"prompt": []})
+    assert not given_ids("/v1/chat/completions", {"prompt": [1]})
