@@ -35,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.router_hop import _ready  # noqa: E402
 from kvpush.cli import demo_vllm  # noqa: E402
 from kvpush.cli.ports import free_port  # noqa: E402
 
@@ -54,17 +55,6 @@ def _ttft(url: str, prompt: list[int]) -> float:
     raise RuntimeError(f"{url}: the stream ended without a token")
 
 
-def _ready(url: str, path: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + path, timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url}{path} did not answer within {timeout_s:.0f} s")
-
-
 def one_start(model: Path, work: Path, tokens: int, requests: int, warm: bool, seed: int) -> dict[str, float]:
     kv_port = free_port(span=2)
     connector = {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm"}
@@ -82,7 +72,7 @@ def one_start(model: Path, work: Path, tokens: int, requests: int, warm: bool, s
             router = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        _ready(url, "/metrics")
+        _ready(url, "/metrics", router)
         times = [_ttft(url, demo_vllm._prompt(tokens, seed * 1000 + i)) * 1e3 for i in range(requests)]
         rest = statistics.median(times[2:]) if len(times) > 2 else times[-1]
         return {"first_ms": round(times[0], 1), "second_ms": round(times[1], 1), "rest_p50_ms": round(rest, 1),
