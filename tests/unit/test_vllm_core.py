@@ -652,6 +652,20 @@ def test_a_failed_push_stops_the_transfer_and_tells_the_decode_after_the_others_
     assert "LLM_TIMEOUT" in (book.ended("tid") or "")
 
 
+def test_an_abort_before_the_request_came_ends_the_transfer_at_once_and_a_late_request_pushes_nothing() -> None:
+    """Both copies go at once (issue 42): a client that leaves can have the decode's ids reach the prefill and the
+    decode abort before the prefill's copy ever came. Nothing waits ``transfer_timeout_s`` for it."""
+    book, fx, _ = producer()
+    give_ids(book)
+    book.on_message(DECODE_CLUSTER, Abort("tid", "client disconnected"))
+    assert fx.notified[0][1].outcome == Outcome.ABORTED
+    book.on_notified("tid", None)
+    assert len(book) == 0 and "client disconnected" in (book.ended("tid") or "")
+    run_step(book, [SendStep("p1", "tid", (10, 11, 12, 13), 0, 100, 100)])  # its copy came after all
+    run_step(book, [], [FinishedSend("p1", "tid", True, True)])
+    assert not fx.pushes and book.take_finished_sending() == {"p1"}
+
+
 def test_abort_from_the_decode_cancels_and_confirms_when_nothing_can_land() -> None:
     book, fx, _ = producer()
     give_ids(book)

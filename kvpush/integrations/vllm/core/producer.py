@@ -251,7 +251,13 @@ class ProducerBook:
                 if r is None:
                     self.effects.reply(peer, encode(Done(message.transfer_id, Outcome.UNKNOWN, 0, "no such transfer")))
                 return
-            self._fail(t, f"aborted by the decode ({message.reason or 'no reason given'})", Outcome.ABORTED)
+            reason = f"aborted by the decode ({message.reason or 'no reason given'})"
+            if r is not None and r.req_id is None:
+                # its request never came here (the router cut both copies): nothing will need its blocks, so
+                # nothing waits for it; one that still comes finds the transfer ended (``_in_step``)
+                self._fail_request(r, reason, Outcome.ABORTED)
+                return
+            self._fail(t, reason, Outcome.ABORTED)
         else:
             log.warning("prefill side got a %s message from cluster %d; ignored", type(message).__name__, peer)
 
