@@ -170,11 +170,14 @@ class ProducerBook:
                 if t.failure is None and r.failure is None and t.dst_blocks is not None and not t.released:
                     self._join_step(t)
 
-    def _join_step(self, t: _Outgoing) -> None:
+    def _join_step(self, t: _Outgoing) -> bool:
         """A pipelined push of what this step computes of leg ``t``'s request: at the step's start, or when its
-        block ids come during the forward (its layers already in memory go at once, the others as they come)."""
+        block ids come during the forward (its layers already in memory go at once, the others as they come).
+        False: this step computes nothing of it that was not pushed."""
         r = t.request
         end = min(blocks_for(r.step_after, self.block_size), self._end_block(t))
+        if t.pushed_upto >= end:
+            return False
         push_id = self._start(t, t.pushed_upto, end, pipelined=True)
         t.pushed_upto = max(t.pushed_upto, self._end_block(t) if r.step_after >= t.num_tokens
                             else r.step_after // self.block_size)
@@ -183,6 +186,7 @@ class ProducerBook:
             for layer in sorted(self._saved):
                 self._step_layers[push_id].add(layer)
                 self.effects.push_layer(push_id, layer)
+        return True
 
     def _in_step(self, send: SendStep) -> _Request:
         """The request ``send`` computes in this step, created on its first step, brought up to date."""
@@ -545,8 +549,7 @@ class ProducerBook:
                        Outcome.FAILED)
             return False
         if r.in_step:  # its ids came during the forward: it joins it
-            if t.pushed_upto < min(blocks_for(r.step_after, self.block_size), self._end_block(t)):
-                self._join_step(t)
+            if self._join_step(t):
                 return False
         else:
             # Blocks every layer of which is in memory and that no later step writes: all of them
