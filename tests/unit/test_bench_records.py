@@ -56,7 +56,10 @@ def test_the_cpu_split_counts_only_the_measured_intervals_as_shares_of_their_wal
     assert 0.19 <= record["wall_s"] < 1.0  # the 0.2 s interval only (a loaded machine may stretch it)
     assert set(record) == {"wall_s", "driver_user", "driver_sys", "target_user", "target_sys", "softirq",
                            "driver_compute"}
-    assert record["driver_user"] == record["target_user"] and record["driver_user"] <= 1.5
+    # the same process read twice, a moment apart: a clock tick may fall between the two reads
+    one_tick = 1 / os.sysconf("SC_CLK_TCK") / split.wall
+    assert abs(record["driver_user"] - record["target_user"]) <= 2 * one_tick + 0.002
+    assert 0 < record["driver_user"] <= 1.5  # busy in user time (a loaded machine may give it less)
     assert record["driver_compute"] == round(0.05 / split.wall, 3)
 
 
