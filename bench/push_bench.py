@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import select
@@ -510,6 +511,8 @@ def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> 
         state["engine"] = engine
         state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
                                                                     BlocksCacheKey(2, 0))
+        state["pingpong"] = await asyncio.get_running_loop().create_server(
+            functools.partial(_PingPongServer, work.layer_bytes()), listen, 0)
         ready.set()
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -517,7 +520,8 @@ def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> 
     asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     ready.wait(60)
     engine = state["engine"]
-    emit_ctl({"port": engine.listen_address[1], "host": listen})
+    emit_ctl({"port": engine.listen_address[1], "host": listen,
+              "pingpong_port": state["pingpong"].sockets[0].getsockname()[1]})
     tensors = state["cache"].tensors
     for line in sys.stdin:
         if '"exit"' in line:
@@ -532,6 +536,66 @@ def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> 
             emit_ctl(verify(work, [t.view(np.uint8) for t in tensors]))
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+class _PingPongServer(asyncio.BufferedProtocol):
+    """The asyncio floor, served in a kvpush target's own event loop: read a layer's bytes straight into a
+    buffer (no stream's copies), answer one byte. Protocols, not streams: streams cost twice as much here."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = memoryview(bytearray(size))
+        self.got = 0
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer[self.got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += nbytes
+        if self.got == len(self.buffer):
+            self.got = 0
+            self.transport.write(b"\x01")
+
+
+class PingPongClient(asyncio.BufferedProtocol):
+    """The driver's side of the asyncio ping-pong: a layer's bytes out, the target's one byte back, each
+    push a round trip of the same size as kvpush's between the same two processes and event loops."""
+
+    def __init__(self, work: Workload) -> None:
+        self.data = bytes(work.layer_bytes())
+        self.layers = work.layers
+        self.ack = memoryview(bytearray(1))
+        self.transport: Any = None
+        self.answered: asyncio.Future[None] | None = None
+
+    async def connect(self, target: Target) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.create_connection(lambda: self, target.ready.get("host", "127.0.0.1"),
+                                     target.ready["pingpong_port"])
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.ack
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.answered is not None and not self.answered.done():
+            self.answered.set_result(None)
+
+    async def push(self) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(self.layers):
+            self.answered = loop.create_future()
+            self.transport.write(self.data)
+            await self.answered
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 async def linked_prefill(work: Workload, transport: str, target: Target) -> tuple[LLMDataDist, Any]:
@@ -620,21 +684,25 @@ def case_latency(work: Workload, reps: int, transports: list[str], chunk: int, w
 async def _latency_driver(work: Workload, reps: int, transports: list[str], chunk: int, warm: int,
                           targets: dict[str, Target], progress: Progress, socket_name: str) -> list[dict[str, Any]]:
     client = SocketClient(work, targets["socket"])
+    pingpong = PingPongClient(work)
     engines: dict[str, tuple[LLMDataDist, Any]] = {}
     src, dst = (b.tolist() for b in work.block_lists())
     key, n = BlocksCacheKey(2, 0), work.kv
     try:
         for transport in transports:
             engines[transport] = await linked_prefill(work, transport, targets[transport])
+        await pingpong.connect(targets[transports[0]])
 
         async def push(system: str) -> None:
             if system == "socket":
                 client.push()
+            elif system == "asyncio":
+                await pingpong.push()
             else:
                 engine, cache = engines[system]
                 await engine.cache_manager.push_blocks(key, cache, src, dst, tensor_num_per_layer=n)
 
-        systems = ["socket", *transports]
+        systems = ["socket", "asyncio", *transports]
         for system in systems:  # a warm-up push each, then every destination is zeroed
             await push(system)
         for target in targets.values():
@@ -653,15 +721,20 @@ async def _latency_driver(work: Workload, reps: int, transports: list[str], chun
         used = {transport: engines[transport][0].links[2].transport for transport in transports}
     finally:
         client.close()
+        pingpong.close()
         for engine, _ in engines.values():
             await engine.finalize()
     interleaved = {"interleaved": {"chunk": chunk, "warm": warm, "rounds": rounds, "with": systems}}
     records = [summarize(work, socket_name, times["socket"],
                          {**await asyncio.to_thread(targets["socket"].ask, {"op": "verify"}), **interleaved})]
+    # the floor of any asyncio protocol: a ping-pong of the same bytes between the same two event loops
+    floor = socket_name.replace("socket", "asyncio ping-pong")
+    records.append(summarize(work, floor, times["asyncio"], {"verified": None, **interleaved}))
     for transport in transports:
         result = await asyncio.to_thread(targets[transport].ask, {"op": "verify"})
         records.append(summarize(work, f"kvpush-{used[transport]}", times[transport],
-                                 {**result, "transport": used[transport], "baseline": socket_name, **interleaved}))
+                                 {**result, "transport": used[transport], "baseline": socket_name,
+                                  "floor": floor, **interleaved}))
     return records
 
 

@@ -330,8 +330,8 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
     by_work: dict[str, dict[str, dict[str, Any]]] = {}
     for record in records:
         by_work.setdefault(record["workload"], {})[record["case"]] = record
-    lines = ["| workload | case | result | vs memcpy | vs socket | vs ucx_perftest put | vs mooncake | vs nixl-tcp |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | case | result | vs memcpy | vs socket | vs asyncio ping-pong | vs ucx_perftest put "
+             "| vs mooncake | vs nixl-tcp |", "|---|---|---|---|---|---|---|---|---|"]
     for work, cases in by_work.items():
         for name, record in cases.items():
             if "result" in record:
@@ -347,9 +347,13 @@ def ratios(records: list[dict[str, Any]]) -> list[str]:
             else:
                 result = f"{record['gbps']:.2f} GB/s"
             cells = []
-            for base in ("memcpy", "socket", "ucx_perftest-ucp_put_bw", "mooncake", "nixl-tcp"):
-                # an interleaved latency case is compared with the socket baseline it was measured beside
-                other = cases.get(record.get("baseline", base) if base == "socket" else base)
+            for base in ("memcpy", "socket", "floor", "ucx_perftest-ucp_put_bw", "mooncake", "nixl-tcp"):
+                # an interleaved latency case is compared with the socket baseline and the asyncio ping-pong
+                # it was measured beside
+                if base in ("socket", "floor"):
+                    other = cases.get(record.get("baseline" if base == "socket" else "floor", base))
+                else:
+                    other = cases.get(base)
                 key = "p50_us" if work in LATENCY else "gbps"
                 if other is None or name.startswith(base) or not record.get(key) or not other.get(key):
                     cells.append("")

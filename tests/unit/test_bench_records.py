@@ -83,3 +83,24 @@ def test_pinned_targets_run_on_the_decode_core_and_the_peers_stay_out(monkeypatc
     assert not {name for _, name in pinned} & {"mooncake", "nixl", "nixl-tcp"}
     assert ("W-LAYER", "kvpush-tcp") in unpinned and ("W-LAYER", "kvpush-tcp") not in pinned
     assert ("W-LAYER-PINNED", "kvpush-tcp") in pinned and ("W-SMALL", "socket + kvpush-tcp") in pinned
+
+
+def test_the_latency_case_runs_the_asyncio_floor_beside_kvpush_and_the_table_compares_with_it() -> None:
+    """``case_latency``: real target processes; an asyncio ping-pong of a layer's bytes between the driver's
+    and the kvpush target's own event loops takes turns with the socket baseline and kvpush, each kvpush
+    record names it as its ``floor``, and the ratio table has a column for it."""
+    from bench import push_bench, run
+
+    work = WORKLOADS["W-SMALL"]
+    records = push_bench.case_latency(work, 6, ["tcp"], 3, 1)
+    by_case = {record["case"]: record for record in records}
+    assert set(by_case) == {"socket", "asyncio ping-pong", "kvpush-tcp"}
+    assert by_case["asyncio ping-pong"]["reps"] == 6 and by_case["asyncio ping-pong"]["p50_us"] > 0
+    kvpush = by_case["kvpush-tcp"]
+    assert kvpush["verified"] is True and kvpush["floor"] == "asyncio ping-pong" and kvpush["baseline"] == "socket"
+    assert kvpush["interleaved"]["with"] == ["socket", "asyncio", "tcp"]
+    table = run.ratios(records)
+    assert "vs asyncio ping-pong" in table[0]
+    row = next(line for line in table if "| kvpush-tcp |" in line).split("|")
+    header = table[0].split("|")
+    assert row[header.index(" vs asyncio ping-pong ")].strip().endswith("x its latency")
