@@ -11,7 +11,7 @@ import hashlib
 import ipaddress
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,10 @@ class ConnectorConfig:
     the cores takes a session, so a scheduling group, of its own (``kvpush.integrations.sched_group``);
     ``abort_grace_s`` how long a decode waits, after an abort or timeout, for the prefill to confirm
     nothing more will land; ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms``
-    bounds linking.
+    bounds linking. ``bootstrap_port``: a prefill serves vLLM's Mooncake bootstrap contract (``GET /query``)
+    there, on its kvpush host, so routers that speak it (vllm-router and llm-d's sidecar with
+    ``--kv-connector mooncake``, Dynamo) drive it unchanged (default: ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` if set,
+    else none is served).
     """
 
     host: str | None = None
@@ -71,6 +74,7 @@ class ConnectorConfig:
     insecure: bool = False
     discovery: str | None = None
     advertise_url: str | None = None
+    bootstrap_port: int | None = None
     engine_options: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -83,8 +87,9 @@ class ConnectorConfig:
                 raise ParamsError(f"kv_connector_extra_config has unknown key {key!r}; "
                                   f"known: {', '.join(sorted(_CHECKS))}")
             values[key] = check(key, value)
-        if "port" in values and not 0 < values["port"] < 65536:
-            raise ParamsError(f"kv_connector_extra_config['port']={values['port']} is not a TCP port")
+        for key in ("port", "bootstrap_port"):
+            if key in values and not 0 < values[key] < 65536:
+                raise ParamsError(f"kv_connector_extra_config[{key!r}]={values[key]} is not a TCP port")
         if ("discovery" in values) != ("advertise_url" in values):
             raise ParamsError("kv_connector_extra_config: 'discovery' and 'advertise_url' go together (the URL a "
                               "proxy reaches this instance's OpenAI server at, e.g. http://10.0.0.5:8100)")
@@ -144,7 +149,7 @@ def _string_map(key: str, value: Any) -> dict[str, str]:
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(("transfer_timeout_s", "ids_timeout_s", "abort_grace_s"), _positive),
     **dict.fromkeys(("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers", "ids_wait_ms",
-                     "idle_wait_ms"),
+                     "idle_wait_ms", "bootstrap_port"),
                     _count),
     **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url"), _text),
     "insecure": _flag,
@@ -193,6 +198,8 @@ class PeerAddress:
     host: str
     port: int
     cluster_id: int
+    #: every rank's cluster id, when the instance said so (its bootstrap server's answer); else the rule below
+    rank_ids: tuple[int, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, host: str, port: int, cluster_id: int | None = None) -> PeerAddress:
@@ -200,13 +207,18 @@ class PeerAddress:
 
     def of_rank(self, rank: int) -> PeerAddress:
         """Where rank ``rank`` of the instance whose rank 0 is here listens: ``port + 2 * rank`` (see
-        ``listen_port``), its cluster id derived from that address, or this one's ``+ rank`` when this one
-        was set explicitly (``cluster_id`` in the instance's config)."""
+        ``listen_port``), its cluster id from ``rank_ids``, else derived from that address, or this one's
+        ``+ rank`` when this one was set explicitly (``cluster_id`` in the instance's config)."""
         if rank == 0:
             return self
         port = self.port + 2 * rank
         if not 0 < port < 65536:
             raise ParamsError(f"rank {rank} of the instance at {self.host}:{self.port} has no valid port")
+        if self.rank_ids:
+            if rank >= len(self.rank_ids):
+                raise ParamsError(f"the instance at {self.host}:{self.port} has {len(self.rank_ids)} ranks, "
+                                  f"not {rank + 1}")
+            return PeerAddress(self.host, port, self.rank_ids[rank])
         derived = self.cluster_id == derive_cluster_id(self.host, self.port)
         return PeerAddress(self.host, port, derive_cluster_id(self.host, port) if derived else self.cluster_id + rank)
 
@@ -214,11 +226,22 @@ class PeerAddress:
 # -- kv_transfer_params ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """A prefill named the Mooncake way: the URL of its bootstrap server (``GET {url}/query``) and the
+    engine id of the data-parallel rank the request went to (None: the server's only engine)."""
+
+    url: str
+    engine_id: str | None = None
+
+
+@dataclass(frozen=True)
 class ConsumerParams:
-    """A decode-side request: its KV comes from the prefill at ``remote``."""
+    """A decode-side request: its KV comes from the prefill at ``remote``, or from the one ``bootstrap``
+    names (its address is looked up first: ``bootstrap_address``)."""
 
     transfer_id: str
-    remote: PeerAddress
+    remote: PeerAddress | None
+    bootstrap: Bootstrap | None = None
 
 
 @dataclass(frozen=True)
@@ -242,12 +265,13 @@ def _transfer_id(params: Mapping[str, Any]) -> str | None:
     return value
 
 
-def parse_params(params: Mapping[str, Any] | None,
-                 default_remote: Callable[[], PeerAddress] | None = None) -> ConsumerParams | ProducerParams | None:
-    """What a request's ``kv_transfer_params`` ask of this connector; None: nothing. Keys (NIXL's
-    names where they exist): ``do_remote_prefill`` (decode side) with ``transfer_id`` and the prefill's
-    ``remote_host``/``remote_port`` (default ``default_remote()``) and optional ``remote_cluster_id``;
-    ``do_remote_decode`` (prefill side) with an optional ``transfer_id``. Raises ParamsError."""
+def parse_params(params: Mapping[str, Any] | None) -> ConsumerParams | ProducerParams | None:
+    """What a request's ``kv_transfer_params`` ask of this connector; None: nothing. Keys (NIXL's and
+    Mooncake's names): ``do_remote_prefill`` (decode side) with ``transfer_id`` and either the prefill's
+    ``remote_host``/``remote_port`` (and optional ``remote_cluster_id``) or its ``remote_bootstrap_addr``
+    (``http://HOST:PORT``; optional ``remote_engine_id``); ``do_remote_decode`` (prefill side) with an
+    optional ``transfer_id``. A decode request that names no prefill is refused: the connector never
+    guesses one. Raises ParamsError."""
     if not params:
         return None
     if not isinstance(params, Mapping):
@@ -257,10 +281,14 @@ def parse_params(params: Mapping[str, Any] | None,
         if transfer_id is None:
             raise ParamsError("kv_transfer_params with do_remote_prefill need a 'transfer_id'")
         host, port, cluster_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id")
-        if host is None and port is None and default_remote is not None:
-            remote = default_remote()
-            host, port = remote.host, remote.port
-            cluster_id = remote.cluster_id if cluster_id is None else cluster_id
+        if host is None and port is None:
+            bootstrap = params.get("remote_bootstrap_addr")
+            if bootstrap is None:
+                raise ParamsError("kv_transfer_params with do_remote_prefill name no prefill: give 'remote_host' and "
+                                  "'remote_port' (kvpush proxy, vllm-router's prefill-first mode) or "
+                                  "'remote_bootstrap_addr' (the Mooncake contract)")
+            return ConsumerParams(transfer_id, None, Bootstrap(bootstrap_url(bootstrap),
+                                                               _engine_id(params.get("remote_engine_id"))))
         if not isinstance(host, str) or not host:
             raise ParamsError(f"kv_transfer_params['remote_host'] must be a host, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
@@ -272,6 +300,98 @@ def parse_params(params: Mapping[str, Any] | None,
     if params.get("do_remote_decode"):
         return ProducerParams(_transfer_id(params))
     return None
+
+
+_BOOTSTRAP_URL = re.compile(r"(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})/?")
+
+
+def bootstrap_url(value: object) -> str:
+    """``remote_bootstrap_addr`` as ``http://HOST:PORT`` (vLLM's form; a bare ``HOST:PORT`` is taken too)."""
+    match = _BOOTSTRAP_URL.fullmatch(value) if isinstance(value, str) else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ParamsError(f"kv_transfer_params['remote_bootstrap_addr'] must be http://HOST:PORT, got {value!r}")
+    return f"http://{match.group(1)}:{int(match.group(2))}"
+
+
+def _engine_id(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise ParamsError(f"kv_transfer_params['remote_engine_id'] must be a string, got {value!r}")
+    return value
+
+
+# -- the Mooncake bootstrap contract ---------------------------------------------------------------
+
+BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def bootstrap_answer(engines: Mapping[int, tuple[str, Sequence[PeerAddress]]]) -> dict[str, Any]:
+    """The body of a prefill's ``GET /query``, in vLLM's MooncakeConnector shape: per data-parallel rank its
+    engine id and every tensor-parallel rank's kvpush address (``{"<tp>": {"0": "tcp://HOST:PORT"}}``; one
+    pipeline stage), and under ``kvpush`` what a kvpush decode needs beyond it (each rank's cluster id)."""
+    answer: dict[str, Any] = {}
+    for dp_rank, (engine_id, ranks) in sorted(engines.items()):
+        answer[str(dp_rank)] = {
+            "engine_id": engine_id,
+            "worker_addr": {str(tp): {"0": f"tcp://{_host_port(a.host, a.port)}"} for tp, a in enumerate(ranks)},
+            "kvpush": {"version": 1, "cluster_ids": {str(tp): a.cluster_id for tp, a in enumerate(ranks)}},
+        }
+    return answer
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bootstrap_address(answer: object, bootstrap: Bootstrap) -> PeerAddress:
+    """Tensor-parallel rank 0's kvpush address of the engine ``bootstrap`` names, from its server's ``/query``
+    answer (``bootstrap_answer``). A wildcard listen host is reached at the bootstrap URL's host. Raises
+    ParamsError naming what is wrong: no such engine, a prefill that runs another connector (no ``kvpush``
+    entry), ranks that do not follow kvpush's ports (``PeerAddress.of_rank``)."""
+    where = f"the bootstrap server at {bootstrap.url}"
+    if not isinstance(answer, Mapping) or not answer:
+        raise ParamsError(f"{where} answered /query with no engine")
+    entries = [entry for entry in answer.values() if isinstance(entry, Mapping)]
+    if bootstrap.engine_id is None:
+        if len(entries) != 1:
+            raise ParamsError(f"{where} serves {len(entries)} engines: the request must name one "
+                              f"('remote_engine_id')")
+        entry = entries[0]
+    else:
+        found = [entry for entry in entries if entry.get("engine_id") == bootstrap.engine_id]
+        if not found:
+            known = ", ".join(sorted(str(entry.get("engine_id")) for entry in entries))
+            raise ParamsError(f"{where} serves no engine {bootstrap.engine_id!r} (it serves: {known}); the prefill "
+                              f"may have restarted")
+        entry = found[0]
+    kvpush, workers = entry.get("kvpush"), entry.get("worker_addr")
+    if not isinstance(kvpush, Mapping) or not isinstance(workers, Mapping):
+        raise ParamsError(f"{where} is not a KvpushConnector prefill's (its answer has no 'kvpush' entry): a "
+                          f"KvpushConnector decode loads KV from KvpushConnector prefills only")
+    try:
+        cluster_ids = {int(tp): int(cid) for tp, cid in kvpush["cluster_ids"].items()}
+        addresses = {int(tp): _parse_worker(stages["0"]) for tp, stages in workers.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ParamsError(f"{where} answered /query with a malformed kvpush entry: {error!r}") from None
+    if not addresses or sorted(addresses) != list(range(len(addresses))) or sorted(cluster_ids) != sorted(addresses):
+        raise ParamsError(f"{where}: tensor-parallel ranks {sorted(addresses)} are not 0..n-1 with a cluster id each")
+    host, port = addresses[0]
+    for rank, (other_host, other_port) in addresses.items():
+        if (other_host, other_port) != (host, port + 2 * rank):
+            raise ParamsError(f"{where}: rank {rank} listens at {_host_port(other_host, other_port)}, not where "
+                              f"kvpush's rank rule puts it ({_host_port(host, port + 2 * rank)})")
+    if host in _WILDCARDS:  # listening everywhere: reached where its bootstrap server was
+        host = bootstrap.url.removeprefix("http://").rsplit(":", 1)[0].strip("[]")
+    return PeerAddress(host, port, cluster_ids[0], tuple(cluster_ids[rank] for rank in range(len(cluster_ids))))
+
+
+def _parse_worker(value: object) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise ValueError(f"worker address {value!r}")
+    host, _, port = value.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def prefill_request_params(transfer_id: str) -> dict[str, Any]:

@@ -368,7 +368,7 @@ def test_settings_follow_the_role_and_vllm_defaults() -> None:
     assert prefill.local == core.PeerAddress.of("127.0.0.1", 14579)
     decode = settings("kv_consumer", 14579)
     assert decode.listen is None and 1 << 48 <= decode.cluster_id < 1 << 62
-    assert decode.default_remote == prefill.local  # the same host's prefill with vLLM's default kv_port
+    assert decode.bootstrap is None and prefill.bootstrap is None  # no bootstrap port: no /query served
     both = settings("kv_both", 15000, port=16000, cluster_id=7, host="::1")
     assert both.listen == ("::1", 16000) and both.cluster_id == 7 and both.produce and both.consume
     with pytest.raises(core.ParamsError, match="unknown key"):

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_vllm_core import DECODE_CLUSTER, PREFILL, Clock, ProducerFx, run_step
+from test_vllm_core import DECODE_CLUSTER, Clock, ProducerFx, run_step
 
 from kvpush.integrations.families import PLAIN, Group, Groups, LayoutError, window_start
 from kvpush.integrations.vllm import core
@@ -87,7 +87,7 @@ def test_window_start_is_page_aligned_and_never_before_what_the_decode_holds() -
 # -- the scheduler and the prefill worker over a grouped layout ----------------------------------------
 
 def test_a_decode_of_a_state_model_loads_the_prompt_but_its_last_token_into_every_groups_blocks() -> None:
-    book = SchedulerBook(32, produce=False, consume=True, default_remote=lambda: PREFILL, groups=HYBRID)
+    book = SchedulerBook(32, produce=False, consume=True, groups=HYBRID)
     book.on_new_request("r1", core.decode_request_params("tid", "127.0.0.1", 14579), num_prompt_tokens=65)
     assert book.matched_tokens("r1", 0) == (64, True)  # the 65th the decode computes from the state
     book.after_alloc("r1", ([9], [3, 4, 5]), num_external_tokens=64)
@@ -96,7 +96,7 @@ def test_a_decode_of_a_state_model_loads_the_prompt_but_its_last_token_into_ever
 
 
 def test_a_decode_of_a_windowed_model_sends_a_null_where_it_dropped_the_window_s_front() -> None:
-    book = SchedulerBook(32, produce=False, consume=True, default_remote=lambda: PREFILL, groups=WINDOWED)
+    book = SchedulerBook(32, produce=False, consume=True, groups=WINDOWED)
     book.on_new_request("r1", core.decode_request_params("tid", "127.0.0.1", 14579), num_prompt_tokens=160)
     book.after_alloc("r1", ([0, 0, 0, 21, 22], [1, 2, 3, 4, 5]), num_external_tokens=160)
     (spec,) = book.build_step([]).recv

@@ -255,13 +255,21 @@ def test_params_parse_for_both_sides() -> None:
     assert parsed == core.ConsumerParams("tid", expected)
     explicit = core.parse_params(core.decode_request_params("tid", "10.0.0.2", 15000, prefill_cluster_id=5))
     assert isinstance(explicit, core.ConsumerParams) and explicit.remote.cluster_id == 5
-    defaulted = core.parse_params({"do_remote_prefill": True, "transfer_id": "t"}, lambda: PREFILL)
-    assert isinstance(defaulted, core.ConsumerParams) and defaulted.remote == PREFILL
+    mooncake = core.parse_params({"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-1",
+                                  "remote_bootstrap_addr": "http://10.0.0.2:8998", "remote_engine_id": "e-dp0"})
+    assert mooncake == core.ConsumerParams("xfer-1", None, core.Bootstrap("http://10.0.0.2:8998", "e-dp0"))
+    bare = core.parse_params({"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "[::1]:9/"})
+    assert isinstance(bare, core.ConsumerParams) and bare.bootstrap == core.Bootstrap("http://[::1]:9", None)
     assert core.parse_params(core.prefill_request_params("tid")) == core.ProducerParams("tid")
     assert core.parse_params({"do_remote_decode": True}) == core.ProducerParams(None)
     assert core.parse_params(None) is None and core.parse_params({"other": 1}) is None
     for bad, words in [
         ({"do_remote_prefill": True}, "transfer_id"),
+        ({"do_remote_prefill": True, "transfer_id": "t"}, "name no prefill"),  # never guessed
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "ftp://h:1"}, "http://HOST:PORT"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "http://h:70000"}, "HOST:PORT"),
+        ({"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "http://h:1",
+          "remote_engine_id": 5}, "remote_engine_id"),
         ({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h", "remote_port": "1"}, "remote_port"),
         ({"do_remote_prefill": True, "transfer_id": "t", "remote_port": 5}, "remote_host"),
         ({"do_remote_prefill": True, "transfer_id": 7}, "transfer_id"),
@@ -269,14 +277,14 @@ def test_params_parse_for_both_sides() -> None:
           "remote_cluster_id": -1}, "remote_cluster_id"),
     ]:
         with pytest.raises(ParamsError, match=words):
-            core.parse_params(bad, lambda: PREFILL)
+            core.parse_params(bad)
     assert len(core.new_transfer_id()) == 32 and core.new_transfer_id() != core.new_transfer_id()
 
 
 # -- scheduler book --------------------------------------------------------------------------------
 
 def consumer_book(block_size: int = 32) -> SchedulerBook:
-    return SchedulerBook(block_size, produce=False, consume=True, default_remote=lambda: PREFILL, name="decode")
+    return SchedulerBook(block_size, produce=False, consume=True, name="decode")
 
 
 def producer_book(block_size: int = 32) -> SchedulerBook:
@@ -332,16 +340,106 @@ def test_decode_request_finished_while_waiting_is_aborted_in_the_worker() -> Non
     assert not book.build_step([])
 
 
-def test_unusable_params_and_wrong_roles_are_served_locally() -> None:
+def test_a_decode_request_naming_no_prefill_is_refused_with_load_errors_and_wrong_roles_are_served_locally() -> None:
+    """A decode request whose params name no usable prefill (none at all: nothing guesses one) claims its tokens
+    and gets a RecvSpec with the reason, which the worker reports as load errors at once (vLLM then fails or
+    recomputes it, as its kv_load_failure_policy says); a request for the other role is computed here."""
     book = consumer_book()
     book.on_new_request("bad", {"do_remote_prefill": True}, 40)
+    book.on_new_request("nameless", {"do_remote_prefill": True, "transfer_id": "t9"}, 40)
     book.on_new_request("wrong-side", core.prefill_request_params("t"), 40)
-    assert book.matched_tokens("bad", 0) == (0, False)
+    for req_id in ("bad", "nameless"):
+        assert book.matched_tokens(req_id, 0) == (40, True)
+        book.after_alloc(req_id, [5, 6], 40)
+    bad, nameless = book.build_step([]).recv
+    assert "transfer_id" in (bad.error or "") and bad.remote is None and bad.blocks == (5, 6)
+    assert "name no prefill" in (nameless.error or "") and nameless.remote is None
     assert book.matched_tokens("wrong-side", 0) == (0, False)
     assert book.request_finished("wrong-side", True) == (False, None)
     prefill = producer_book()
     prefill.on_new_request("wrong-side", core.decode_request_params("t", "h", 1), 40)
     assert prefill.matched_tokens("wrong-side", 0) == (0, False)
+
+
+class FakeResolve:
+    """A decode's lookup of prefills by bootstrap server (``core.Resolve``): pending until ``answer`` is set."""
+
+    def __init__(self) -> None:
+        self.asked: list[core.Bootstrap] = []
+        self.answer: PeerAddress | ParamsError | None = None
+
+    def __call__(self, bootstrap: core.Bootstrap) -> PeerAddress | None:
+        self.asked.append(bootstrap)
+        if isinstance(self.answer, ParamsError):
+            raise self.answer
+        return self.answer
+
+
+MOONCAKE = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "xfer-7",
+            "remote_bootstrap_addr": "http://127.0.0.1:8998", "remote_engine_id": "engine-a"}
+
+
+def test_a_decode_request_named_by_bootstrap_server_waits_for_the_lookup_then_loads_from_the_address() -> None:
+    """The Mooncake shape: while the lookup runs the request answers None (vLLM asks again next step, nothing
+    blocks); once found, it loads from that address like any other; a lookup that fails refuses it."""
+    resolve = FakeResolve()
+    book = SchedulerBook(32, produce=False, consume=True, resolve=resolve, name="decode")
+    book.on_new_request("r1", MOONCAKE, 40)
+    assert book.matched_tokens("r1", 0) == (None, False)
+    assert book.matched_tokens("r1", 0) == (None, False)
+    assert resolve.asked == [core.Bootstrap("http://127.0.0.1:8998", "engine-a")] * 2
+    resolve.answer = PREFILL
+    assert book.matched_tokens("r1", 0) == (40, True)
+    book.after_alloc("r1", [3, 4], 40)
+    (spec,) = book.build_step([]).recv
+    assert (spec.transfer_id, spec.remote, spec.blocks, spec.error) == ("xfer-7", PREFILL, (3, 4), None)
+    resolve.answer = ParamsError("the bootstrap server at http://127.0.0.1:8998 serves no engine 'engine-a'")
+    book.on_new_request("r2", {**MOONCAKE, "transfer_id": "xfer-8"}, 40)
+    assert book.matched_tokens("r2", 0) == (40, True)
+    book.after_alloc("r2", [5, 6], 40)
+    (spec,) = book.build_step([]).recv
+    assert spec.remote is None and "serves no engine" in (spec.error or "")
+    unresolving = consumer_book()  # a decode that looks nothing up refuses such requests
+    unresolving.on_new_request("r3", MOONCAKE, 40)
+    assert unresolving.matched_tokens("r3", 0) == (40, True)
+
+
+def test_the_prefill_answers_its_bootstrap_too_when_it_serves_one() -> None:
+    bootstrap = core.Bootstrap("http://127.0.0.1:8998", "engine-a")
+    book = SchedulerBook(32, produce=True, consume=False, local=PREFILL, name="prefill", bootstrap=bootstrap)
+    book.on_new_request("p1", {"do_remote_decode": True, "transfer_id": "xfer-1"}, 40)
+    book.build_step([Scheduled("p1", (1, 2), False, 0, 40)])
+    _, params = book.request_finished("p1", ok=True)
+    assert params is not None and params["remote_port"] == PREFILL.port
+    assert (params["remote_bootstrap_addr"], params["remote_engine_id"]) == ("http://127.0.0.1:8998", "engine-a")
+
+
+def test_the_bootstrap_answer_has_vllm_s_shape_and_a_decode_finds_its_engine_s_ranks_in_it() -> None:
+    first = PeerAddress.of("10.0.0.2", 15000)
+    engines = {0: ("e_dp0", [first, first.of_rank(1)]), 1: ("e_dp1", [first.of_rank(2), first.of_rank(3)])}
+    answer = core.bootstrap_answer(engines)
+    assert answer["1"]["engine_id"] == "e_dp1"
+    assert answer["1"]["worker_addr"] == {"0": {"0": "tcp://10.0.0.2:15004"}, "1": {"0": "tcp://10.0.0.2:15006"}}
+    found = core.bootstrap_address(answer, core.Bootstrap("http://10.0.0.2:8998", "e_dp1"))
+    assert found == first.of_rank(2) and found.of_rank(1) == first.of_rank(3)
+    with pytest.raises(ParamsError, match="must name one"):
+        core.bootstrap_address(answer, core.Bootstrap("http://10.0.0.2:8998"))
+    with pytest.raises(ParamsError, match="serves no engine 'gone'.*e_dp0, e_dp1"):
+        core.bootstrap_address(answer, core.Bootstrap("http://10.0.0.2:8998", "gone"))
+    configured = PeerAddress.of("0.0.0.0", 16000, 7)  # explicit cluster ids, listening everywhere
+    answer = core.bootstrap_answer({0: ("solo", [configured, configured.of_rank(1)])})
+    found = core.bootstrap_address(answer, core.Bootstrap("http://10.9.9.9:8998"))
+    assert (found.host, found.port, found.cluster_id, found.of_rank(1).cluster_id) == ("10.9.9.9", 16000, 7, 8)
+    vllm_mooncake = {"0": {"engine_id": "m", "worker_addr": {"0": {"0": "tcp://10.0.0.2:41234"}}}}
+    with pytest.raises(ParamsError, match="not a KvpushConnector prefill"):
+        core.bootstrap_address(vllm_mooncake, core.Bootstrap("http://10.0.0.2:8998", "m"))
+    off_rule = core.bootstrap_answer({0: ("x", [first, PeerAddress.of("10.0.0.2", 15100)])})
+    with pytest.raises(ParamsError, match="rank 1 listens at 10.0.0.2:15100"):
+        core.bootstrap_address(off_rule, core.Bootstrap("http://10.0.0.2:8998", "x"))
+    for junk in ([], {}, {"0": {"engine_id": "x", "worker_addr": {}, "kvpush": {"cluster_ids": "no"}}},
+                 {"0": {"engine_id": "x", "worker_addr": {}, "kvpush": {"cluster_ids": {}}}}):
+        with pytest.raises(ParamsError):
+            core.bootstrap_address(junk, core.Bootstrap("http://10.0.0.2:8998", "x"))
 
 
 def test_prefill_scheduler_describes_each_prompt_step_and_delays_the_free() -> None:

@@ -218,6 +218,7 @@ class EngineBridge:
         """Send the transfer's block ids to every prefill rank with a leg to this rank (or owed word of it),
         each leg's blocks opened to that rank first; report the ranks reached (``on_ids_sent``'s peers)."""
         remote, transfer_id = spec.remote, spec.transfer_id
+        assert remote is not None  # a spec without a prefill is refused by the consumer book
         async with self._lock(remote.cluster_id):
             problem = await self._handshake(remote)
         prefill = self._peer_geometry.get(remote.cluster_id)

@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 )
 
 from . import core
+from .bootstrap import BootstrapResolver, BootstrapServer
 from .fleet import fleet_member
 from .settings import ConnectorSettings, scheduled_requests
 from .worker import WorkerSide
@@ -299,11 +300,15 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
                         "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config (what a deployment "
                         "should run with)")
         self._fleet = None
+        self._bootstrap: BootstrapServer | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local,
-                                                 lambda: s.default_remote, s.name,
+            resolver = BootstrapResolver(s.config.link_timeout_ms / 1e3) if s.consume else None
+            self._scheduler = core.SchedulerBook(s.block_size, s.produce, s.consume, s.local, resolver, s.name,
                                                  core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size),
-                                                 s.groups)
+                                                 s.groups, s.bootstrap)
+            if s.bootstrap_port is not None and s.listen is not None and s.dp_index == 0:
+                self._bootstrap = BootstrapServer(s.listen[0], s.bootstrap_port, s.bootstrap_engines())
+                self._bootstrap.start()
             self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:
             self._worker = WorkerSide(s)
@@ -452,6 +457,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
         return self._worker.stats() if self._worker is not None else {}
 
     def shutdown(self) -> None:
+        if self._bootstrap is not None:
+            self._bootstrap.close()
+            self._bootstrap = None
         if self._fleet is not None:
             self._fleet.close()
             self._fleet = None

@@ -115,9 +115,30 @@ class ConnectorSettings:
                 f"the same secret in the environment variable {AUTH_TOKEN_ENV} (or \"auth_token\" in "
                 f"kv_connector_extra_config, which shows in process listings), or run it unauthenticated on a "
                 f"private network with \"insecure\": true in kv_connector_extra_config")
-        default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        self.default_remote = core.PeerAddress.of(default_host, core.listen_port(transfer.kv_port, "kv_producer"))
-        self.name = f"kvpush-{str(transfer.engine_id)[:8]}"
+        self.engine_id = str(transfer.engine_id)
+        self.name = f"kvpush-{self.engine_id[:8]}"
+        self.dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        self.dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
+        #: where a prefill serves the Mooncake bootstrap contract (GET /query; None: not served), and what its
+        #: requests' answers name (``core.Bootstrap``)
+        self.bootstrap_port = _bootstrap_port(self.config.bootstrap_port) if self.produce else None
+        self.bootstrap: core.Bootstrap | None = None
+        if self.bootstrap_port is not None and self.listen is not None:
+            host = self.listen[0]
+            self.bootstrap = core.Bootstrap(f"http://{f'[{host}]' if ':' in host else host}:{self.bootstrap_port}",
+                                            self.engine_id)
+        self._first_port = (self.config.port if self.config.port else core.listen_port(transfer.kv_port, self.role)
+                            ) if self.listen is not None else None
+
+    def bootstrap_engines(self) -> dict[int, tuple[str, list[core.PeerAddress]]]:
+        """What this instance's ``/query`` lists: every data-parallel rank's engine id (vLLM's: ``<id>_dp<r>``
+        with more than one) and every tensor-parallel rank's kvpush address, by ``listen_port``'s rule."""
+        assert self.listen is not None and self._first_port is not None
+        first = core.PeerAddress.of(self.listen[0], self._first_port, self.config.cluster_id)
+        base = self.engine_id.removesuffix(f"_dp{self.dp_index}") if self.dp_size > 1 else self.engine_id
+        return {dp: (f"{base}_dp{dp}" if self.dp_size > 1 else base,
+                     [first.of_rank(dp * self.tp_size + tp) for tp in range(self.tp_size)])
+                for dp in range(self.dp_size)}
 
     def geometry(self, layers: int, local_heads: int, head_size: int, dtype: str, page: int = 0) -> core.Geometry:
         """This worker's geometry, once its KV tensors are known."""
@@ -131,6 +152,22 @@ class ConnectorSettings:
         if len(lists) == 1 or self.group_ids is None:
             return lists
         return tuple(lists[i] for i in self.group_ids)
+
+
+def _bootstrap_port(configured: int | None) -> int | None:
+    """The bootstrap port: the config's, else ``VLLM_MOONCAKE_BOOTSTRAP_PORT``'s (vLLM's variable), else None."""
+    if configured:
+        return configured
+    value = os.environ.get(core.BOOTSTRAP_PORT_ENV)
+    if not value:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise core.ParamsError(f"{core.BOOTSTRAP_PORT_ENV}={value!r} is not a TCP port")
+    return port
 
 
 def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[Groups, tuple[int, ...] | None, int]:

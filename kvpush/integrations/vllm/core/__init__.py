@@ -36,14 +36,18 @@ compatibility). Every name is re-exported here; import from the package.
 from kvpush import MAX_MESSAGE_BYTES
 
 from ...config import (
+    BOOTSTRAP_PORT_ENV,
     IDS_WAIT_MS,
     MAX_TRANSFER_ID_BYTES,
     ROLES,
+    Bootstrap,
     ConnectorConfig,
     ConsumerParams,
     ParamsError,
     PeerAddress,
     ProducerParams,
+    bootstrap_address,
+    bootstrap_answer,
     decode_request_params,
     derive_cluster_id,
     listen_port,
@@ -83,10 +87,11 @@ from .messages import (
     encode,
 )
 from .producer import TOMBSTONES, ProducerBook, ProducerState
-from .scheduler import IDS_IN_REMEMBERED, IdsHold, Scheduled, SchedulerBook
+from .scheduler import IDS_IN_REMEMBERED, IdsHold, Resolve, Scheduled, SchedulerBook
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
 
 __all__ = [
+    "BOOTSTRAP_PORT_ENV", "Bootstrap", "Resolve", "bootstrap_address", "bootstrap_answer",
     "IDS_IN_REMEMBERED", "IDS_WAIT_MS", "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook",
     "ConsumerEffects", "ConsumerParams", "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "IdsHold",
     "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER", "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES",

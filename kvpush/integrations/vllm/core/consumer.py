@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...config import ConnectorConfig
+from ...config import ConnectorConfig, PeerAddress
 from ...families import PLAIN, Groups
 from .effects import Clock, ConsumerEffects
 from .messages import Abort, Done, Message, Outcome, encode
@@ -70,8 +70,14 @@ class _Incoming:
     landed: set[int] = field(default_factory=set)  # peers whose Done said every byte landed
     settled: set[int] = field(default_factory=set)  # peers that will write nothing more (answered or gone)
 
+    @property
+    def remote(self) -> PeerAddress:
+        """The prefill (a spec without one is refused before a transfer is made of it)."""
+        assert self.spec.remote is not None
+        return self.spec.remote
+
     def expected(self) -> frozenset[int]:
-        return self.peers if self.peers is not None else frozenset({self.spec.remote.cluster_id})
+        return self.peers if self.peers is not None else frozenset({self.remote.cluster_id})
 
     def outstanding(self) -> frozenset[int]:
         """Peers that may still write into the blocks."""
@@ -170,7 +176,7 @@ class ConsumerBook:
         if error is None:
             t.delivered = True
             if t.peers is None:
-                t.peers = frozenset({t.spec.remote.cluster_id})
+                t.peers = frozenset({t.remote.cluster_id})
             if t.state == ConsumerState.SENDING_IDS:
                 t.state = ConsumerState.WAITING_LANDED
             self._check(t)
@@ -187,7 +193,7 @@ class ConsumerBook:
             t.retry_at = now + t.backoff
             t.backoff = min(t.backoff * 2, _RETRY_MAX_S)
         else:
-            self._give_up(t, f"could not send block ids to {t.spec.remote.host}:{t.spec.remote.port}: {error}", now)
+            self._give_up(t, f"could not send block ids to {t.remote.host}:{t.remote.port}: {error}", now)
 
     def on_legs(self, transfer_id: str, peers: Sequence[int]) -> None:
         """The engine planned the transfer's legs: the prefill ranks its ids go to (sent next)."""

@@ -16,11 +16,12 @@ import hashlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...config import (
     MAX_TRANSFER_ID_BYTES,
+    Bootstrap,
     ConsumerParams,
     ParamsError,
     PeerAddress,
@@ -35,6 +36,10 @@ from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_g
 log = logging.getLogger(__name__)
 
 IDS_IN_REMEMBERED = 4096  # transfers whose block ids came before their request (decode first), remembered
+
+#: a decode's lookup of the prefill a Mooncake-shaped request names (``Bootstrap``): its address, None while the
+#: lookup runs (vLLM asks again next step), ParamsError when it cannot be found. It never blocks.
+Resolve = Callable[[Bootstrap], PeerAddress | None]
 
 
 @dataclass(frozen=True)
@@ -75,29 +80,35 @@ class _SchedRequest:
     handed: bool = False  # producer: a SendStep went to the worker
     ids_coming: bool = False  # producer: a decode sends block ids (the proxy named the transfer)
     held_until: float | None = None  # producer: held for those ids until then (None: not held yet)
+    refused: str | None = None  # consumer: why its KV cannot come (its blocks become load errors)
 
 
 class SchedulerBook:
     """The scheduler side: which requests load or send, their block lists, and what to delay.
 
     ``produce``/``consume`` follow the instance's kv_role. ``local`` is this instance's own kvpush
-    address (returned to the proxy by a prefill in ``request_finished``), ``default_remote`` the
-    prefill a decode uses when the params name none. ``hold``: how a prefill request is held for its
+    address (returned to the proxy by a prefill in ``request_finished``, with ``bootstrap``: its Mooncake
+    bootstrap server's URL and engine id, when it serves one). ``resolve`` finds the prefill a decode request
+    names by its bootstrap server (``Resolve``; None: such requests are refused). A decode request that names
+    no prefill is refused (its blocks are load errors): nothing guesses one. ``hold``: how a prefill request is
+    held for its
     decode's block ids (None: never). ``groups``: the model's KV cache groups (``families.Groups``); with a
     recurrent state a transfer covers the prompt but its last token (``Groups.backoff``), which the decode
     computes, and the adapter shortens the prefill's prompt by as much.
     """
 
     def __init__(self, block_size: int, produce: bool, consume: bool, local: PeerAddress | None = None,  # noqa: PLR0913
-                 default_remote: Callable[[], PeerAddress] | None = None, name: str = "kvpush",
-                 hold: IdsHold | None = None, groups: Groups = PLAIN) -> None:
+                 resolve: Resolve | None = None, name: str = "kvpush",
+                 hold: IdsHold | None = None, groups: Groups = PLAIN,
+                 bootstrap: Bootstrap | None = None) -> None:
         if block_size < 1:
             raise ParamsError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.produce = produce
         self.consume = consume
         self.local = local
-        self.default_remote = default_remote
+        self.resolve = resolve
+        self.bootstrap = bootstrap
         self.name = name
         self.groups = groups
         self._requests: dict[str, _SchedRequest] = {}
@@ -112,10 +123,18 @@ class SchedulerBook:
 
     # -- per request ---------------------------------------------------------------------------------
     def on_new_request(self, req_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int) -> None:
-        """Note a request; one with unusable params is served locally (logged), never left waiting."""
+        """Note a request; a decode request with unusable params is refused (its blocks are load errors: vLLM
+        fails or recomputes it, as its kv_load_failure_policy says), any other served locally (logged); none
+        is left waiting."""
         try:
-            parsed = parse_params(params, self.default_remote)
+            parsed = parse_params(params)
         except ParamsError as error:
+            if self.consume and params and params.get("do_remote_prefill"):
+                transfer_id = _local_transfer_id(self.name, req_id)
+                self._requests[req_id] = _SchedRequest(req_id, num_prompt_tokens, ConsumerParams(transfer_id, None),
+                                                       transfer_id, refused=str(error))
+                log.warning("%s: request %s: %s; its KV cannot be loaded", self.name, req_id, error)
+                return
             log.warning("%s: request %s: %s; computing it locally", self.name, req_id, error)
             return
         if isinstance(parsed, ConsumerParams):
@@ -149,8 +168,30 @@ class SchedulerBook:
             return (None, False) if self._held(request) else (0, False)
         if request.issued:
             return 0, False
+        if self._resolving(request):
+            return None, False
         count = self._tokens(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _resolving(self, request: _SchedRequest) -> bool:
+        """Whether a decode request named by its prefill's bootstrap server still waits for the address (a
+        lookup that fails refuses the request)."""
+        consumer = request.consumer
+        if consumer is None or consumer.remote is not None or request.refused is not None:
+            return False
+        if consumer.bootstrap is None or self.resolve is None:
+            request.refused = "this decode looks up no bootstrap server"
+            return False
+        try:
+            remote = self.resolve(consumer.bootstrap)
+        except ParamsError as error:
+            request.refused = str(error)
+            log.warning("%s: request %s: %s; its KV cannot be loaded", self.name, request.req_id, error)
+            return False
+        if remote is None:
+            return True
+        request.consumer = replace(consumer, remote=remote)
+        return False
 
     def _tokens(self, request: _SchedRequest) -> int:
         """The prompt tokens a decode request loads: all of them, but the last one with a recurrent state."""
@@ -198,7 +239,7 @@ class SchedulerBook:
         local_tokens = tokens - num_external_tokens
         first_block = local_tokens // self.block_size
         end_block = blocks_for(tokens, self.block_size)
-        error = None
+        error = request.refused
         blocks: tuple[int, ...] = ()
         if local_tokens < 0 or local_tokens % self.block_size:
             error = f"{local_tokens} locally computed tokens are not whole blocks of {self.block_size}"
@@ -263,6 +304,9 @@ class SchedulerBook:
         if ok and self.local is not None:
             params = decode_request_params(request.transfer_id, self.local.host, self.local.port,
                                            self.local.cluster_id)
+            if self.bootstrap is not None:  # the Mooncake shape too, for a prefill-first router that relays it
+                params["remote_bootstrap_addr"] = self.bootstrap.url
+                params["remote_engine_id"] = self.bootstrap.engine_id
         return delay, params
 
     def connector_output(self, finished_sending: Iterable[str] = (), finished_recving: Iterable[str] = ()) -> None:

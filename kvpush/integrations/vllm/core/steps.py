@@ -27,11 +27,11 @@ class RecvSpec:
     """Decode worker: receive ``transfer_id`` into ``blocks`` (the request's blocks from ``first_block``
     on, ``num_tokens`` prompt tokens in all; with several KV cache groups, the block of every entry of
     ``families.Groups.entries``, 0 where this decode holds none). ``error``: the request cannot be received
-    (report it failed at once, ``blocks`` as load errors)."""
+    (report it failed at once, ``blocks`` as load errors); ``remote`` is None only then."""
 
     req_id: str
     transfer_id: str
-    remote: PeerAddress
+    remote: PeerAddress | None
     first_block: int
     blocks: tuple[int, ...]
     num_tokens: int
