@@ -186,6 +186,27 @@ def start_proxy(name: str, prefills: Sequence[str], decodes: Sequence[str], work
     raise AssertionError(f"kvpush proxy did not start within 30 s\n{text}")
 
 
+def vllm_router_command() -> list[str]:
+    """vllm-router (PyPI ``vllm-router``, the ``vllm`` extra) of this Python's environment."""
+    script = Path(sys.executable).parent / "vllm-router"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_router.launch_router"]
+
+
+def start_vllm_router(name: str, prefill: str, decode: str, workdir: Path, kv_connector: str,
+                      bootstrap_port: int | None = None, core: str = "0") -> Server:
+    """vllm-router in its P/D mode (``--vllm-pd-disaggregation``) over one prefill and one decode, on a free
+    loopback port, its threads on ``core``: ``kv_connector`` "nixl" is prefill-first (the prefill's
+    ``kv_transfer_params`` relayed to the decode), "mooncake" the Mooncake contract (the router asks the
+    prefill's bootstrap server, at ``bootstrap_port``, for its engine ids before it serves)."""
+    port = free_port()
+    command = ["taskset", "-c", core, *vllm_router_command(), "--vllm-pd-disaggregation", "--kv-connector",
+               kv_connector, "--host", "127.0.0.1", "--port", str(port),
+               "--prefill", prefill, *([str(bootstrap_port)] if bootstrap_port is not None else []),
+               "--decode", decode, "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    return _spawn(name, command, dict(os.environ), workdir / f"{name}.log", f"http://127.0.0.1:{port}")
+
+
 def healthy(url: str, timeout: float = 3) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from serving import (  # noqa: E402
     routable,
     start_proxy,
     start_vllm,
+    start_vllm_router,
     stream_events,
     wait_for,
     wait_healthy,
@@ -104,8 +106,14 @@ NO_DECODE = _ids(50)  # a prefill request whose decode never comes
 ABORTED, LEFT_WAITING = _ids(50), _ids(80)  # no reference: never answered
 CHATS = [_chat(n) for n in (1, 6, 25, 60, 150, 300)]
 STREAMED_CHATS = [_chat(n) for n in (10, 120)]
+# behind vllm-router: the Mooncake contract (the last one streamed), prefill-first with the params relayed
+MOONCAKE = [_ids(n) for n in (24, 70, 160, 110)]
+RELAYED = [_ids(n) for n in (26, 90)]
+LLMD = [_ids(n) for n in (40, 100, 230)]  # llm-d's sidecar's exact shapes: decode's leg before, with, after
+REFUSED = [_ids(44), _ids(52)]  # decode legs naming an engine the bootstrap server lacks, or no prefill at all
+LEG_MISSING = _ids(60)  # a Mooncake decode leg whose prefill leg never comes
 PROMPTS = [*COMPLETIONS, *STREAMED, *CONCURRENT, *AFTER_ABORT, AFTER_LEAVE, HUNG, AFTER_HANG, KILLED, PREFILL_DOWN,
-           NO_HTTP, AFTER_NO_HTTP, *HELD, *DEAD_PREFILL]
+           NO_HTTP, AFTER_NO_HTTP, *HELD, *DEAD_PREFILL, *MOONCAKE, *RELAYED, *LLMD, *REFUSED, LEG_MISSING]
 assert len({tuple(p[:32]) for p in PROMPTS + [ABORTED, LEFT_WAITING, NO_DECODE]}) == len(PROMPTS) + 3  # no shared
 # first block
 
@@ -119,6 +127,8 @@ class Stack:
     startup_s: float
     start_prefill: Callable[[], Server]  # the prefill again, on the same ports
     kv_port: int  # the prefill's kvpush engine listens on 127.0.0.1 at this port
+    bootstrap_port: int  # the prefill serves the Mooncake bootstrap contract (GET /query) here
+    work: Path
 
     def ref(self, prompt: list[int]) -> list[int]:
         tokens: list[int] = self.reference["prompts"][PROMPTS.index(prompt)]["tokens"]
@@ -151,13 +161,13 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             [sys.executable, str(HERE / "single_reference.py"), str(tiny_model), "--requests", str(requests), "--out",
              str(reference_out), "--core", "1"], stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, VLLM_HOST_IP="127.0.0.1"), start_new_session=True)
-    kv_port, prefill_port = free_port(span=2), free_port()
+    kv_port, prefill_port, bootstrap_port = free_port(span=2), free_port(), free_port()
     servers: dict[str, Server] = {}
 
     def start_prefill() -> Server:
         servers["prefill"] = start_vllm(
             "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S,
-                                                       ids_wait_ms=IDS_WAIT_MS), work,
+                                                       ids_wait_ms=IDS_WAIT_MS, bootstrap_port=bootstrap_port), work,
             "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port, env=TOKEN)
         return servers["prefill"]
 
@@ -174,7 +184,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                                        work, "--static")
         wait_healthy([servers["proxy"]], 30)
         yield Stack(servers["prefill"], servers["decode"], servers["proxy"], json.loads(reference_out.read_text()),
-                    time.monotonic() - started, start_prefill, kv_port)
+                    time.monotonic() - started, start_prefill, kv_port, bootstrap_port, work)
     finally:
         if reference.poll() is None:
             reference.kill()
@@ -231,14 +241,16 @@ def _stream(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-def _check(rows: list[tuple[int, list[int], dict[str, Any]]], what: str) -> None:
-    """Print the equality table; assert every row equal to the reference and all its prompt cached."""
+def _check(rows: list[tuple[int, list[int], dict[str, Any]]], what: str, answered_cached: bool = True) -> None:
+    """Print the equality table; assert every row equal to the reference and all its prompt cached (as the
+    answer says; ``answered_cached`` False: a router that rewrites the answer's usage, checked by the caller on
+    the decode's own counters instead)."""
     print(f"\n{what}\n| prompt tokens | tokens equal | cached tokens | finish |\n|---|---|---|---|")
     bad = []
     for length, expected, got in rows:
         equal = got["tokens"] == expected
         print(f"| {length} | {'yes' if equal else 'NO'} | {got['cached']} | {got['finish']} |")
-        if not (equal and got["finish"] == "length" and _all_cached(length, got["cached"])):
+        if not (equal and got["finish"] == "length" and (not answered_cached or _all_cached(length, got["cached"]))):
             bad.append((length, expected, got))
     assert not bad, bad
 
@@ -363,6 +375,164 @@ def test_eight_concurrent_requests_through_the_proxy_all_equal(pd: Stack) -> Non
         before, "vllm:external_prefix_cache_hits_total")
     print(f"decode external prefix-cache hits for the 8 requests: {external:g} tokens")
     assert external >= sum(len(p) - 1 for p in CONCURRENT)
+
+
+# -- behind the field's routers: vllm-router (both of its P/D modes), llm-d's sidecar's shapes -------------------
+
+@pytest.fixture(scope="module")
+def routers(stack: Stack) -> Iterator[dict[str, Server]]:
+    """vllm-router 0.1.17 in front of the stack's prefill and decode, once per P/D mode: ``mooncake`` (it asks
+    the prefill's ``/query`` for its engine id before it serves, then sends the prefill's leg and the decode's
+    with the Mooncake params) and ``nixl`` (prefill first, the prefill's ``kv_transfer_params`` relayed)."""
+    started: dict[str, Server] = {}
+    try:
+        for mode in ("mooncake", "nixl"):
+            started[mode] = start_vllm_router(f"vllm-router-{mode}", stack.prefill.url, stack.decode.url, stack.work,
+                                              mode, stack.bootstrap_port if mode == "mooncake" else None)
+        wait_healthy(list(started.values()), 150)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def _external_hits(server: Server) -> float:
+    """vLLM's count of prompt tokens the connector claimed (its "external" prefix-cache hits: counted when
+    claimed, so a load that then fails counts too)."""
+    return metric_sum(metrics(server.url), "vllm:external_prefix_cache_hits_total")
+
+
+def _received(server: Server) -> dict[str, float]:
+    """The decode's transfers so far, by outcome (the connector's counters, in /metrics from the next step)."""
+    values = metrics(server.url)
+    return {outcome: metric_sum(values, "vllm:kvpush_transfers_total", f'outcome="{outcome}"')
+            for outcome in ("landed", "failed")}
+
+
+def _received_since(server: Server, before: dict[str, float], landed: int, failed: int) -> dict[str, float]:
+    """Wait until the decode's counters moved by ``landed`` and ``failed`` transfers since ``before`` (bounded);
+    the moves seen."""
+    moved: dict[str, float] = {}
+
+    def reached() -> bool:
+        now = _received(server)
+        moved.update({key: now[key] - before[key] for key in now})
+        return moved["landed"] >= landed and moved["failed"] >= failed
+
+    wait_for(reached, 15, 0.2)
+    return moved
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["mooncake", "nixl"])
+def test_vllm_router_drives_the_connector_unchanged_in_both_of_its_pd_modes(
+        pd: Stack, routers: dict[str, Server], mode: str) -> None:
+    """vllm-router 0.1.17 ``--vllm-pd-disaggregation --kv-connector mooncake``: it learnt the prefill's engine
+    id from ``/query`` at start-up (it does not serve without it) and sends the Mooncake params; the decode
+    finds the prefill's kvpush ranks from the same ``/query``. ``--kv-connector nixl``: the prefill's answer's
+    params relayed. Either way every answer equals a single instance's and the decode loads the whole prompt
+    (vLLM's external prefix-cache hits)."""
+    prompts = MOONCAKE if mode == "mooncake" else RELAYED
+    router, since = routers[mode], log_size(pd.decode)
+    before, received = _external_hits(pd.decode), _received(pd.decode)
+    rows = [(len(p), pd.ref(p), _complete(router.url, p)) for p in prompts[:3]]
+    if mode == "mooncake":
+        rows.append((len(prompts[3]), pd.ref(prompts[3]), _stream(router.url, "/v1/completions", _body(prompts[3]))))
+    # vllm-router 0.1.17 answers the decode's tokens with usage that says nothing was cached (the decode's own
+    # answer, asked directly, says every prompt token was): vLLM's counter of tokens the connector loaded decides
+    _check(rows, f"/v1/completions through vllm-router --kv-connector {mode}", answered_cached=False)
+    external = _external_hits(pd.decode) - before
+    moved = _received_since(pd.decode, received, len(rows), 0)
+    print(f"decode external prefix-cache hits: {external:g} tokens; transfers {moved}")
+    assert external >= sum(len(p) - 1 for p in prompts) and moved == {"landed": len(rows), "failed": 0}
+    assert not log_lines(pd.decode, "cannot be loaded", since=since)
+    if mode == "mooncake":
+        assert log_lines(pd.prefill, "Mooncake bootstrap contract")
+
+
+def _llmd_legs(pd: Stack, prompt: list[int], order: str) -> dict[str, Any]:
+    """One request as llm-d's routing sidecar sends it with ``--kv-connector mooncake``
+    (llm-d/llm-d-router ``pkg/sidecar/proxy/connector_mooncake.go``, which cannot be installed from a package
+    index): the engine id from the prefill's ``/query``, an ``xfer-`` transfer id, the prefill's leg capped to
+    one token, not streamed, without ``min_tokens``, with ``X-data-parallel-rank``; the decode's the client's
+    body with the Mooncake params. ``order``: the decode's leg before the prefill's, with it, or after it."""
+    bootstrap = f"http://127.0.0.1:{pd.bootstrap_port}"
+    with urllib.request.urlopen(f"{bootstrap}/query", timeout=10) as reply:
+        dp_rank, entry = next(iter(json.loads(reply.read()).items()))
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    body = _body(prompt)
+    to_prefill = {**body, "max_tokens": 1, "max_completion_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_prefill": False, "do_remote_decode": True, "transfer_id": transfer_id}}
+    to_decode = {**body, "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+        "remote_bootstrap_addr": bootstrap, "remote_engine_id": entry["engine_id"]}}
+
+    def prefill() -> tuple[int, dict[str, Any]]:
+        return post(f"{pd.prefill.url}/v1/completions", to_prefill, headers={"X-data-parallel-rank": dp_rank})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        if order == "prefill-first":
+            assert prefill()[0] == 200
+        prefilled = pool.submit(prefill) if order == "together" else None
+        decoded = pool.submit(post, f"{pd.decode.url}/v1/completions", to_decode)
+        if order == "decode-first":
+            assert _waiting(pd.decode), "the decode's leg did not come to wait for its KV"
+            prefilled = pool.submit(prefill)
+        status, answer = decoded.result()
+        assert prefilled is None or prefilled.result()[0] == 200
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    return {"tokens": choice["token_ids"], "finish": choice["finish_reason"], "cached": _cached(answer.get("usage"))}
+
+
+@pytest.mark.timeout(300)
+def test_llm_d_s_concurrent_mooncake_legs_load_the_kv_whichever_leg_comes_first(pd: Stack) -> None:
+    since, before = log_size(pd.decode), _received(pd.decode)
+    rows = [(len(p), pd.ref(p), _llmd_legs(pd, p, order))
+            for p, order in zip(LLMD, ("decode-first", "together", "prefill-first"))]
+    _check(rows, "llm-d's sidecar's Mooncake legs: the decode's before, with, after the prefill's")
+    assert _received_since(pd.decode, before, len(LLMD), 0) == {"landed": len(LLMD), "failed": 0}
+    assert not log_lines(pd.decode, "cannot be loaded", since=since)
+    assert _wait_idle(pd.prefill, IDS_TIMEOUT_S + 30)["kv_usage"] == 0  # every prefill block was released
+
+
+@pytest.mark.timeout(300)
+def test_a_decode_leg_naming_no_usable_prefill_is_refused_at_once_and_never_loads_from_a_guess(pd: Stack) -> None:
+    """A Mooncake leg whose engine id the bootstrap server lacks (the prefill restarted), and a leg that names
+    no prefill at all: refused at once with the reason (this decode's kv_load_failure_policy is recompute, so
+    it computes them itself); nothing is loaded from anywhere."""
+    since, before = log_size(pd.decode), _received(pd.decode)
+    unknown = {"do_remote_prefill": True, "transfer_id": f"xfer-{uuid.uuid4()}",
+               "remote_bootstrap_addr": f"http://127.0.0.1:{pd.bootstrap_port}", "remote_engine_id": "no-such-engine"}
+    nameless = {"do_remote_prefill": True, "transfer_id": uuid.uuid4().hex}
+    rows = []
+    for prompt, params in zip(REFUSED, (unknown, nameless)):
+        status, answer = post(f"{pd.decode.url}/v1/completions", {**_body(prompt), "kv_transfer_params": params},
+                              timeout=TRANSFER_TIMEOUT_S)  # refused at once: never the transfer's deadline
+        assert status == 200, answer
+        rows.append((prompt, answer["choices"][0]["token_ids"]))
+    assert all(tokens == pd.ref(prompt) for prompt, tokens in rows)
+    assert _received_since(pd.decode, before, 0, 2) == {"landed": 0, "failed": 2}  # refused, nothing loaded
+    refusals = log_lines(pd.decode, "cannot be loaded", since=since)
+    print("\n".join(line[-300:] for line in refusals))
+    assert any("serves no engine 'no-such-engine'" in line for line in refusals)
+    assert any("name no prefill" in line for line in refusals)
+
+
+@pytest.mark.timeout(300)
+def test_a_mooncake_decode_leg_whose_prefill_leg_never_comes_is_computed_after_its_deadline_and_frees_all(
+        pd: Stack) -> None:
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{pd.bootstrap_port}/query", timeout=10) as reply:
+        engine_id = json.loads(reply.read())["0"]["engine_id"]
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+              "remote_bootstrap_addr": f"http://127.0.0.1:{pd.bootstrap_port}", "remote_engine_id": engine_id}
+    status, answer = post(f"{pd.decode.url}/v1/completions", {**_body(LEG_MISSING), "kv_transfer_params": params},
+                          timeout=TRANSFER_TIMEOUT_S + 60)
+    assert status == 200, answer
+    assert answer["choices"][0]["token_ids"] == pd.ref(LEG_MISSING)  # recomputed (its policy) after the deadline
+    assert _wait_idle(pd.decode, 30)["kv_usage"] == 0
+    assert _wait_idle(pd.prefill, IDS_TIMEOUT_S + 30)["kv_usage"] == 0
 
 
 def _idle(url: str) -> dict[str, float]:
