@@ -761,9 +761,10 @@ class Route:
     is sent once the decode's block ids are out (its trace shows them) and ``ids_margin_s`` later, so the
     ids are at the prefill before its forward starts; otherwise both copies go at once."""
 
-    def __init__(self, system: str, servers: list[Server], ids_margin_s: float = 0.03) -> None:
+    def __init__(self, system: str, servers: list[Server], ids_margin_s: float = 0.03, kv_port: int = 0) -> None:
         self.system = system
         self.servers = servers
+        self.kv_port = kv_port  # where the prefill's kvpush engine listens (on this host)
         self.decode_first = False
         self.ids_margin_s = ids_margin_s
 
@@ -783,7 +784,8 @@ class Route:
         if self.system.startswith("kvpush"):  # as kvpush proxy sends them: both copies at once
             tid = uuid.uuid4().hex
             to_prefill = {"do_remote_decode": True, "transfer_id": tid}
-            to_decode = {"do_remote_prefill": True, "transfer_id": tid}
+            to_decode = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": "127.0.0.1",
+                         "remote_port": self.kv_port}
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 if not self.decode_first:
                     prefilled = pool.submit(lambda: drain(accept(prefill, ids, to_prefill)))
@@ -988,7 +990,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             emit(not_run_record(system, f"servers did not start: {str(error)[-600:]}"))
             return
         extra["startup_s"] = round(time.monotonic() - began, 1)
-        route = Route(system, servers)
+        route = Route(system, servers, kv_port=int(prefill_kv.get("kv_port", 0)))
         warm = route(prompt(64, -1, vocab), 2)
         if warm.error:
             emit(not_run_record(system, f"the warm-up request failed: {warm.error}; "

@@ -4,9 +4,11 @@
                      kv_role="kv_producer" | "kv_consumer" | "kv_both", kv_connector_extra_config={...})
 
 A prefill instance (``kv_producer``) listens on ``VLLM_HOST_IP`` (or 127.0.0.1) at ``kv_port``; a
-decode instance (``kv_consumer``) dials the prefill named in a request's ``kv_transfer_params``
-(``remote_host``/``remote_port``, default: its own ``kv_port`` on the same host), so a prefill and a
-decode server started with vLLM's defaults on one host find each other. ``kv_connector_extra_config``
+decode instance (``kv_consumer``) dials the prefill named in a request's ``kv_transfer_params``: by
+``remote_host``/``remote_port`` (kvpush proxy, vllm-router's prefill-first mode) or by ``remote_bootstrap_addr``
+and ``remote_engine_id`` (the Mooncake contract: vllm-router's and llm-d's ``--kv-connector mooncake``, Dynamo),
+which a prefill with ``bootstrap_port`` serves (``bootstrap``); a request that names none is refused, never
+guessed. ``kv_connector_extra_config``
 takes ``..config.ConnectorConfig``'s keys (other hosts, transport, auth token, deadlines). With tensor
 parallelism every worker rank runs its own kvpush engine (rank ``r`` listening on ``port + 2 * r``) and
 pushes its own KV heads; prefill and decode may use different TP sizes (``..topology``).
