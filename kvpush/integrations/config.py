@@ -54,7 +54,8 @@ class ConnectorConfig:
     bounds linking. ``bootstrap_port``: a prefill serves vLLM's Mooncake bootstrap contract (``GET /query``)
     there, on its kvpush host, so routers that speak it (vllm-router and llm-d's sidecar with
     ``--kv-connector mooncake``, Dynamo) drive it unchanged (default: ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` if set,
-    else none is served).
+    else none is served); ``bootstrap_server_address`` (``HOST:PORT``, the key vLLM's MooncakeConnector reads, which
+    Dynamo's Mooncake protocol hands decodes): serve it there instead.
     """
 
     host: str | None = None
@@ -75,6 +76,7 @@ class ConnectorConfig:
     discovery: str | None = None
     advertise_url: str | None = None
     bootstrap_port: int | None = None
+    bootstrap_server_address: str | None = None
     engine_options: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -93,6 +95,13 @@ class ConnectorConfig:
         if ("discovery" in values) != ("advertise_url" in values):
             raise ParamsError("kv_connector_extra_config: 'discovery' and 'advertise_url' go together (the URL a "
                               "proxy reaches this instance's OpenAI server at, e.g. http://10.0.0.5:8100)")
+        address = values.get("bootstrap_server_address")
+        if address is not None:
+            checked = bootstrap_url(address, "kv_connector_extra_config['bootstrap_server_address']")
+            port = int(checked.rsplit(":", 1)[1])
+            if values.get("bootstrap_port", port) != port:
+                raise ParamsError(f"kv_connector_extra_config: bootstrap_port {values['bootstrap_port']} and "
+                                  f"bootstrap_server_address {address!r} disagree")
         url = values.get("advertise_url")
         if url is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
             raise ParamsError(f"kv_connector_extra_config['advertise_url']={url!r} is not an http(s) URL")
@@ -151,7 +160,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     **dict.fromkeys(("port", "cluster_id", "link_timeout_ms", "sync_kv_timeout_ms", "max_transfers", "ids_wait_ms",
                      "idle_wait_ms", "bootstrap_port"),
                     _count),
-    **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url"), _text),
+    **dict.fromkeys(("host", "transport", "auth_token", "discovery", "advertise_url", "bootstrap_server_address"),
+                    _text),
     "insecure": _flag,
     "own_sched_group": _flag,
     "engine_options": _string_map,
@@ -305,11 +315,11 @@ def parse_params(params: Mapping[str, Any] | None) -> ConsumerParams | ProducerP
 _BOOTSTRAP_URL = re.compile(r"(?:http://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})/?")
 
 
-def bootstrap_url(value: object) -> str:
-    """``remote_bootstrap_addr`` as ``http://HOST:PORT`` (vLLM's form; a bare ``HOST:PORT`` is taken too)."""
+def bootstrap_url(value: object, key: str = "kv_transfer_params['remote_bootstrap_addr']") -> str:
+    """A bootstrap server's address as ``http://HOST:PORT`` (vLLM's form; a bare ``HOST:PORT`` is taken too)."""
     match = _BOOTSTRAP_URL.fullmatch(value) if isinstance(value, str) else None
     if match is None or not 0 < int(match.group(2)) < 65536:
-        raise ParamsError(f"kv_transfer_params['remote_bootstrap_addr'] must be http://HOST:PORT, got {value!r}")
+        raise ParamsError(f"{key} must be http://HOST:PORT, got {value!r}")
     return f"http://{match.group(1)}:{int(match.group(2))}"
 
 

@@ -67,6 +67,14 @@ def test_settings_serve_the_bootstrap_only_when_asked_and_list_every_rank_by_the
     assert _settings("kv_consumer", 14579).bootstrap_port is None  # a decode serves none
     configured = _settings("kv_producer", 14579, bootstrap_port=9000, port=16000, cluster_id=40)
     assert configured.bootstrap_port == 9000 and configured.bootstrap_engines()[0][1][0].cluster_id == 40
+    # vLLM's MooncakeConnector's key (Dynamo hands decodes this address): served there
+    at = _settings("kv_producer", 14579, bootstrap_server_address="127.0.0.2:9100")
+    assert (at.bootstrap_host, at.bootstrap_port) == ("127.0.0.2", 9100)
+    assert at.bootstrap == core.Bootstrap("http://127.0.0.2:9100", "engine-a")
+    with pytest.raises(core.ParamsError, match="disagree"):
+        _settings("kv_producer", 14579, bootstrap_server_address="127.0.0.2:9100", bootstrap_port=9101)
+    with pytest.raises(core.ParamsError, match="bootstrap_server_address"):
+        _settings("kv_producer", 14579, bootstrap_server_address="nowhere")
     monkeypatch.setenv(core.BOOTSTRAP_PORT_ENV, "nope")
     with pytest.raises(core.ParamsError, match="VLLM_MOONCAKE_BOOTSTRAP_PORT"):
         _settings("kv_producer", 14579)

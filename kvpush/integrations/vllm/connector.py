@@ -309,7 +309,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, un
                                                  core.IdsHold(s.config.ids_wait_ms / 1e3, time.monotonic, s.tp_size),
                                                  s.groups, s.bootstrap)
             if s.bootstrap_port is not None and s.listen is not None and s.dp_index == 0:
-                self._bootstrap = BootstrapServer(s.listen[0], s.bootstrap_port, s.bootstrap_engines())
+                self._bootstrap = BootstrapServer(s.bootstrap_host, s.bootstrap_port, s.bootstrap_engines())
                 self._bootstrap.start()
             self._fleet = fleet_member(s, vllm_config, self._scheduler.has_pending_push_work)
         else:

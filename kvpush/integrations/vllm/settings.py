@@ -121,10 +121,17 @@ class ConnectorSettings:
         self.dp_index = int(getattr(parallel, "data_parallel_index", 0) or 0)
         #: where a prefill serves the Mooncake bootstrap contract (GET /query; None: not served), and what its
         #: requests' answers name (``core.Bootstrap``)
-        self.bootstrap_port = _bootstrap_port(self.config.bootstrap_port) if self.produce else None
+        self.bootstrap_port: int | None = None
+        self.bootstrap_host = self.listen[0] if self.listen is not None else "127.0.0.1"
+        if self.produce and self.config.bootstrap_server_address is not None:
+            url = core.bootstrap_url(self.config.bootstrap_server_address)
+            host, _, port_text = url.removeprefix("http://").rpartition(":")
+            self.bootstrap_host, self.bootstrap_port = host.strip("[]"), int(port_text)
+        elif self.produce:
+            self.bootstrap_port = _bootstrap_port(self.config.bootstrap_port)
         self.bootstrap: core.Bootstrap | None = None
         if self.bootstrap_port is not None and self.listen is not None:
-            host = self.listen[0]
+            host = self.bootstrap_host
             self.bootstrap = core.Bootstrap(f"http://{f'[{host}]' if ':' in host else host}:{self.bootstrap_port}",
                                             self.engine_id)
         self._first_port = (self.config.port if self.config.port else core.listen_port(transfer.kv_port, self.role)

@@ -48,6 +48,7 @@ from ...config import (
     ProducerParams,
     bootstrap_address,
     bootstrap_answer,
+    bootstrap_url,
     decode_request_params,
     derive_cluster_id,
     listen_port,
@@ -91,7 +92,7 @@ from .scheduler import IDS_IN_REMEMBERED, IdsHold, Resolve, Scheduled, Scheduler
 from .steps import FinishedSend, RecvSpec, SendStep, StepMeta, blocks_for, per_group
 
 __all__ = [
-    "BOOTSTRAP_PORT_ENV", "Bootstrap", "Resolve", "bootstrap_address", "bootstrap_answer",
+    "BOOTSTRAP_PORT_ENV", "Bootstrap", "Resolve", "bootstrap_address", "bootstrap_answer", "bootstrap_url",
     "IDS_IN_REMEMBERED", "IDS_WAIT_MS", "Abort", "BlockIds", "Clock", "ConnectorConfig", "ConsumerBook",
     "ConsumerEffects", "ConsumerParams", "ConsumerState", "Done", "FinishedSend", "Geometry", "Hello", "IdsHold",
     "Kind", "Leg", "LegInfo", "MAX_BLOCKS_PER_TRANSFER", "MAX_MESSAGE_BYTES", "MAX_REASON_BYTES",
