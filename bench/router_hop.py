@@ -104,6 +104,19 @@ def _spawn(name: str, command: list[str], work: Path, started: list[subprocess.P
                                         env={**os.environ, **(env or {})}))
 
 
+def stop_helpers(helpers: list[subprocess.Popen[bytes]]) -> None:
+    """End every helper ``_spawn`` started (each a session leader: its whole group), SIGKILL after 10 s."""
+    for helper in helpers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(helper.pid, signal.SIGTERM)
+    for helper in helpers:
+        try:
+            helper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(helper.pid, signal.SIGKILL)
+            helper.wait(timeout=10)
+
+
 def _ready(url: str, path: str, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -240,15 +253,7 @@ def main() -> int:  # noqa: PLR0915
                   f"{row.get('target_ms', '')} |")
         return 0
     finally:
-        for helper in helpers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(helper.pid, signal.SIGTERM)
-        for helper in helpers:
-            try:
-                helper.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(helper.pid, signal.SIGKILL)
-                helper.wait(timeout=10)
+        stop_helpers(helpers)
         for server in servers:
             server.stop()
 

@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench.router_hop import _ready, _spawn  # noqa: E402
+from bench.router_hop import _ready, _spawn, stop_helpers  # noqa: E402
 from kvpush.cli import demo_vllm  # noqa: E402
 from kvpush.cli.ports import free_port  # noqa: E402
 
@@ -222,15 +220,7 @@ def main() -> int:  # noqa: PLR0915
         print(f"\nlogs: {work}")
         return 0
     finally:
-        for helper in helpers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(helper.pid, signal.SIGTERM)
-        for helper in helpers:
-            try:
-                helper.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(helper.pid, signal.SIGKILL)
-                helper.wait(timeout=10)
+        stop_helpers(helpers)
         for server in servers:
             server.stop()
 
