@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,3 +129,28 @@ def test_the_bootstrap_port_taken_by_another_process_fails_the_start_loudly() ->
         with pytest.raises(OSError):
             server.start()
         server.close()
+
+
+def test_a_client_naming_many_bootstrap_servers_costs_bounded_lookups_and_memory() -> None:
+    """Whoever sends the decode requests names the servers it asks: at most ``MAX_LOOKUPS`` run at once (past it,
+    a request needing another is refused at once) and ``MAX_SERVERS`` answers are kept (the oldest dropped)."""
+    from kvpush.integrations.vllm import bootstrap
+
+    release = threading.Event()
+    answer = core.bootstrap_answer({0: ("e", [core.PeerAddress.of("127.0.0.1", 14579)])})
+
+    def slow(url: str, timeout_s: float) -> Any:
+        release.wait(10)
+        return answer
+
+    resolve = BootstrapResolver(2.0, fetch=slow)
+    names = [core.Bootstrap(f"http://127.0.0.1:{20000 + i}", "e") for i in range(bootstrap.MAX_LOOKUPS + 1)]
+    assert all(resolve(name) is None for name in names[:-1])
+    with pytest.raises(core.ParamsError, match="lookups are already running"):
+        resolve(names[-1])
+    release.set()
+    assert all(_settle(resolve, name).port == 14579 for name in names[:-1])
+    more = [core.Bootstrap(f"http://127.0.0.1:{30000 + i}", "e") for i in range(bootstrap.MAX_SERVERS)]
+    for name in more:
+        _settle(resolve, name)
+    assert len(resolve.servers) == bootstrap.MAX_SERVERS and names[0].url not in resolve.servers

@@ -34,6 +34,10 @@ RETRY_AFTER_S = 1.0
 #: an answer that lacks a request's engine is asked again if it is older than this (the prefill may have restarted)
 REFRESH_AFTER_S = 1.0
 MAX_ANSWER_BYTES = 1 << 20
+#: bootstrap servers a decode keeps answers of (the oldest dropped past it), and lookups it runs at once (past
+#: it a request that needs another is refused): a client that names many servers costs bounded memory and threads
+MAX_SERVERS = 256
+MAX_LOOKUPS = 16
 
 
 class BootstrapServer:
@@ -139,8 +143,22 @@ class BootstrapResolver:
             self._look_up(bootstrap.url)
             return None
 
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The bootstrap servers whose answers are kept or asked for, oldest first."""
+        with self._lock:
+            return tuple(self._entries)
+
     def _look_up(self, url: str) -> None:
         """Start a lookup of ``url`` (the lock held)."""
+        if sum(entry.pending for entry in self._entries.values()) >= MAX_LOOKUPS:
+            raise core.ParamsError(f"{MAX_LOOKUPS} bootstrap server lookups are already running; {url} is not asked")
+        self._entries.pop(url, None)
+        while len(self._entries) >= MAX_SERVERS:  # the oldest kept answer goes (insertion order)
+            oldest = next((key for key, kept in self._entries.items() if not kept.pending), None)
+            if oldest is None:
+                break
+            del self._entries[oldest]
         entry = self._entries[url] = _Entry()
         threading.Thread(target=self._run, args=(url, entry), name="kvpush-bootstrap-lookup", daemon=True).start()
 

@@ -91,8 +91,7 @@ class SchedulerBook:
     bootstrap server's URL and engine id, when it serves one). ``resolve`` finds the prefill a decode request
     names by its bootstrap server (``Resolve``; None: such requests are refused). A decode request that names
     no prefill is refused (its blocks are load errors): nothing guesses one. ``hold``: how a prefill request is
-    held for its
-    decode's block ids (None: never). ``groups``: the model's KV cache groups (``families.Groups``); with a
+    held for its decode's block ids (None: never). ``groups``: the model's KV cache groups (``families.Groups``); with a
     recurrent state a transfer covers the prompt but its last token (``Groups.backoff``), which the decode
     computes, and the adapter shortens the prefill's prompt by as much.
     """
@@ -242,7 +241,7 @@ class SchedulerBook:
         error = request.refused
         blocks: tuple[int, ...] = ()
         if local_tokens < 0 or local_tokens % self.block_size:
-            error = f"{local_tokens} locally computed tokens are not whole blocks of {self.block_size}"
+            error = error or f"{local_tokens} locally computed tokens are not whole blocks of {self.block_size}"
             first_block = max(local_tokens, 0) // self.block_size
         lists = per_group(block_ids)
         try:
