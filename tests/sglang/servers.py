@@ -71,12 +71,16 @@ def _spawn(name: str, command: list[str], log: Path, env: dict[str, str], url: s
     return Server(name, url, process, log, extra)
 
 
-def launch(python: Path, model: Path, name: str, port: int, log_dir: Path, *, role: str = "single",
+def launch(python: Path, model: Path, name: str, port: int, log_dir: Path, *, role: str = "single",  # noqa: PLR0913
            backend: str = "kvpush", bootstrap_port: int | None = None, cores: str = "all",
-           env: dict[str, str] | None = None) -> Server:
-    """``python -m sglang.launch_server`` for ``role`` single, prefill or decode (without waiting)."""
-    command = [str(python), "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
-               "--port", str(port), *COMMON]
+           env: dict[str, str] | None = None, pin: str | None = None) -> Server:
+    """``python -m sglang.launch_server`` for ``role`` single, prefill or decode (without waiting). ``pin``: the
+    whole server (every process it starts) on these cores (``taskset``) with one OpenMP thread: on CPUs without
+    AMX, SGLang's own ``SGLANG_CPU_OMP_THREADS_BIND`` binds nothing."""
+    command = [*(["taskset", "-c", pin] if pin is not None else []), str(python), "-m", "sglang.launch_server",
+               "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), *COMMON]
+    if pin is not None:
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if role != "single":
         command += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", backend]
     if role == "prefill":
@@ -130,10 +134,11 @@ def generate(url: str, text: str, max_new_tokens: int, timeout: float = 120, **e
     return answer
 
 
-def first_token_seconds(url: str, text: str, timeout: float = 120) -> float:
-    """Time to the first streamed chunk of a greedy ``/generate`` (TTFT as a client sees it)."""
+def first_token_seconds(url: str, text: str, timeout: float = 120, **extra: Any) -> float:
+    """Time to the first streamed chunk of a greedy ``/generate`` (TTFT as a client sees it); ``extra``: more
+    fields of the body (a P/D leg's bootstrap fields)."""
     body = {"text": text, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 2,
-                                                              "ignore_eos": True}}
+                                                              "ignore_eos": True}, **extra}
     request = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=timeout) as response:
