@@ -154,3 +154,27 @@ def test_a_client_naming_many_bootstrap_servers_costs_bounded_lookups_and_memory
     for name in more:
         _settle(resolve, name)
     assert len(resolve.servers) == bootstrap.MAX_SERVERS and names[0].url not in resolve.servers
+
+
+def test_a_lookup_that_fails_in_any_way_ends_and_ignores_the_environment_s_proxy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the fetch raises, the lookup ends (refusing its requests) rather than leaving them waiting; and a
+    bootstrap server is asked directly even when ``http_proxy`` names a proxy (here one nothing listens on)."""
+    import http.client
+
+    def broken(url: str, timeout_s: float) -> Any:
+        raise http.client.IncompleteRead(b"")  # not an OSError
+
+    with pytest.raises(core.ParamsError, match="did not answer"):
+        _settle(BootstrapResolver(2.0, fetch=broken), core.Bootstrap("http://127.0.0.1:1", "e"))
+    prefill = _settings("kv_producer", 14579, bootstrap_port=_free_port())
+    assert prefill.bootstrap_port is not None and prefill.listen is not None
+    server = BootstrapServer(prefill.listen[0], prefill.bootstrap_port, prefill.bootstrap_engines())
+    server.start()
+    try:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("no_proxy", "")
+        found = _settle(BootstrapResolver(2.0), core.Bootstrap(f"http://127.0.0.1:{server.port}", "engine-a"))
+        assert found == prefill.local
+    finally:
+        server.close()
