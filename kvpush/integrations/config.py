@@ -97,8 +97,7 @@ class ConnectorConfig:
                               "proxy reaches this instance's OpenAI server at, e.g. http://10.0.0.5:8100)")
         address = values.get("bootstrap_server_address")
         if address is not None:
-            checked = bootstrap_url(address, "kv_connector_extra_config['bootstrap_server_address']")
-            port = int(checked.rsplit(":", 1)[1])
+            port = Bootstrap(bootstrap_url(address, "kv_connector_extra_config['bootstrap_server_address']")).port
             if values.get("bootstrap_port", port) != port:
                 raise ParamsError(f"kv_connector_extra_config: bootstrap_port {values['bootstrap_port']} and "
                                   f"bootstrap_server_address {address!r} disagree")
@@ -117,7 +116,7 @@ class ConnectorConfig:
                    "kvpush.keepalive_interval_ms": "500", "kvpush.keepalive_timeout_ms": "5000"}
         if listen is not None:
             host, port = listen
-            options["llm.listenIpInfo"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            options["llm.listenIpInfo"] = _host_port(host, port)
         if auth_token or self.auth_token:
             options["kvpush.auth_token"] = auth_token or self.auth_token or ""
         options.update(self.engine_options)
@@ -242,6 +241,18 @@ class Bootstrap:
 
     url: str
     engine_id: str | None = None
+
+    @classmethod
+    def at(cls, host: str, port: int, engine_id: str | None = None) -> Bootstrap:
+        return cls(f"http://{_host_port(host, port)}", engine_id)
+
+    @property
+    def host(self) -> str:
+        return self.url.removeprefix("http://").rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rpartition(":")[2])
 
 
 @dataclass(frozen=True)
@@ -393,7 +404,7 @@ def bootstrap_address(answer: object, bootstrap: Bootstrap) -> PeerAddress:
             raise ParamsError(f"{where}: rank {rank} listens at {_host_port(other_host, other_port)}, not where "
                               f"kvpush's rank rule puts it ({_host_port(host, port + 2 * rank)})")
     if host in _WILDCARDS:  # listening everywhere: reached where its bootstrap server was
-        host = bootstrap.url.removeprefix("http://").rsplit(":", 1)[0].strip("[]")
+        host = bootstrap.host
     return PeerAddress(host, port, cluster_ids[0], tuple(cluster_ids[rank] for rank in range(len(cluster_ids))))
 
 

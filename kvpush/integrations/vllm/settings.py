@@ -124,16 +124,13 @@ class ConnectorSettings:
         self.bootstrap_port: int | None = None
         self.bootstrap_host = self.listen[0] if self.listen is not None else "127.0.0.1"
         if self.produce and self.config.bootstrap_server_address is not None:
-            url = core.bootstrap_url(self.config.bootstrap_server_address)
-            host, _, port_text = url.removeprefix("http://").rpartition(":")
-            self.bootstrap_host, self.bootstrap_port = host.strip("[]"), int(port_text)
+            given = core.Bootstrap(core.bootstrap_url(self.config.bootstrap_server_address))
+            self.bootstrap_host, self.bootstrap_port = given.host, given.port
         elif self.produce:
             self.bootstrap_port = _bootstrap_port(self.config.bootstrap_port)
         self.bootstrap: core.Bootstrap | None = None
         if self.bootstrap_port is not None and self.listen is not None:
-            host = self.bootstrap_host
-            self.bootstrap = core.Bootstrap(f"http://{f'[{host}]' if ':' in host else host}:{self.bootstrap_port}",
-                                            self.engine_id)
+            self.bootstrap = core.Bootstrap.at(self.bootstrap_host, self.bootstrap_port, self.engine_id)
         self._first_port = (self.config.port if self.config.port else core.listen_port(transfer.kv_port, self.role)
                             ) if self.listen is not None else None
 
