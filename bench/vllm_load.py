@@ -170,10 +170,18 @@ class Targets:
                    TPOT_FACTOR * median(tpots))
 
     def met(self, o: Outcome, reference: Sequence[int] | None) -> bool:
-        if o.error or o.ttft_s is None or o.tokens != list(reference or ()):
-            return False
+        return not self.missed(o, reference)
+
+    def missed(self, o: Outcome, reference: Sequence[int] | None) -> str:
+        """Why ``o`` missed its targets ("" when it met them): error, wrong, ttft, tpot or ttft+tpot."""
+        if o.error or o.ttft_s is None:
+            return "error"
+        if o.tokens != list(reference or ()):
+            return "wrong"
         tpot = o.tpot_s
-        return o.ttft_s <= self.ttft_s[o.length] and (tpot is None or tpot <= self.tpot_s)
+        late = [name for name, over in (("ttft", o.ttft_s > self.ttft_s[o.length]),
+                                        ("tpot", tpot is not None and tpot > self.tpot_s)) if over]
+        return "+".join(late)
 
 
 def _ms(values: Sequence[float], q: float) -> float | None:
@@ -208,11 +216,16 @@ def load_record(setup: str, fraction: float, rate: float, outcomes: Sequence[Out
     e2e = [o.e2e_s for o in done if o.e2e_s is not None]
     gaps = [g for o in done for g in o.gaps_s]
     good = sum(1 for o in outcomes if targets.met(o, references.get(o.index)))
+    missed: dict[str, dict[str, int]] = {}  # why goodput was lost: the target each miss failed, by prompt length
+    for o in outcomes:
+        if why := targets.missed(o, references.get(o.index)):
+            by_length = missed.setdefault(why, {})
+            by_length[str(o.length)] = by_length.get(str(o.length), 0) + 1
     record.update(
         throughput_rps=round(len(done) / span, 3), output_tok_s=round(sum(len(o.tokens) for o in done) / span, 1),
         ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99), itl_p50_ms=_ms(gaps, 50), itl_p99_ms=_ms(gaps, 99),
         e2e_p50_ms=_ms(e2e, 50), e2e_p99_ms=_ms(e2e, 99), goodput_rps=round(good / span, 3),
-        met_targets=f"{good}/{len(outcomes)}")
+        met_targets=f"{good}/{len(outcomes)}", missed=missed)
     return record
 
 
@@ -281,15 +294,17 @@ def multiturn_table(records: Sequence[dict[str, Any]]) -> list[str]:
 
 def table(records: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| setup | load | offered req/s | req/s | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "E2E p50 / p99 ms | goodput req/s (met) | KV used / routes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "E2E p50 / p99 ms | goodput req/s (met) | missed: target (prompt tokens x n) | KV used / routes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("workload") != "VLLM-LOAD":
             continue
         head = f"| {r['case']} | {r['load']:g} | {r['offered_rps']:.2f} "
         if r.get("result"):
-            lines.append(head + f"| {r['result']}: {r.get('error', '')} | | | | | | |")
+            lines.append(head + f"| {r['result']}: {r.get('error', '')} | | | | | | | |")
             continue
+        missed = "; ".join(f"{why} " + " ".join(f"{n}x{c}" for n, c in sorted(by.items(), key=lambda i: int(i[0])))
+                           for why, by in sorted((r.get("missed") or {}).items())) or "-"
         used = r.get("kv_transferred", "-")
         if r.get("routes"):
             used += " " + ", ".join(f"{k} {v}" for k, v in r["routes"].items())
@@ -297,7 +312,7 @@ def table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
                      f"| {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} "
                      f"| {r['e2e_p50_ms']:.0f} / {r['e2e_p99_ms']:.0f} "
-                     f"| {r['goodput_rps']:.2f} ({r['met_targets']}) | {used} |")
+                     f"| {r['goodput_rps']:.2f} ({r['met_targets']}) | {missed} | {used} |")
     return lines
 
 
@@ -380,10 +395,23 @@ def _vllm_router(settings: Settings) -> str:
     return binary
 
 
+def setup_kind(setup: str) -> tuple[str, list[str]]:
+    """A setup's kind and ``kvpush proxy``'s extra flags: ``router:N`` is the ``router`` setup with
+    ``--pd-min-tokens N``, so thresholds compare side by side in one run."""
+    kind, _, threshold = setup.partition(":")
+    if kind != "router" and threshold:
+        raise ValueError(f"{setup}: only the router setup takes ':N' (its --pd-min-tokens)")
+    if threshold and not threshold.isdigit():
+        raise ValueError(f"{setup}: ':N' is a number of tokens")
+    return kind, (["--pd-min-tokens", threshold] if threshold else [])
+
+
 def start_setup(setup: str, settings: Settings, startup_s: float, router_args: Sequence[str] = ()
                 ) -> tuple[str, list[Server], list[Any], dict[str, Any]]:
     """The setup's engines and proxy: (the proxy's URL, the engines, the processes to end, notes);
-    ``router_args``: more flags for ``kvpush proxy`` in the ``router`` setup."""
+    ``router_args``: more flags for ``kvpush proxy`` in the ``router`` setup (``router:N`` adds its own)."""
+    setup, variant = setup_kind(setup)
+    router_args = [*router_args, *variant]
     servers: list[Server] = []
     processes: list[Any] = []
     notes: dict[str, Any] = {}
@@ -571,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     parser = argparse.ArgumentParser(prog="vllm_load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="12 requests at loads 0.5 and 1.0")
-    parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, from {','.join(SETUPS)}")
+    parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, from {','.join(SETUPS)}; "
+                        "router:N is the router setup with --pd-min-tokens N (several compare in one run)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {','.join(WORKLOADS)}")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 40, quick 12)")
     parser.add_argument("--load", default=None,
@@ -591,8 +620,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                         "e.g. --router-args='--pd-min-tokens 1024 --request-tokens 64' (with '=' for a single flag)")
     args = parser.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
-    if unknown := [s for s in setups if s not in SETUPS]:
-        parser.error(f"unknown setups {unknown}; known: {', '.join(SETUPS)}")
+    try:
+        unknown = [s for s in setups if setup_kind(s)[0] not in SETUPS]
+    except ValueError as error:
+        parser.error(str(error))
+    if unknown:
+        parser.error(f"unknown setups {unknown}; known: {', '.join(SETUPS)} (router:N: --pd-min-tokens N)")
     workloads = [w for w in args.workloads.split(",") if w]
     if unknown := [w for w in workloads if w not in WORKLOADS]:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")

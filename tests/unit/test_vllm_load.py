@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.vllm_load import MIX, Outcome, Targets, load_record, table, workload  # noqa: E402
+from bench.vllm_load import MIX, Outcome, Targets, load_record, setup_kind, table, workload  # noqa: E402
 
 
 def done(index: int, length: int, ttft: float, tpot: float, tokens: list[int], sent: float = 0.0,
@@ -52,7 +52,19 @@ def test_targets_and_goodput() -> None:
     assert record["throughput_rps"] == pytest.approx(3 / span, abs=1e-3)
     assert record["goodput_rps"] == pytest.approx(1 / span, abs=1e-3)
     assert record["ttft_p50_ms"] == pytest.approx(700.0)
-    assert "kvpush" in "\n".join(table([record]))
+    # why goodput was lost: each miss by the target it failed and its prompt length
+    assert record["missed"] == {"ttft": {"32": 1}, "tpot": {"512": 1}, "error": {"32": 1}}
+    row = "\n".join(table([record]))
+    assert "kvpush" in row and "error 32x1; tpot 512x1; ttft 32x1" in row
+
+
+def test_router_variants_name_their_threshold() -> None:
+    assert setup_kind("router") == ("router", [])
+    assert setup_kind("router:128") == ("router", ["--pd-min-tokens", "128"])
+    assert setup_kind("rr") == ("rr", [])
+    for bad in ("rr:32", "router:many"):
+        with pytest.raises(ValueError):
+            setup_kind(bad)
 
 
 def test_an_output_that_differs_fails_the_record_with_no_number() -> None:
