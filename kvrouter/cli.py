@@ -122,9 +122,9 @@ def add_arguments(proxy: argparse.ArgumentParser) -> None:
     placing.add_argument("--static", action="store_true",
                          help="every request through a prefill (fewest in flight), then a decode: the proxy before it "
                               "knew what instances cache")
-    placing.add_argument("--pd-min-tokens", type=_count, default=512, metavar="N",
+    placing.add_argument("--pd-min-tokens", type=_count, default=Policy.pd_min_tokens, metavar="N",
                          help="disaggregate a request only when the decode would compute at least N prompt tokens "
-                              "itself (default 512)")
+                              f"itself (default {Policy.pd_min_tokens})")
     placing.add_argument("--prefill-queue", type=_count, default=1, metavar="N",
                          help="... and a prefill has fewer than N prefills in flight (default 1)")
     placing.add_argument("--request-tokens", type=_count, default=Policy.request_tokens, metavar="N",

@@ -193,7 +193,7 @@ async def _through_the_router(prefill: Server, decode: Server, kv_port: int) -> 
     from kvrouter import server as router
 
     config = kvrouter.ProxyConfig([kvrouter.parse_prefill(f"{prefill.url}#kv=127.0.0.1:{kv_port}")], [decode.url],
-                                  kv_probe_s=0, block_size=BLOCK, policy=kvrouter.Policy(pd_min_tokens=256),
+                                  kv_probe_s=0, block_size=BLOCK, policy=kvrouter.Policy(),
                                   warm_links=True)
     runner = await router.start(config, "127.0.0.1", 0)  # (the pair's link is warmed before it returns)
     try:
@@ -274,7 +274,9 @@ def _report(alone: list[list[Answer]], pd: list[list[Answer]], work: Path) -> in
           " shows: here the router and this client share one process, and the two engines' HTTP front ends\n"
           " share their two cores. Measured apart: the router's hop adds 1-2 ms (bench/router_hop.py), and P/D\n"
           " with each engine pinned takes 1.0-1.2x a single instance's time to first token (bench/vllm_bench.py);\n"
-          " with a real model the prefill's compute dominates: see docs/performance/vllm.md)")
+          " with a real model the prefill's compute dominates: see docs/performance/vllm.md. The router\n"
+          " disaggregates from 128 uncached tokens, its default: P/D adds a few ms to a request's first token\n"
+          " and spares the decode's running requests the prompt's compute; docs/performance/load.md has the runs)")
     return 0 if equal else 1
 
 

@@ -17,6 +17,8 @@ A request is disaggregated only where that pays (llm-d and NVIDIA Dynamo decide 
   the transfer cost more than the decode's own step, and the prompt's KV stays where its conversation is;
 - a prefill is free: fewer than ``Policy.prefill_queue`` prefills in flight on it, and no busier than the
   decode (a prefill queue is the bottleneck of static P/D: short prompts waited behind long ones);
+- the decode has no more prompt tokens queued than the best decode alone would compute for the whole request:
+  its first steps for the request would wait behind them;
 - the prefill does not compute much more than the decode would have (``Policy.waste``): a decode that holds a
   conversation's history computes only its new message, where a prefill without it would compute it all.
 ``Policy.static`` places as the proxy did before: every request to a prefill, then a decode, fewest in
@@ -33,7 +35,7 @@ PD, DECODE_ONLY = "pd", "decode-only"
 
 @dataclass(frozen=True)
 class Policy:
-    pd_min_tokens: int = 512
+    pd_min_tokens: int = 128  # issue 42: P/D adds 1-4 ms; see docs/performance/load.md for the runs
     prefill_queue: int = 1
     waste: float = 1.25
     request_tokens: int = 32
@@ -103,6 +105,8 @@ def place(prompt: Prompt, candidates: Sequence[Candidate], policy: Policy) -> De
                     or not _pairs(prefill, decode):
                 continue
             if prefill.running + prefill.prefilling > decode.running:
+                continue
+            if decode.pending_tokens > alone(best):  # its decode steps would wait behind prompts queued there
                 continue
             computed = uncached(prompt, prefill.held_blocks)
             if computed > policy.waste * local:

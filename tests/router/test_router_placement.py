@@ -105,3 +105,16 @@ def test_requests_already_answering_weigh_little_against_a_conversation_s_histor
     queued = Candidate("home", True, True, held_blocks=20, running=2, pending_tokens=1024)  # a long prompt first
     decision = place(Prompt(890, BS), [queued, other], Policy())
     assert decision is not None and decision.decode == "other"
+
+
+def test_a_prompt_is_not_disaggregated_onto_a_decode_with_prompts_queued() -> None:
+    """The default threshold (128 tokens): a 400-token prompt would go P/D to the busy decode, whose first steps
+    for it would wait behind a 2048-token prompt queued there; the idle instance computes it alone instead."""
+    assert Policy().pd_min_tokens == 128
+    busy = Candidate("busy", True, True, running=3, pending_tokens=2048)
+    idle = Candidate("idle", True, True)
+    decision = place(Prompt(400, BS), [busy, idle], Policy())
+    assert decision is not None and (decision.route, decision.decode) == (DECODE_ONLY, "idle")
+    free = Candidate("busy", True, True, running=3)  # nothing queued there: its three decodes are spared
+    decision = place(Prompt(400, BS), [free, idle], Policy())
+    assert decision is not None and (decision.route, decision.decode, decision.prefill) == (PD, "busy", "idle")
