@@ -433,6 +433,10 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
     lines += ["# HELP kvpush_proxy_tokenize_failed_total Prompts placed by load alone: they could not be tokenized.",
               "# TYPE kvpush_proxy_tokenize_failed_total counter",
               f"kvpush_proxy_tokenize_failed_total {counters.get('tokenize_failed', 0)}",
+              "# HELP kvpush_proxy_tokenized_head_total Long text prompts placed by their head's blocks alone: no "
+              "instance held them, so the rest was not tokenized on the request's path.",
+              "# TYPE kvpush_proxy_tokenized_head_total counter",
+              f"kvpush_proxy_tokenized_head_total {counters.get('tokenized_head', 0)}",
               "# HELP kvpush_proxy_tokenizer_local Whether the router tokenizes text prompts itself (--tokenizer): "
               "1, or 0 when it asks an instance's /tokenize.",
               "# TYPE kvpush_proxy_tokenizer_local gauge", f"kvpush_proxy_tokenizer_local {int(tokenizer_local)}",

@@ -334,9 +334,20 @@ class Proxy:
         bound = most_tokens(path, body)
         return bound is None or (bound >= self.config.policy.pd_min_tokens and bool(self.prefills.up()))
 
-    async def _prompt(self, path: str, body: Mapping[str, Any], instance: str, needed: bool = True) -> _Prompt:
+    async def _prompt(self, path: str, body: Mapping[str, Any], instance: str, needed: bool = True,
+                      head_first: bool = True) -> _Prompt:
         """The request's prompt for placement: tokenized and hashed, or its length estimated (4 bytes a token;
-        not ``needed``: not tokenized here, see ``_needs_ids``)."""
+        not ``needed``: not tokenized here, see ``_needs_ids``), or (``head_first``) its head's hashes where no
+        instance holds the head's blocks (``tokens.head_ids``: the rest is not tokenized on the request's path;
+        its length is estimated from the head's)."""
+        head = self.tokens.head_ids(path, body) if needed and head_first else None
+        if head is not None:
+            head_ids, scale = head
+            hashes = tuple(self._hasher().block_hashes(head_ids))[:-1]  # (its last block may differ in the whole)
+            urls = {*self.decodes.up(), *(p.url for p in self.prefills.up())}
+            if hashes and max(self.caches.match(url, hashes) for url in urls) < len(hashes):
+                self.counters["tokenized_head"] += 1
+                return _Prompt(round(len(head_ids) * scale), hashes, False)
         ids = await self.tokens.ids(path, body, self.session, instance) if needed else None
         if ids is None:
             self.counters["tokenize_failed"] += needed
@@ -344,14 +355,15 @@ class Proxy:
             return _Prompt(max(1, len(str(text)) // 4), (), False)
         return _Prompt(len(ids), tuple(self._hasher().block_hashes(ids)), True)
 
-    async def _learn(self, path: str, body: Mapping[str, Any], decode: str) -> None:
-        """What a request placed without its ids put in ``decode``'s cache, for its guessed index (a decode whose
-        KV events are followed learns it from them), once its answer is out: tokenizing a long prompt takes a
-        millisecond of CPU, which its answer's last bytes need no share of."""
+    async def _learn(self, path: str, body: Mapping[str, Any], urls: Sequence[str]) -> None:
+        """What a request placed without all its ids put in the caches of ``urls``, for their guessed indexes (an
+        instance whose KV events are followed learns it from them), once its answer is out: tokenizing a long
+        prompt takes a millisecond of CPU, which its answer's last bytes need no share of."""
         try:
             await asyncio.sleep(LEARN_AFTER_S)
-            prompt = await self._prompt(path, body, decode)
-            self.caches.sent(decode, prompt.hashes)
+            prompt = await self._prompt(path, body, urls[0], head_first=False)
+            for url in urls:
+                self.caches.sent(url, prompt.hashes)
         finally:
             self._learning.discard(asyncio.current_task())
 
@@ -463,12 +475,14 @@ class Proxy:
             self.decodes.accepted(decode)
             self.counters[f"route_{route.replace('-', '_')}"] += 1
             self.counters[f"decision:{route}:{_why(decision.reason)}"] += 1
-            if prompt.exact or not self._guessing(decode):
-                self.caches.sent(decode, prompt.hashes)
-            elif len(self._learning) < MAX_LEARNING:  # (bounded: under a flood the guesses miss some)
-                self._learning.add(asyncio.get_running_loop().create_task(self._learn(request.path, body, decode)))
-            if prefill is not None:
-                self.caches.sent(prefill.url, prompt.hashes)
+            learn = []  # guessed indexes of instances the request filled, when its ids were not all had
+            for url in (decode, *(() if prefill is None else (prefill.url,))):
+                if prompt.exact or not self._guessing(url):
+                    self.caches.sent(url, prompt.hashes)
+                else:
+                    learn.append(url)
+            if learn and len(self._learning) < MAX_LEARNING:  # (bounded: under a flood the guesses miss some)
+                self._learning.add(asyncio.get_running_loop().create_task(self._learn(request.path, body, learn)))
             return response
         finally:  # the decode answered, failed, the prefill refused, or the client left (this handler is cancelled)
             computed()

@@ -15,6 +15,12 @@
 A prompt that cannot be tokenized (a batch of prompts, an instance that does not answer within
 ``TOKENIZE_TIMEOUT_S``) is placed by load alone. A long text (``INLINE_CHARS`` or more) is tokenized off the
 event loop (a thread); a short one on it (a thread's hand-off costs more than its tokenizing).
+
+A long text's head first (``head_ids``): its first ``HEAD_CHARS`` or fewer characters, cut where whitespace
+begins, tokenized here. Tokenizers split words at whitespace before they merge, so those ids begin the whole
+text's ids. The last block is kept out because an added end token or a boundary merge could change it. Where no
+instance holds those blocks, none holds more of the prompt, and placement needs no more ids: the rest of the text
+is never tokenized on the request's path (1.5 ms for 900 words with the demo model's tokenizer).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ log = logging.getLogger(__name__)
 TOKENIZE_TIMEOUT_S = 2.0
 AUTO = "auto"
 INLINE_CHARS = 2048  # texts shorter than this are tokenized on the event loop (~50 us for 40 words here)
+HEAD_CHARS = 1024  # a text of at least twice this is tokenized head first (``Tokens.head_ids``)
+_SPACES = (" ", "\n", "\t")
 _CHAT_KEYS = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
               "tools", "add_special_tokens", "mm_processor_kwargs")
 
@@ -141,6 +149,18 @@ class Tokens:
             self.failures += 1
             log.debug("the prompt could not be tokenized (%s): placed by load alone", error)
             return None
+
+    def head_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], float] | None:
+        """A long text prompt's head, tokenized here: its ids and the text's length over the head's (what scales
+        the head's token count to an estimate of the whole prompt's). None: not a text of at least twice
+        ``HEAD_CHARS``, no tokenizer here, or no whitespace to cut at."""
+        text = text_prompt(path, body)
+        if text is None or self._tokenizer is None or len(text) < 2 * HEAD_CHARS:
+            return None
+        cut = max(text.rfind(space, HEAD_CHARS // 2, HEAD_CHARS + 1) for space in _SPACES)
+        if cut <= 0:
+            return None
+        return self._encode(text[:cut], body.get("add_special_tokens", True) is not False), len(text) / cut
 
     def _encode(self, prompt: str, special: bool) -> list[int]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core

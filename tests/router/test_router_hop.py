@@ -107,13 +107,38 @@ async def test_the_default_finds_the_instances_tokenizer_and_tokenizes_here(auto
         long = words(400, 1)  # long enough to disaggregate: placement needs its blocks
         assert await auto.post(session, body(long)) == "pd"
         assert not auto.decode.tokenized and not auto.prefill.tokenized  # no /tokenize round trip
-        # its blocks were hashed from the same ids vLLM computes: the same prompt again is held by the decode
-        again = words(400, 1) + " push"
-        route = await auto.post(session, body(again))
+        # no instance held its head's blocks: it was placed by them, and its ids were all had after its answer
+        assert "kvpush_proxy_tokenized_head_total 1" in await auto.get(session, "/metrics")
         ids = reference(long)["input_ids"]
-        assert route == "decode-only"
-        metrics = await auto.get(session, "/metrics")
-        assert f'kvpush_proxy_index_blocks{{url="{auto.decode.url}",source="guessed"}} {len(ids) // BLOCK}' in metrics
+        for instance in (auto.decode, auto.prefill):
+            await until(lambda url=instance.url: _contains(  # type: ignore[misc]
+                auto.get(session, "/metrics"),
+                f'kvpush_proxy_index_blocks{{url="{url}",source="guessed"}} {len(ids) // BLOCK}'))
+        # its blocks were hashed from the same ids vLLM computes: the same prompt again is held by the decode, which
+        # holds its head too, so it is tokenized whole
+        again = words(400, 1) + " push"
+        assert await auto.post(session, body(again)) == "decode-only"
+        assert "kvpush_proxy_tokenized_head_total 1" in await auto.get(session, "/metrics")
+
+
+def test_a_long_texts_head_tokenizes_as_the_whole_texts_beginning(reference: Any) -> None:
+    """``Tokens.head_ids``: the head is cut where whitespace begins, its ids begin the whole text's, and the
+    scale estimates the whole prompt's tokens from the head's."""
+    from kvrouter.tokens import HEAD_CHARS, Tokens
+
+    tokens = Tokens(None)
+    tokens._loaded(reference)
+    assert tokens.head_ids("/v1/completions", {"prompt": words(50, 3)}) is None  # short: tokenized whole
+    assert tokens.head_ids("/v1/chat/completions", {"messages": [{"role": "user", "content": words(900, 3)}]}) is None
+    assert tokens.head_ids("/v1/completions", {"prompt": "x" * (3 * HEAD_CHARS)}) is None  # no whitespace to cut
+    for seed in range(5):
+        text = words(900, seed)
+        head = tokens.head_ids("/v1/completions", {"prompt": text})
+        assert head is not None
+        ids, scale = head
+        whole = reference(text)["input_ids"]
+        assert ids == whole[:len(ids)] and 0 < len(ids) < len(whole)
+        assert abs(len(ids) * scale - len(whole)) < 0.1 * len(whole)
 
 
 async def test_none_asks_the_instance(remote: Router) -> None:
