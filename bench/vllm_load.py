@@ -215,10 +215,11 @@ def load_record(setup: str, fraction: float, rate: float, outcomes: Sequence[Out
     ttft = [o.ttft_s for o in done if o.ttft_s is not None]
     e2e = [o.e2e_s for o in done if o.e2e_s is not None]
     gaps = [g for o in done for g in o.gaps_s]
-    good = sum(1 for o in outcomes if targets.met(o, references.get(o.index)))
+    whys = [(o, targets.missed(o, references.get(o.index))) for o in outcomes]
+    good = sum(1 for _, why in whys if not why)
     missed: dict[str, dict[str, int]] = {}  # why goodput was lost: the target each miss failed, by prompt length
-    for o in outcomes:
-        if why := targets.missed(o, references.get(o.index)):
+    for o, why in whys:
+        if why:
             by_length = missed.setdefault(why, {})
             by_length[str(o.length)] = by_length.get(str(o.length), 0) + 1
     record.update(
