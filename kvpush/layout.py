@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import ctypes
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -288,6 +289,14 @@ def runs_in_bounds(offsets: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any],
 
 
 # -- scatter/gather vectors ------------------------------------------------------------------------------
+# The process's memory as one buffer: ``MEMORY[address:address + length]`` is a buffer over those bytes,
+# made without a copy or a foreign call, which CPython's own I/O (``os.writev``, ``recv_into``) and slice
+# assignment take. Making or slicing it touches no memory, only what a call then reads or writes, so an
+# address is as trusted as it was before (it comes from a registered cache or a buffer held meanwhile).
+# A ctypes call costs 3-4 us on the cold cache a wakeup finds, a slice 0.2 us (docs/perf/notes.md).
+MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
+
+
 class IoVec:
     """``(address, length)`` entries over memory, as the kernel reads them. Up to ``FEW`` entries as flat
     ints ``(address, length, address, length, ...)``, more as an ``(n, 2)`` uint64 array. ``entries`` and
@@ -373,10 +382,18 @@ class IoVec:
 
     def copy_from(self, source: int) -> None:
         """Copy ``nbytes`` contiguous bytes at address ``source`` into the entries, in order."""
-        flat = self.ints()
+        flat, memory = self.ints(), MEMORY
         for index in range(0, len(flat), 2):
-            ctypes.memmove(flat[index], source, flat[index + 1])
-            source += flat[index + 1]
+            address, length = flat[index], flat[index + 1]
+            memory[address:address + length] = memory[source:source + length]
+            source += length
+
+    def buffers(self, head: bytes) -> list[Any]:
+        """``head``, then a buffer over each entry (``MEMORY``'s), for ``os.writev``: for a few entries."""
+        flat, memory = self.ints(), MEMORY
+        if len(flat) == 2:
+            return [head, memory[flat[0]:flat[0] + flat[1]]]
+        return [head, *[memory[flat[index]:flat[index] + flat[index + 1]] for index in range(0, len(flat), 2)]]
 
     def native(self) -> tuple[int, Any]:
         """(address, owner) of the entries as one contiguous ``struct iovec`` array: the owner keeps the

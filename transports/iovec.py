@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from kvpush.layout import FEW, IoVec
+from kvpush.layout import FEW, MEMORY, IoVec
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -125,7 +125,7 @@ class Cursor:
             else:
                 base, length = self.vec[self.index].tolist()
             step = min(count, length)
-            ctypes.memmove(base, source, step)
+            MEMORY[base:base + step] = MEMORY[source:source + step]
             source += step
             count -= step
             self.advance(step)
