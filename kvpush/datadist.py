@@ -166,7 +166,8 @@ class LLMDataDist:
     @property
     def cache_manager(self) -> CacheManager:
         """The instance's ``CacheManager`` (registration and transfers). RuntimeError before ``init``."""
-        self.require_init("cache_manager")
+        if not self._initialized:
+            self.require_init("cache_manager")
         return self._cache_manager
 
     @property

@@ -256,6 +256,9 @@ def unpack_runs(data: bytes | memoryview) -> tuple[np.ndarray[Any, Any], np.ndar
 
 def unpack_wire_runs(data: bytes | bytearray | memoryview, offset: int, count: int) -> Runs:
     """``count`` packed ``(offset, length)`` pairs at ``offset`` of ``data`` (a transfer frame's meta)."""
+    if count == 1:  # one run (a decode-time push)
+        run_offset, length = _PACK[2].unpack_from(data, offset)
+        return Runs(((run_offset, length),), None, 1, 1, length)
     if count <= FEW:
         flat = _PACK[2 * count].unpack_from(data, offset)
         return Runs(tuple(zip(flat[0::2], flat[1::2])), None, 1, count, sum(flat[1::2]))
@@ -382,7 +385,7 @@ class IoVec:
 
     def copy_from(self, source: int) -> None:
         """Copy ``nbytes`` contiguous bytes at address ``source`` into the entries, in order."""
-        flat, memory = self.ints(), MEMORY
+        flat, memory = self._flat or self.ints(), MEMORY
         for index in range(0, len(flat), 2):
             address, length = flat[index], flat[index + 1]
             memory[address:address + length] = memory[source:source + length]
@@ -390,9 +393,11 @@ class IoVec:
 
     def buffers(self, head: bytes) -> list[Any]:
         """``head``, then a buffer over each entry (``MEMORY``'s), for ``os.writev``: for a few entries."""
-        flat, memory = self.ints(), MEMORY
-        if len(flat) == 2:
-            return [head, memory[flat[0]:flat[0] + flat[1]]]
+        flat, memory = self._flat, MEMORY
+        if flat is None:
+            flat = self.ints()
+        elif len(flat) <= 2:
+            return [head, memory[flat[0]:flat[0] + flat[1]]] if flat else [head]
         return [head, *[memory[flat[index]:flat[index] + flat[index + 1]] for index in range(0, len(flat), 2)]]
 
     def native(self) -> tuple[int, Any]:

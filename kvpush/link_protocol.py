@@ -102,6 +102,7 @@ class LinkProtocol:
         self.requests = requests
         self.peer = peer
         self.inbound = inbound
+        self.offers = inbound.reads  # the read offers served here: their held answers and gates, per frame
         self.onesided: OneSidedSender | None = None  # set once the link chose a one-sided mover
         self.state = LinkState.HANDSHAKE
         self.unlinking = False  # this side sent BYE and waits for the answer
@@ -151,11 +152,9 @@ class LinkProtocol:
         """A frame from the peer: where its payload goes (None: discarded)."""
         state = self.state
         if state is _READY:
-            if header.kind is not _READ_OFFER:
-                if self.inbound.holding:  # held answers go back before anything else the peer sends is handled
-                    self.inbound.send_held()
-                if self.inbound.gated:  # the peer may just have marked a layer ready (its pusher's caller is done)
-                    self.inbound.poll_gates()
+            offers = self.offers  # (two attributes read per frame: a call only when offers wait)
+            if (offers.holding or offers.gated_offers) and header.kind is not _READ_OFFER:
+                offers.before_frame()
             if in_hand and header.kind == _WRITE:  # a small write, its bytes already here
                 return self.inbound.serve_write(header, meta, True)
             handler = self.handlers.get(header.kind)

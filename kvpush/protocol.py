@@ -36,6 +36,7 @@ HEADER_SIZE = HEADER.size
 TRANSFER_META = struct.Struct("<QIIIi")
 _TRANSFER_HEAD = struct.Struct("<HBBIQQ" + "QIIIi")  # HEADER then TRANSFER_META, packed in one call
 STATUS_META = struct.Struct("<I")
+_STATUS_FRAME = struct.Struct("<HBBIQQ" + "I")  # HEADER then STATUS_META: an answer without a message, in one call
 
 MAX_JSON_META = 1 << 20
 MAX_RUNS = 1 << 20
@@ -194,6 +195,9 @@ def encode_transfer(kind: Kind, request_id: int, cache_id: int, first_tensor: in
                                first_tensor, num_tensors, n_runs, budget_ms) + runs_wire
 
 
+_KIND_WRITE = Kind.WRITE  # (bound once: an enum class's attribute is looked up anew on each use)
+
+
 def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -> TransferMeta:
     if len(meta) < TRANSFER_META.size:
         raise ProtocolError(f"{header.kind.name} meta of {len(meta)} bytes is truncated")
@@ -204,7 +208,7 @@ def decode_transfer(header: FrameHeader, meta: bytes | bytearray | memoryview) -
         raise ProtocolError(f"{header.kind.name} addresses no bytes")
     runs = unpack_wire_runs(meta, TRANSFER_META.size, n_runs)
     expected = num_tensors * runs.bytes_per_tensor
-    if header.kind == Kind.WRITE and expected != header.payload_len:
+    if header.kind is _KIND_WRITE and expected != header.payload_len:
         raise ProtocolError(f"WRITE payload_len {header.payload_len} != runs total {expected}")
     return TransferMeta(cache_id, first_tensor, num_tensors, runs, budget_ms)
 
@@ -264,6 +268,8 @@ def decode_read_offer(header: FrameHeader, meta: bytes | bytearray | memoryview
 def encode_status(kind: Kind, request_id: int, status: int, message: str = "", payload_len: int = 0) -> bytes:
     """DONE (reply to WRITE), READ_DATA (reply to READ; payload follows when status is 0), GRANT
     (reply to an intent) or LANDED (the one-sided copy finished, status 0, or was abandoned)."""
+    if not message:  # the common answer, in one call
+        return _STATUS_FRAME.pack(MAGIC, kind, 0, STATUS_META.size, request_id, payload_len, status & 0xFFFFFFFF)
     text = message.encode()[:4096]
     meta = STATUS_META.pack(status & 0xFFFFFFFF) + text
     return encode_header(kind, request_id, len(meta), payload_len) + meta

@@ -83,8 +83,9 @@ class ReadOffers:
         self.peer = "?"
         self.peer_id: int | None = None  # None until the handshake named the peer: no grant applies
         self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
-        # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE)
-        self._gated: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
+        # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE); read
+        # (with ``holding``) by the link before it handles each frame: ``before_frame``
+        self.gated_offers: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
         self._gates = Gates(self._link.loop, self._link.reader, self._gate_opened, self._gate_withdrawn,
                             self._gates_failed)
         # DONEs of copied OFFER_MORE read offers, sent together later (``send_held``)
@@ -121,7 +122,7 @@ class ReadOffers:
         if gate is not None:
             # the sender computes the layer meanwhile: its own deadline starts when it marks it
             self._ports.watch(request_id, budget_ms, "gated read offer", at_least_s=GATE_WAIT_S)
-            self._gated[request_id] = (entry, iov, source, transfer, budget_ms, more)
+            self.gated_offers[request_id] = (entry, iov, source, transfer, budget_ms, more)
             self._gates.add(request_id, *gate)
             return
         self._ports.watch(request_id, budget_ms, "read offer")
@@ -143,14 +144,14 @@ class ReadOffers:
         copy.add_done_callback(lambda done: self._read_done(request_id, entry, iov.nbytes, done, hold, gated))
 
     def _gate_opened(self, request_id: int) -> None:
-        entry, iov, source, transfer, budget_ms, more = self._gated[request_id]
+        entry, iov, source, transfer, budget_ms, more = self.gated_offers[request_id]
         # checked again: the offer waited for its mark, and the cache may have gone or its grant ended meanwhile
         refusal = still_open(entry, transfer, self.peer_id)
         if refusal is not None:
             log.warning("refused a gated read offer from cluster %s once marked: %s", self.peer, refusal.reason)
             self._end_gated(request_id, refusal.status, refusal.reason, "read_offers_refused_late")
             return
-        del self._gated[request_id]
+        del self.gated_offers[request_id]
         self._ports.watch(request_id, budget_ms, "read offer")  # from now on, the offer's own deadline
         self._copy(request_id, entry, iov, source, transfer, budget_ms, more, True)
 
@@ -160,13 +161,13 @@ class ReadOffers:
     def _end_gated(self, request_id: int, status: LLMStatusCode, reason: str, counter: str) -> None:
         """Answer a gated offer without copying (nothing of it was written here) and let its cache go."""
         self._gates.discard(request_id)
-        entry = self._gated.pop(request_id)[0]
+        entry = self.gated_offers.pop(request_id)[0]
         entry.unpin()
         self._reading.pop(request_id, None)
         self._ports.done(request_id)
         self._counters[counter] += 1
         self._send(encode_status(_DONE, request_id, int(status), reason))
-        if not self._gated and not self._reading:
+        if not self.gated_offers and not self._reading:
             self.send_held()
 
     def _gates_failed(self, error: BaseException) -> None:
@@ -178,7 +179,15 @@ class ReadOffers:
     @property
     def gated(self) -> bool:
         """Gated offers wait for their marks (``poll`` reads them now)."""
-        return bool(self._gated)
+        return bool(self.gated_offers)
+
+    def before_frame(self) -> None:
+        """The link is about to handle a frame of the sender's other than a read offer: held answers go back
+        first, and gated offers' marks are read (the sender's caller may just have marked a layer)."""
+        if self.holding:
+            self.send_held()
+        if self.gated_offers:
+            self.poll()
 
     def poll(self) -> None:
         """Read the waiting offers' marks now: the sender's link delivered a frame (a layer pusher whose
@@ -195,7 +204,7 @@ class ReadOffers:
         if error is None and not copy.cancelled():
             self._counters["bytes_received"] += nbytes
             self._held.append(encode_status(_DONE, request_id, 0))
-            if gated and not self._gated and not self._reading:
+            if gated and not self.gated_offers and not self._reading:
                 hold = 0.0  # the sender's last gated offer here: nothing more to answer with it
             if hold:
                 self._counters["read_offer_answers_held"] += 1
@@ -234,9 +243,10 @@ class ReadOffers:
 
     def refuse_removed(self) -> None:
         """Gated offers into caches unregistered here are refused now rather than when marked."""
-        for request_id in [rid for rid, gated in self._gated.items() if gated[0].removed]:
+        for request_id in [rid for rid, gated in self.gated_offers.items() if gated[0].removed]:
             self._end_gated(request_id, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                            f"cache {self._gated[request_id][3].cache_id} was unregistered", "read_offers_refused_late")
+                            f"cache {self.gated_offers[request_id][3].cache_id} was unregistered",
+                            "read_offers_refused_late")
 
     def close(self) -> None:
         """The link is gone: nothing is answered any more. Offers waiting for their marks let their caches
@@ -247,7 +257,7 @@ class ReadOffers:
         self._held.clear()
         self.holding = False
         self._gates.clear()
-        for gated in self._gated.values():
+        for gated in self.gated_offers.values():
             gated[0].unpin()
-        self._gated.clear()
+        self.gated_offers.clear()
         self._reading.clear()

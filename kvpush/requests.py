@@ -247,7 +247,9 @@ class RequestTable:
         if error is not None:
             self._on_failure(error)
         op.end(error)
-        _wake(op)
+        waiter = op.waiter  # (``_wake``, inline: every reply ends here)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def abandon(self, op: PendingOp) -> None:
         """Stop waiting for ``op``: forget it and end it cancelled."""

@@ -112,7 +112,8 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
             layers, op = inflight[0]
             if not op.ended:  # (an ended one, e.g. an inline copy, needs no wait: no coroutine for it)
                 await _wait_layer(plan.api, link, op, layers[0], timeout_ms, completed)
-            layer_outcome(plan.api, op, layers[0], completed)
+            if op.cancelled or op.error is not None:
+                layer_outcome(plan.api, op, layers[0], completed)
             inflight.popleft()
             completed.extend(layers)
         if issued < len(groups):  # the local cache was released: layers not issued are never sent

@@ -221,7 +221,8 @@ class FrameReceiver:
             return payload_len
         if sink.nbytes != payload_len:
             raise ProtocolError(f"payload of {payload_len} bytes does not fit a sink of {sink.nbytes}")
-        IoVec.of(sink.iov, sink.nbytes).copy_from(self._rx_addr + at)
+        iov = sink.iov
+        (iov if type(iov) is IoVec else IoVec.of(iov, sink.nbytes)).copy_from(self._rx_addr + at)
         sink.on_done()
         return payload_len
 

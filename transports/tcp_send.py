@@ -139,7 +139,9 @@ class FrameSender(abc.ABC):
     def prepare(self, head: bytes, payload: IoVec | None = None, nbytes: int | None = None) -> TcpFrame:
         """A frame ready to ``enqueue`` (nothing is sent yet). ``payload``: an ``IoVec`` (or what
         ``IoVec.of`` takes)."""
-        return TcpFrame(head, None if payload is None else IoVec.of(payload, nbytes), self.loop, nbytes)
+        if payload is not None and type(payload) is not IoVec:
+            payload = IoVec.of(payload, nbytes)
+        return TcpFrame(head, payload, self.loop, nbytes)
 
     def enqueue(self, frame: OutgoingFrame) -> None:
         """Queue a prepared frame behind everything sent so far. On an idle stream a frame up to
@@ -195,7 +197,8 @@ class FrameSender(abc.ABC):
                 continue
             queue.popleft()
             frame.finished()
-        self._disarm_writer()
+        if self._writer_armed:
+            self._disarm_writer()
 
     def _arm_writer(self) -> None:
         if not self._writer_armed:

@@ -87,20 +87,28 @@ class Handshake:
         self.closed.append(reason)
 
 
+class Offers:
+    """The read offers served here, as the core reads them before each frame (``ReadOffers``)."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+        self.holding = False
+        self.gated_offers: dict[int, Any] = {}
+
+    def before_frame(self) -> None:
+        if self.holding:
+            self.calls.append(("send_held",))
+            self.holding = False
+        if self.gated_offers:
+            self.calls.append(("poll_gates",))
+
+
 class Inbound:
     """The serving side, as the core routes frames to it."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.holding = False
-        self.gated = False
-
-    def send_held(self) -> None:
-        self.calls.append(("send_held",))
-        self.holding = False
-
-    def poll_gates(self) -> None:
-        self.calls.append(("poll_gates",))
+        self.reads = Offers(self.calls)
 
     def serve_write(self, header: Any, meta: bytes, in_hand: bool = False) -> None:
         self.calls.append(("write", header.request_id, in_hand))
@@ -188,7 +196,7 @@ async def test_answers_the_inbound_side_holds_go_back_before_any_frame_but_a_rea
     protocol, _, inbound, _ = core()
     runs = b"\0" * 8 + (64).to_bytes(8, "little")
     protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 1, 1, 0, 1, runs, 64)))
-    inbound.holding = True  # a layer's DONE waits: the next layer's offer does not send it
+    inbound.reads.holding = True  # a layer's DONE waits: the next layer's offer does not send it
     protocol.on_frame(*frame(encode_read_offer(4, 1, 0, 1, runs, 100, (0x7000).to_bytes(8, "little") + runs[8:],
                                                more=True)))
     protocol.on_frame(*frame(encode_transfer(Kind.WRITE, 2, 1, 0, 1, runs, 64)))  # any other frame does, first
@@ -201,7 +209,7 @@ async def test_offers_waiting_for_their_marks_are_read_again_on_any_frame_but_a_
     """A layer pusher whose caller is done sends a frame: a layer may just have been marked ready."""
     protocol, _, inbound, _ = core()
     runs = b"\0" * 8 + (64).to_bytes(8, "little")
-    inbound.gated = True
+    inbound.reads.gated_offers[4] = object()
     protocol.on_frame(*frame(encode_read_offer(4, 1, 0, 1, runs, 100, (0x7000).to_bytes(8, "little") + runs[8:],
                                                more=True, gate=(0x9000, 77))))
     protocol.on_frame(*frame(encode_json(Kind.PING, 0, {"t": 1.0})))
