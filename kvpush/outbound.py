@@ -70,7 +70,7 @@ class Outbound:
             raise self.link.not_ready()
         local_first, remote_first = plan.firsts(step)
         source = plan.local_vector(local_first, step.count)
-        payload_len = step.count * plan.bytes_per_tensor
+        payload_len = step.count * plan.runs.bytes_per_tensor
         self.counters["write_requests"] += 1
         self.counters["bytes_pushed"] += payload_len
         remote, onesided = plan.remote, self.protocol.onesided

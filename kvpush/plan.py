@@ -198,16 +198,19 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     ``remote_cache_id``: the peer's cache is named by id (the status-returning forms), not by the key."""
     push = kind is _WRITE
     local_name, remote_name = _NAMES[kind]
-    if remote_cache_id is None:
+    # (the checks' common outcome is tested here first: this runs on every transfer, and a call costs)
+    if remote_cache_id is None and not isinstance(remote_key, _REMOTE_KEYS[push]):
         v.check_type(api, remote_name, remote_key, _REMOTE_KEYS[push])
-    v.check_type(api, local_name, local_cache, Cache)
+    if not isinstance(local_cache, Cache):
+        v.check_type(api, local_name, local_cache, Cache)
     assert isinstance(local_cache, Cache) and isinstance(remote_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
     slot_index = None if local_slot is None or not push else check_int("src_batch_index", local_slot)
     request = Request(api, kind, push, _BLOCKS, remote_key.cluster_id, local_cache, local_name, None, None,
                       None, v.check_blocks(api, "src_blocks", src_blocks),  # (positional: made on every transfer)
                       v.check_blocks(api, "dst_blocks", dst_blocks),
-                      v.check_layer_range(api, "src_layer_range", src_range),
-                      v.check_layer_range(api, "dst_layer_range", dst_range), v.check_tensor_num_type(api, n))
+                      None if src_range is None else v.check_layer_range(api, "src_layer_range", src_range),
+                      None if dst_range is None else v.check_layer_range(api, "dst_layer_range", dst_range),
+                      v.check_tensor_num_type(api, n))
     if remote_cache_id is not None:
         request.cache_id = remote_cache_id
     elif isinstance(remote_key, BlocksCacheKey):

@@ -77,7 +77,10 @@ class TcpFrame:
         full, and trying again before it drains would only fail (a system call per layer saved)."""
         self.started = True
         if self._cursor is None and self.payload.entries < SCRATCH_ROWS:  # the first write, few entries
-            if self.payload.entries <= BUFFER_ENTRIES:
+            entries = self.payload.entries
+            if not entries:  # a control frame
+                written = os.write(fd, self.head)
+            elif entries <= BUFFER_ENTRIES:
                 written = os.writev(fd, self.payload.buffers(self.head))
             else:
                 rows = self.payload.pack_into(scratch.view, (address_of(self.head), len(self.head)))
@@ -127,6 +130,8 @@ class FrameSender(abc.ABC):
         self._writer_armed = False
         self._pump_scheduled = False
         self._tx_scratch = Scratch()
+        self._left = TcpFrame(b"", None, loop)  # what ``send`` returns for a frame it wrote whole at once
+        self._left.left = self._left.started = True
 
     @abc.abstractmethod
     def close(self, reason: str, abort: bool = False) -> None:
@@ -160,7 +165,25 @@ class FrameSender(abc.ABC):
             self.loop.call_soon(self._scheduled_pump)
 
     def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
-        """``enqueue(prepare(head, payload))``."""
+        """``enqueue(prepare(head, payload))``. A frame without a payload on an idle stream (nothing queued
+        or being written) is written here, as the pump would write it, and, once it left whole, answered
+        with a frame that says so (shared: it has left, so there is nothing to track): an answer's few
+        bytes leave with no frame of their own (most frames a receiver sends are such answers)."""
+        if payload is None and not (self._queue or self._writer_armed or self._pump_scheduled or self.closed
+                                    or self.send_error):
+            try:
+                written = os.write(self.fd, head)
+            except OSError:  # (full, or failing: the pump's own write meets it again and handles it)
+                written = 0
+            if written:
+                self.bytes_out += written
+                if written == len(head):
+                    return self._left
+                head = head[written:]  # the rest leaves from the queue; what left makes it unabandonable
+                frame = self.prepare(head)
+                frame.started = True
+                self.enqueue(frame)
+                return frame
         frame = self.prepare(head, payload)
         self.enqueue(frame)
         return frame
@@ -190,7 +213,7 @@ class FrameSender(abc.ABC):
                 self.send_failed(self.send_error)
                 return
             self.bytes_out += written
-            if not frame.advance(written):
+            if written != frame.total and not frame.advance(written):  # (whole in one write: no call)
                 if frame.full:  # the kernel took what it had room for: wait until the socket is writable
                     self._arm_writer()
                     return
