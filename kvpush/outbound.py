@@ -81,13 +81,12 @@ class Outbound:
                                                 gate if gate is not None and onesided.reader_gates() else None)
             return self._start_onesided(_WRITE_INTENT, plan, step, source, budget_ms, held, leased)
         # The frame goes first and the request is booked behind it: a small frame on an idle stream leaves
-        # within ``enqueue``, the bookkeeping off the round trip's path. Nothing can answer it in between:
+        # within ``send``, the bookkeeping off the round trip's path. Nothing can answer it in between:
         # replies are handled by this loop, after this call returns.
         request_id = self.requests.reserve()
-        frame = self.stream.prepare(encode_transfer(_WRITE, request_id, remote.cache_id, remote_first, step.count,
-                                                    plan.wire, payload_len, budget_ms), source, payload_len)
-        if not held:
-            self.stream.enqueue(frame)
+        head = encode_transfer(_WRITE, request_id, remote.cache_id, remote_first, step.count, plan.wire, payload_len,
+                               budget_ms)
+        frame = self.stream.prepare(head, source, payload_len) if held else self.stream.send(head, source)
         op = self.requests.new(_WRITE, request_id)
         op.frame = frame
         source_entry = plan.local

@@ -159,7 +159,8 @@ class FrameStream(Protocol):
 
     def send(self, head: bytes, payload: IoVec | None = None) -> OutgoingFrame:
         """``enqueue(prepare(head, payload))``. Without a payload, ``head`` may hold several frames back
-        to back: they leave in order, as one frame does."""
+        to back: they leave in order, as one frame does. A frame that left before this returned may be
+        answered by a frame object shared by such frames (``left``, ``started``; nothing to abandon)."""
 
     def close(self, reason: str, abort: bool = False) -> None:
         """Close; ``abort`` discards bytes still queued in this host's kernel. Idempotent."""

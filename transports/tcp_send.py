@@ -29,6 +29,18 @@ _NO_PAYLOAD = IoVec.of_ints(())
 BUFFER_ENTRIES = 8
 
 
+def write_whole(fd: int, head: bytes, payload: IoVec, scratch: Scratch) -> int:
+    """One write of a whole frame whose payload has fewer than ``SCRATCH_ROWS`` entries: the bytes written
+    (``BlockingIOError`` when the socket is full)."""
+    entries = payload.entries
+    if not entries:  # a control frame
+        return os.write(fd, head)
+    if entries <= BUFFER_ENTRIES:
+        return os.writev(fd, payload.buffers(head))
+    rows = payload.pack_into(scratch.view, (address_of(head), len(head)))
+    return check(writev(fd, scratch.address, rows))
+
+
 class TcpFrame:
     """One queued outgoing frame (see ``transports.base.OutgoingFrame``). Its cursor is made only when it
     does not leave whole through the stream's scratch vector at once, and its ``sent`` future only when
@@ -77,14 +89,7 @@ class TcpFrame:
         full, and trying again before it drains would only fail (a system call per layer saved)."""
         self.started = True
         if self._cursor is None and self.payload.entries < SCRATCH_ROWS:  # the first write, few entries
-            entries = self.payload.entries
-            if not entries:  # a control frame
-                written = os.write(fd, self.head)
-            elif entries <= BUFFER_ENTRIES:
-                written = os.writev(fd, self.payload.buffers(self.head))
-            else:
-                rows = self.payload.pack_into(scratch.view, (address_of(self.head), len(self.head)))
-                written = check(writev(fd, scratch.address, rows))
+            written = write_whole(fd, self.head, self.payload, scratch)
             self.full = written < self.total
             return written
         cursor = self.cursor
@@ -165,25 +170,30 @@ class FrameSender(abc.ABC):
             self.loop.call_soon(self._scheduled_pump)
 
     def send(self, head: bytes, payload: IoVec | None = None) -> TcpFrame:
-        """``enqueue(prepare(head, payload))``. A frame without a payload on an idle stream (nothing queued
-        or being written) is written here, as the pump would write it, and, once it left whole, answered
-        with a frame that says so (shared: it has left, so there is nothing to track): an answer's few
-        bytes leave with no frame of their own (most frames a receiver sends are such answers)."""
-        if payload is None and not (self._queue or self._writer_armed or self._pump_scheduled or self.closed
-                                    or self.send_error):
-            try:
-                written = os.write(self.fd, head)
-            except OSError:  # (full, or failing: the pump's own write meets it again and handles it)
-                written = 0
-            if written:
-                self.bytes_out += written
-                if written == len(head):
-                    return self._left
-                head = head[written:]  # the rest leaves from the queue; what left makes it unabandonable
-                frame = self.prepare(head)
-                frame.started = True
-                self.enqueue(frame)
-                return frame
+        """``enqueue(prepare(head, payload))``. On an idle stream (nothing queued or being written) a frame
+        that the pump would write whole at once (a few payload entries, up to ``SEND_NOW_BYTES``) is written
+        here, by the pump's own ``write_whole``, and once it left whole the frame returned is one that says
+        so (shared: it left, there is nothing to track): a small frame, such as every answer and a one-block
+        write, leaves with no frame, queue or pump of its own. Whatever did not leave is queued as usual."""
+        if not (self._queue or self._writer_armed or self._pump_scheduled or self.closed or self.send_error):
+            if payload is not None and type(payload) is not IoVec:
+                payload = IoVec.of(payload)
+            vector = _NO_PAYLOAD if payload is None else payload
+            total = len(head) + vector.nbytes
+            if vector.entries < SCRATCH_ROWS and total <= SEND_NOW_BYTES:
+                try:
+                    written = write_whole(self.fd, head, vector, self._tx_scratch)
+                except OSError:  # (full, or failing: the pump's own write meets it again and handles it)
+                    written = 0
+                if written:
+                    self.bytes_out += written
+                    if written == total:
+                        return self._left
+                    frame = self.prepare(head, payload)
+                    frame.started = True  # the rest follows from the queue: never abandoned now
+                    frame.advance(written)
+                    self.enqueue(frame)
+                    return frame
         frame = self.prepare(head, payload)
         self.enqueue(frame)
         return frame
