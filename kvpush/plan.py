@@ -225,8 +225,8 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
         request.local_slot = slot_index
     if request.shape is _SLOT_BLOCKS:
         _check_slot_blocks(request, remote_key, remote_name)
-    else:
-        v.check_blocks_cache(api, local_name, local_cache)
+    elif not (local_cache.is_blocks_cache and request.dst.count and request.src.count == request.dst.count):
+        v.check_blocks_cache(api, local_name, local_cache)  # (called when one fails: they raise, in order)
         v.check_block_counts(api, request.src, request.dst)
     _check_local_layers(request)
     return request
@@ -348,9 +348,14 @@ def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: 
     if not remote.is_blocks_cache:
         raise param_invalid(f"{api}: remote cache {remote.cache_id} is not a blocks cache")
     local_blocks, remote_blocks = (request.src, request.dst) if push else (request.dst, request.src)
-    v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
-    v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks, "remote")
-    v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type, "block size")
+    if (local_blocks.top >= local.num_blocks or remote_blocks.top >= remote.num_blocks
+            or local.block_bytes != remote.block_bytes or local.data_type != remote.data_type):
+        # (called when one of them fails, which each one tests again: they raise what is wrong, in order)
+        v.check_block_bounds(api, "src_blocks" if push else "dst_blocks", local_blocks, local.num_blocks, "local")
+        v.check_block_bounds(api, "dst_blocks" if push else "src_blocks", remote_blocks, remote.num_blocks,
+                             "remote")
+        v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type,
+                           "block size")
     steps = _layer_steps(request, local, remote)
     v.check_no_duplicates(api, "dst_blocks", request.dst)
     return Plan(request, local, remote, block_runs(request.src, request.dst, local.block_bytes), steps)

@@ -96,13 +96,14 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
     completed: list[int] = []
     inflight: collections.deque[tuple[tuple[int, ...], PendingOp]] = collections.deque()
     issued = 0
+    start = link.outbound.start_write if plan.push else link.outbound.start_read  # (``start_layer``'s choice, once)
     local.pin()  # its memory stays mapped until this call is over, whatever the caller frees meanwhile
     try:
         while True:
             while issued < len(groups) and len(inflight) < WINDOW and not local.removed:
                 step, layers = groups[issued]
                 try:
-                    inflight.append((layers, start_layer(link, plan, step, timeout_ms)))
+                    inflight.append((layers, start(plan, step, timeout_ms)))
                 except LLMException as refused:
                     raise LLMException(refused.status_code, f"{plan.api}: layer {layers[0]}: {refused}",
                                        completed) from None
