@@ -228,7 +228,8 @@ def check_block_args(api: str, kind: Kind, remote_key: object, local_cache: obje
     elif not (local_cache.is_blocks_cache and request.dst.count and request.src.count == request.dst.count):
         v.check_blocks_cache(api, local_name, local_cache)  # (called when one fails: they raise, in order)
         v.check_block_counts(api, request.src, request.dst)
-    _check_local_layers(request)
+    if src_range is not None or dst_range is not None or not 1 <= request.n <= local_cache.cache_desc.num_tensors:
+        _check_local_layers(request)  # (else: no ranges, and N fits the local cache)
     return request
 
 
@@ -357,7 +358,8 @@ def plan(request: Request, local: CacheEntry, remote: RemoteCache, remote_slot: 
         v.check_compatible(api, local.block_bytes, local.data_type, remote.block_bytes, remote.data_type,
                            "block size")
     steps = _layer_steps(request, local, remote)
-    v.check_no_duplicates(api, "dst_blocks", request.dst)
+    if request.dst.count > 1:  # (one block cannot repeat)
+        v.check_no_duplicates(api, "dst_blocks", request.dst)
     return Plan(request, local, remote, block_runs(request.src, request.dst, local.block_bytes), steps)
 
 

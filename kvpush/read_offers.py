@@ -82,7 +82,7 @@ class ReadOffers:
         self._counters = ports.link.counters
         self.peer = "?"
         self.peer_id: int | None = None  # None until the handshake named the peer: no grant applies
-        self._reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
+        self.reading: dict[int, CacheEntry] = {}  # READ_OFFERs being copied (or gated) here, until their DONE
         # gated READ_OFFERs waiting for their mark: (entry, iov, source, transfer, budget ms, OFFER_MORE); read
         # (with ``holding``) by the link before it handles each frame: ``before_frame``
         self.gated_offers: dict[int, tuple[CacheEntry, IoVec, IoVec, TransferMeta, int, bool]] = {}
@@ -92,9 +92,6 @@ class ReadOffers:
         self._held: list[bytes] = []
         self._hold_timer: asyncio.TimerHandle | None = None
         self.holding = False
-
-    def __len__(self) -> int:
-        return len(self._reading)
 
     def rename(self, peer: str, peer_id: int) -> None:
         self.peer, self.peer_id = peer, peer_id
@@ -117,7 +114,7 @@ class ReadOffers:
             return
         entry, iov, budget_ms = resolved
         entry.pin()
-        self._reading[request_id] = entry
+        self.reading[request_id] = entry
         more = bool(header.flags & OFFER_MORE)
         if gate is not None:
             # the sender computes the layer meanwhile: its own deadline starts when it marks it
@@ -163,11 +160,11 @@ class ReadOffers:
         self._gates.discard(request_id)
         entry = self.gated_offers.pop(request_id)[0]
         entry.unpin()
-        self._reading.pop(request_id, None)
+        self.reading.pop(request_id, None)
         self._ports.done(request_id)
         self._counters[counter] += 1
         self._send(encode_status(_DONE, request_id, int(status), reason))
-        if not self.gated_offers and not self._reading:
+        if not self.gated_offers and not self.reading:
             self.send_held()
 
     def _gates_failed(self, error: BaseException) -> None:
@@ -197,14 +194,14 @@ class ReadOffers:
     def _read_done(self, request_id: int, entry: CacheEntry, nbytes: int,  # noqa: PLR0913
                    copy: asyncio.Future[Any], hold: float, gated: bool = False) -> None:
         entry.unpin()
-        if self._reading.pop(request_id, None) is None:
+        if self.reading.pop(request_id, None) is None:
             return  # the link closed meanwhile: no one to answer
         self._ports.done(request_id)
         error = None if copy.cancelled() else copy.exception()
         if error is None and not copy.cancelled():
             self._counters["bytes_received"] += nbytes
             self._held.append(encode_status(_DONE, request_id, 0))
-            if gated and not self.gated_offers and not self._reading:
+            if gated and not self.gated_offers and not self.reading:
                 hold = 0.0  # the sender's last gated offer here: nothing more to answer with it
             if hold:
                 self._counters["read_offer_answers_held"] += 1
@@ -260,4 +257,4 @@ class ReadOffers:
         for gated in self.gated_offers.values():
             gated[0].unpin()
         self.gated_offers.clear()
-        self._reading.clear()
+        self.reading.clear()

@@ -174,7 +174,7 @@ class Inbound:
         if transfer is None:
             transfer = decode_transfer(header, meta)
         try:
-            if len(self._writes) + len(self._granted) + len(self.reads) >= MAX_INCOMING_IN_FLIGHT:
+            if len(self._writes) + len(self._granted) + len(self.reads.reading) >= MAX_INCOMING_IN_FLIGHT:
                 raise Refusal(LLMStatusCode.LLM_LINK_BUSY,
                               f"{MAX_INCOMING_IN_FLIGHT} requests of this link are already in flight here")
             write = header.kind in _WRITES
