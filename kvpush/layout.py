@@ -205,7 +205,8 @@ def block_runs(src: Blocks, dst: Blocks, block_bytes: int) -> Runs:
     ids = src._ids
     if ids is not None:
         if src.count == 1:  # one block (decode-time pushes): one run, nothing to sort or merge
-            return Runs(((ids[0] * block_bytes, dst.ints()[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
+            dst_ids = dst._ids if dst._ids is not None else dst.ints()
+            return Runs(((ids[0] * block_bytes, dst_ids[0] * block_bytes, block_bytes),), None, 2, 1, block_bytes)
         pairs = sorted(zip(ids, dst.ints()))
         merged: list[list[int]] = []
         for s, d in pairs:

@@ -68,7 +68,7 @@ class Outbound:
         the layer is marking it (``kvpush.marks``)."""
         if not self.protocol.ready:
             raise self.link.not_ready()
-        local_first, remote_first = plan.firsts(step)
+        local_first, remote_first = step.src_first, step.dst_first  # (``plan.firsts`` of a write)
         source = plan.local_vector(local_first, step.count)
         payload_len = step.count * plan.runs.bytes_per_tensor
         self.counters["write_requests"] += 1
