@@ -10,6 +10,8 @@ from .protocol import TransferMeta
 from .status import LLMStatusCode
 from .types import RemoteAccess
 
+_PRIVATE = RemoteAccess.PRIVATE  # (bound once: every write a peer sends is checked, and an enum's attribute costs)
+
 
 class Refusal(Exception):
     """Why a peer's request is refused: the status code it is answered with and the reason."""
@@ -29,7 +31,7 @@ def resolve(registry: CacheRegistry, access_allowed: bool, transfer: TransferMet
     if not access_allowed:
         raise Refusal(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "remote cache access is disabled")
     entry = registry.get(transfer.cache_id)
-    if entry is None or entry.access is RemoteAccess.PRIVATE:
+    if entry is None or entry.access is _PRIVATE:
         raise Refusal(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {transfer.cache_id} is not registered")
     first, count = transfer.first_tensor, transfer.num_tensors
     if first + count > entry.num_tensors:
