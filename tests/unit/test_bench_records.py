@@ -104,3 +104,23 @@ def test_the_latency_case_runs_the_asyncio_floor_beside_kvpush_and_the_table_com
     row = next(line for line in table if "| kvpush-tcp |" in line).split("|")
     header = table[0].split("|")
     assert row[header.index(" vs asyncio ping-pong ")].strip().endswith("x its latency")
+
+
+def test_push_segments_match_each_push_with_the_answer_it_got_and_take_each_phases_p50() -> None:
+    """bench/push_segments.phases: the receiver's answer of a push is the last whose read callback began after
+    the push did and before the sender's read callback; a push that got none is left out."""
+    from bench.push_segments import phases
+
+    def push(start: int) -> dict[str, int]:
+        return {"t0": start, "w0": start + 10_000, "w1": start + 30_000, "r0": start + 90_000,
+                "r1": start + 95_000, "t1": start + 99_000}
+
+    pushes = [push(0), push(1_000_000), push(2_000_000)]
+    answers = [(-5_000, -4_000, -3_000),  # a frame of an earlier exchange: not this push's answer
+               (50_000, 60_000, 80_000),
+               (1_040_000, 1_052_000, 1_070_000)]  # (the third push got none: it is left out)
+    got = phases(pushes, answers)
+    assert got["total"] == 99.0 and got["sender, until its write"] == 10.0 and got["sender's write"] == 20.0
+    assert got["receiver wakes"] == (20.0 + 10.0) / 2  # 50 - 30 and 1040 - 1030 us
+    assert got["receiver, until its answer (its read included)"] == 11.0  # median of 10 and 12
+    assert got["sender wakes"] == 15.0  # 90 - 80 and 1090 - 1070: median of 10 and 20
