@@ -255,6 +255,63 @@ def test_a_cursor_tracks_a_few_entries_as_ints_as_it_tracks_many_with_numpy() ->
         assert (flat_target == np_target).all()
 
 
+async def test_small_frames_sent_on_an_idle_stream_into_a_filling_socket_arrive_whole_and_in_order() -> None:
+    """``send`` writes a small frame on an idle stream itself: one that left whole is answered by a frame that
+    has left; one the kernel took only part of (the peer reads nothing yet, the socket fills) is finished
+    from the queue before any later frame, and one it took none of waits in the queue. Then the peer reads:
+    every frame arrives whole, in order, byte for byte."""
+    rng = random.Random(11)
+    loop = asyncio.get_running_loop()
+    with socket.create_server(("127.0.0.1", 0)) as server:  # TCP: its kernel takes part of a write that does not fit
+        ours = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+    sender = TcpFrameStream(ours, Recorder(rng), loop)
+    expected: list[tuple[Kind, int, bytes, bytes]] = []
+    sources: list[np.ndarray[Any, Any]] = []
+    returned: list[Any] = []
+    receiver = None
+    try:
+        for request_id in range(1, 400):
+            meta = rng.randbytes(rng.choice([4, 24, 100]))
+            if rng.random() < 0.3:
+                returned.append(sender.send(encode_header(Kind.DONE, request_id, len(meta), 0) + meta))
+                expected.append((Kind.DONE, request_id, meta, b""))
+                continue
+            size = rng.choice([17, 1000, 3000, 9000, 30000])
+            data = np.frombuffer(rng.randbytes(size), np.uint8).copy()
+            sources.append(data)
+            half = size // 2
+            vector = IoVec.of_ints((data.ctypes.data, half, data.ctypes.data + half, size - half))
+            returned.append(sender.send(encode_header(Kind.WRITE, request_id, len(meta), size) + meta, vector))
+            expected.append((Kind.WRITE, request_id, meta, data.tobytes()))
+        sizes = [len(encode_header(kind, rid, len(meta), len(payload))) + len(meta) + len(payload)
+                 for kind, rid, meta, payload in expected]
+        whole = sum(size for size, frame in zip(sizes, returned) if frame.left)
+        # frames that left whole, then more bytes than they hold: the start of a frame the kernel took part of
+        # (nothing has read yet, so no later write added any)
+        assert 0 < whole < sender.bytes_out < sum(sizes), (whole, sender.bytes_out)
+        recorder = Recorder(rng)
+        receiver = TcpFrameStream(theirs, recorder, loop)
+        for _ in range(5000):
+            if len(recorder.frames) == len(expected) and len(recorder.landed) == len(recorder.payloads):
+                break
+            await asyncio.sleep(0.001)
+        assert not recorder.closed, recorder.closed
+        assert recorder.frames == [(kind, rid, meta) for kind, rid, meta, _ in expected]
+        for kind, rid, _, payload in expected:
+            if kind == Kind.WRITE:
+                assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
+        assert all(frame.left for frame in returned) and sender.bytes_out == receiver.bytes_in
+    finally:
+        sender.close("test over")
+        if receiver is not None:
+            receiver.close("test over")
+        else:
+            theirs.close()
+
+
 async def test_a_frame_bigger_than_the_socket_buffer_leaves_in_writes_that_never_fail(monkeypatch: Any) -> None:
     """A payload larger than the socket's buffer, of many entries (its own vector) or a few (the stream's
     scratch vector): each ``writev`` takes what the buffer has room for and the rest waits for the socket
