@@ -15,7 +15,7 @@ link replaces, what a closed link leaves behind) and closes the links it replace
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -50,12 +50,12 @@ class LinkTable(Generic[L]):
         self._primary: dict[int, L] = {}
         self._crossed: dict[int, L] = {}
         self._losses: dict[int, int] = {}
+        # ``primary(cluster_id)``: the primary link to that peer, or None (the table's own ``get``: every
+        # transfer looks its link up, and a method of ours would add a Python call to each)
+        self.primary: Callable[[int], L | None] = self._primary.get
 
     def __len__(self) -> int:
         return len(self._primary)
-
-    def primary(self, cluster_id: int) -> L | None:
-        return self._primary.get(cluster_id)
 
     @property
     def primaries(self) -> Mapping[int, L]:

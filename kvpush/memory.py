@@ -8,7 +8,7 @@ kvpush's own page-aligned allocation) come from ``kvpush.regions``, whose entry 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,12 +132,12 @@ class CacheRegistry:
         self._by_key: dict[KeyName, int] = {}  # cache key name -> cache id
         self._next_id = 1
         self.version = 0
+        # ``get(cache_id)``: the entry, or None. The table's own ``get`` (every transfer looks a cache up on
+        # both sides, and a method of ours would add a Python call to each)
+        self.get: Callable[[int], CacheEntry | None] = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, cache_id: int) -> CacheEntry | None:
-        return self._entries.get(cache_id)
 
     def table(self, with_addresses: bool = False, with_rkeys: bool = False) -> list[dict[str, Any]]:
         """What peers are told of this engine's caches (private ones are left out)."""
