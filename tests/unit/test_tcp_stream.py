@@ -167,6 +167,20 @@ def test_the_address_of_a_frame_head_is_where_its_bytes_are() -> None:
     assert iovec.BYTES_OFFSET is not None  # CPython: the fast way is the one in use
 
 
+async def arrived(recorder: Recorder, expected: list[tuple[Kind, int, bytes, bytes]]) -> None:
+    """Wait (bounded) until ``recorder`` has every frame of ``expected`` and every payload landed; then check
+    that they came in order, byte for byte, and the stream stayed open."""
+    for _ in range(5000):
+        if len(recorder.frames) == len(expected) and len(recorder.landed) == len(recorder.payloads):
+            break
+        await asyncio.sleep(0.001)
+    assert not recorder.closed, recorder.closed
+    assert recorder.frames == [(kind, rid, meta) for kind, rid, meta, _ in expected]
+    for kind, rid, _, payload in expected:
+        if kind == Kind.WRITE:
+            assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
+
+
 async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> None:
     """The send path: control frames, and payloads of one to 40 iovec entries (short ones go out through
     the stream's scratch vector, long ones through their own; short ones as an IoVec or flat ints), small
@@ -200,15 +214,7 @@ async def test_frames_sent_through_the_stream_arrive_whole_and_in_order() -> Non
             head = encode_header(Kind.WRITE, request_id, len(meta), size) + meta
             sender.enqueue(sender.prepare(head, iov, size if rng.random() < 0.5 else None))
             expected.append((Kind.WRITE, request_id, meta, data.tobytes()))
-        for _ in range(5000):
-            if len(recorder.frames) == len(expected) and len(recorder.landed) == len(recorder.payloads):
-                break
-            await asyncio.sleep(0.001)
-        assert not recorder.closed, recorder.closed
-        assert recorder.frames == [(kind, rid, meta) for kind, rid, meta, _ in expected]
-        for kind, rid, _, payload in expected:
-            if kind == Kind.WRITE:
-                assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
+        await arrived(recorder, expected)
         assert sender.bytes_out == receiver.bytes_in
     finally:
         sender.close("test over")
@@ -294,15 +300,7 @@ async def test_small_frames_sent_on_an_idle_stream_into_a_filling_socket_arrive_
         assert 0 < whole < sender.bytes_out < sum(sizes), (whole, sender.bytes_out)
         recorder = Recorder(rng)
         receiver = TcpFrameStream(theirs, recorder, loop)
-        for _ in range(5000):
-            if len(recorder.frames) == len(expected) and len(recorder.landed) == len(recorder.payloads):
-                break
-            await asyncio.sleep(0.001)
-        assert not recorder.closed, recorder.closed
-        assert recorder.frames == [(kind, rid, meta) for kind, rid, meta, _ in expected]
-        for kind, rid, _, payload in expected:
-            if kind == Kind.WRITE:
-                assert recorder.payloads[rid].tobytes() == payload, f"payload of request {rid}"
+        await arrived(recorder, expected)
         assert all(frame.left for frame in returned) and sender.bytes_out == receiver.bytes_in
     finally:
         sender.close("test over")
