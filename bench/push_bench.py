@@ -495,7 +495,7 @@ def case_zerocopy_netns(work: Workload, reps: int, rounds: int = 2) -> list[dict
 
 
 # -- kvpush ------------------------------------------------------------------------------------------
-def _desc(work: Workload, blocks: int) -> CacheDesc:
+def blocks_desc(work: Workload, blocks: int) -> CacheDesc:
     return CacheDesc(work.tensors, (blocks, work.block_bytes // 2), DataType.DT_FLOAT16)
 
 
@@ -509,10 +509,10 @@ def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> 
         await engine.init({"llm.listenIpInfo": f"{listen}:0", "kvpush.transport": transport,
                            "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS})
         state["engine"] = engine
-        state["cache"] = engine.cache_manager.allocate_blocks_cache(_desc(work, work.dst_blocks),
+        state["cache"] = engine.cache_manager.allocate_blocks_cache(blocks_desc(work, work.dst_blocks),
                                                                     BlocksCacheKey(2, 0))
         state["pingpong"] = await asyncio.get_running_loop().create_server(
-            functools.partial(_PingPongServer, work.layer_bytes()), listen, 0)
+            functools.partial(PingPongServer, work.layer_bytes()), listen, 0)
         ready.set()
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -538,7 +538,7 @@ def kvpush_target(work: Workload, transport: str, listen: str = "127.0.0.1") -> 
     thread.join(10)
 
 
-class _PingPongServer(asyncio.BufferedProtocol):
+class PingPongServer(asyncio.BufferedProtocol):
     """The asyncio floor, served in a kvpush target's own event loop: read a layer's bytes straight into a
     buffer (no stream's copies), answer one byte. Protocols, not streams: streams cost twice as much here."""
 
@@ -603,7 +603,7 @@ async def linked_prefill(work: Workload, transport: str, target: Target) -> tupl
     options = {"kvpush.transport": transport, "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS}
     engine = LLMDataDist(LLMRole.PROMPT, 1, options)
     await engine.init()
-    cache = engine.cache_manager.allocate_blocks_cache(_desc(work, work.src_blocks), BlocksCacheKey(1, 0))
+    cache = engine.cache_manager.allocate_blocks_cache(blocks_desc(work, work.src_blocks), BlocksCacheKey(1, 0))
     fill_source([t.view(np.uint8) for t in cache.tensors], work.seed)
     info = LLMClusterInfo()
     info.remote_cluster_id = 2

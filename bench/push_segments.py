@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.push_bench import (  # noqa: E402
     ENGINE_OPTIONS,
     PingPongClient,
-    _desc,
-    _PingPongServer,
+    PingPongServer,
+    blocks_desc,
     linked_prefill,
 )
 from bench.workload import WORKLOADS  # noqa: E402
@@ -113,15 +113,15 @@ def install(marks: Marks, receiver: bool) -> None:
     marks.wrap(tcp_send, "write_whole", "w0" if not receiver else "d0", "w1" if not receiver else "d1")
     marks.wrap(tcp_receive.FrameReceiver, "on_readable", "a0" if receiver else "r0", None if receiver else "r1")
     if receiver:
-        original_get = _PingPongServer.get_buffer
-        original_updated = _PingPongServer.buffer_updated
+        original_get = PingPongServer.get_buffer
+        original_updated = PingPongServer.buffer_updated
 
-        def get_buffer(self: _PingPongServer, sizehint: int) -> memoryview:
+        def get_buffer(self: PingPongServer, sizehint: int) -> memoryview:
             if self.got == 0:  # a push's first bytes
                 marks.now["a0"] = time.perf_counter_ns()
             return original_get(self, sizehint)
 
-        def buffer_updated(self: _PingPongServer, nbytes: int) -> None:
+        def buffer_updated(self: PingPongServer, nbytes: int) -> None:
             answers = self.got + nbytes == len(self.buffer)
             if answers:
                 marks.now["d0"] = time.perf_counter_ns()
@@ -129,8 +129,8 @@ def install(marks: Marks, receiver: bool) -> None:
             if answers:
                 marks.now["d1"] = time.perf_counter_ns()
 
-        _PingPongServer.get_buffer = get_buffer  # type: ignore[method-assign]
-        _PingPongServer.buffer_updated = buffer_updated  # type: ignore[method-assign]
+        PingPongServer.get_buffer = get_buffer  # type: ignore[method-assign]
+        PingPongServer.buffer_updated = buffer_updated  # type: ignore[method-assign]
         return
     marks.wrap(PingPongClient, "get_buffer", "r0")
     original = PingPongClient.buffer_updated
@@ -167,7 +167,7 @@ async def receiver() -> None:
     install(marks, receiver=True)
     log: list[tuple[int, int, int]] = []
     original = tcp_receive.FrameReceiver.on_readable
-    ping_updated = _PingPongServer.buffer_updated
+    ping_updated = PingPongServer.buffer_updated
 
     def on_readable(self: tcp_receive.FrameReceiver) -> None:
         marks.now.clear()
@@ -175,20 +175,20 @@ async def receiver() -> None:
         if "d0" in marks.now:
             log.append((marks.now["a0"], marks.now["d0"], marks.now["d1"]))
 
-    def answered(self: _PingPongServer, nbytes: int) -> None:
+    def answered(self: PingPongServer, nbytes: int) -> None:
         ping_updated(self, nbytes)
         if "d1" in marks.now:
             log.append((marks.now["a0"], marks.now["d0"], marks.now["d1"]))
             marks.now.clear()
 
     tcp_receive.FrameReceiver.on_readable = on_readable  # type: ignore[method-assign]
-    _PingPongServer.buffer_updated = answered  # type: ignore[method-assign]
+    PingPongServer.buffer_updated = answered  # type: ignore[method-assign]
     engine = LLMDataDist(LLMRole.DECODER, 2)
     await engine.init({"llm.listenIpInfo": "127.0.0.1:0", "kvpush.transport": "tcp",
                        "llm.SyncKvCacheWaitTime": "30000", **ENGINE_OPTIONS})
-    engine.cache_manager.allocate_blocks_cache(_desc(WORK, WORK.dst_blocks), BlocksCacheKey(2, 0))
+    engine.cache_manager.allocate_blocks_cache(blocks_desc(WORK, WORK.dst_blocks), BlocksCacheKey(2, 0))
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(functools.partial(_PingPongServer, WORK.layer_bytes()), "127.0.0.1", 0)
+    server = await loop.create_server(functools.partial(PingPongServer, WORK.layer_bytes()), "127.0.0.1", 0)
     address = engine.listen_address
     assert address is not None
     print(json.dumps({"port": address[1], "pingpong_port": server.sockets[0].getsockname()[1]}),
