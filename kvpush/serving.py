@@ -283,22 +283,6 @@ class Inbound:
     def on_read_offer(self, header: FrameHeader, meta: bytes) -> None:
         self.reads.on_offer(header, meta)
 
-    @property
-    def holding(self) -> bool:
-        """DONEs of read offers wait to go together (``send_held`` sends them now)."""
-        return self.reads.holding
-
-    def send_held(self) -> None:
-        self.reads.send_held()
-
-    @property
-    def gated(self) -> bool:
-        """Gated read offers wait for their marks (``poll_gates`` reads them now)."""
-        return self.reads.gated
-
-    def poll_gates(self) -> None:
-        self.reads.poll()
-
     # -- standing grants (same host, UCX) -------------------------------------------------------------
     def on_lease(self, body: dict[str, Any]) -> None:
         op, cache_id = body.get("op"), body.get("cache")

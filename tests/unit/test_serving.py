@@ -384,25 +384,25 @@ async def test_the_done_of_an_offer_marked_more_waits_for_the_senders_next_frame
     offer(1, True)
     offer(2, True)
     await asyncio.sleep(0)
-    assert sent.writes == [] and side.holding and entry.pins == 0  # copied, unpinned, answer held
-    side.send_held()
-    assert sent.writes == [[1, 2]] and not side.holding
+    assert sent.writes == [] and side.reads.holding and entry.pins == 0  # copied, unpinned, answer held
+    side.reads.send_held()
+    assert sent.writes == [[1, 2]] and not side.reads.holding
     assert [body for _, body in sent.frames] == [(0, ""), (0, "")]
     offer(3, True)
     offer(4, False)  # the request's last layer: answered at once, with what was held
     await asyncio.sleep(0)
-    assert sent.writes[-1] == [3, 4] and not side.holding
+    assert sent.writes[-1] == [3, 4] and not side.reads.holding
     offer(5, True, budget_ms=40)  # held at most 10 ms
     await asyncio.sleep(0)
-    assert sent.writes[-1] == [3, 4] and side.holding
+    assert sent.writes[-1] == [3, 4] and side.reads.holding
     for _ in range(100):  # bounded: the hold ends within 10 ms
-        if not side.holding:
+        if not side.reads.holding:
             break
         await asyncio.sleep(0.01)
     assert sent.writes[-1] == [5] and counters["bytes_received"] == 5 * 64
     offer(6, True)
     await asyncio.sleep(0)
-    assert side.close(lambda: None) is None and not side.holding
+    assert side.close(lambda: None) is None and not side.reads.holding
     await asyncio.sleep(0.15)  # past any hold: nothing is sent on a closed link
     assert sent.writes[-1] == [5]
 
@@ -487,7 +487,7 @@ async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_op
     for request_id, mark in ((4, 0xA000), (5, 0xA008), (6, 0xA010)):
         side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000 + 64 * request_id, 64]] * 4, [64], request_id, True,
                                         gate=(mark, token)))
-    assert entry.pins == 3 and side.gated and not reader.copies  # nothing copied before a mark says so
+    assert entry.pins == 3 and side.reads.gated and not reader.copies  # nothing copied before a mark says so
 
     await marks_read(reader, [token, 0, token ^ ((1 << 64) - 1)])  # 4 open, 5 not yet, 6 withdrawn
     assert sent.frames[-1] == (Kind.DONE, (int(LLMStatusCode.LLM_FAILED), "withdrawn by the sender"))
@@ -495,19 +495,19 @@ async def test_a_gated_offer_is_pinned_at_once_and_copied_once_its_mark_reads_op
     assert is_read and remote == [[0x7000 + 256, 64]] * 4 and entry.pins == 2
     copy.set_result(256)
     await asyncio.sleep(0)
-    assert side.holding and counters["read_offer_answers_held"] == 1  # 5 is still open: 4's answer waits
+    assert side.reads.holding and counters["read_offer_answers_held"] == 1  # 5 is still open: 4's answer waits
     reader.copies.clear()
-    side.poll_gates()  # a frame from the sender: read the marks now
+    side.reads.poll()  # a frame from the sender: read the marks now
     await marks_read(reader, [token])
     (_, _, _, copy), = reader.copies
     copy.set_result(256)
     await asyncio.sleep(0)
-    assert sent.writes[-1] == [4, 5] and not side.holding and entry.pins == 0  # the last one out sends both
+    assert sent.writes[-1] == [4, 5] and not side.reads.holding and entry.pins == 0  # the last one out sends both
     assert counters["read_offers_copied"] == 2 and counters["read_offers_withdrawn"] == 1
     side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]] * 4, [64], 7, True, gate=(0xA000, token)))
     assert entry.pins == 1
     side.close(lambda: None)
-    assert entry.pins == 0 and not side.gated  # never copied: let go with the link
+    assert entry.pins == 0 and not side.reads.gated  # never copied: let go with the link
 
 
 async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_cache_goes() -> None:
@@ -520,7 +520,7 @@ async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_c
     token = 0x0F0F_1234_5678_9ABC
     for request_id, mark in ((4, 0xA000), (5, 0xA008)):
         side.on_read_offer(*offer_frame(cache_id, 0, [[0x7000, 64]] * 4, [64], request_id, True, gate=(mark, token)))
-    assert entry.pins == 2 and side.gated
+    assert entry.pins == 2 and side.reads.gated
     entry.grants.remove(9, np.array([0]), write=True)  # the decode revoked the blocks' grant
     await marks_read(reader, [token, 0])  # 4 marked now, 5 not yet
     assert reader.copies == [] and counters["read_offers_copied"] == 0  # nothing copied into the blocks
@@ -529,4 +529,4 @@ async def test_a_gated_offer_is_checked_again_when_marked_and_refused_when_its_c
     registry.remove(cache_id)
     side.revoke_released()  # the registry changed: what waits for the gone cache is answered now
     assert sent.frames[-1][0] == Kind.DONE and sent.frames[-1][1][0] == int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-    assert entry.pins == 0 and not side.gated and counters["read_offers_refused_late"] == 2
+    assert entry.pins == 0 and not side.reads.gated and counters["read_offers_refused_late"] == 2
