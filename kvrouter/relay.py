@@ -437,6 +437,11 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "instance held them, so the rest was not tokenized on the request's path.",
               "# TYPE kvpush_proxy_tokenized_head_total counter",
               f"kvpush_proxy_tokenized_head_total {counters.get('tokenized_head', 0)}",
+              "# HELP kvpush_proxy_chats_tokenized_total Chats tokenized for placement, by where: here (the "
+              "tokenizer's chat template, once it rendered a chat as an instance did) or by an instance's /tokenize.",
+              "# TYPE kvpush_proxy_chats_tokenized_total counter",
+              f'kvpush_proxy_chats_tokenized_total{{where="here"}} {counters.get("chat_here", 0)}',
+              f'kvpush_proxy_chats_tokenized_total{{where="instance"}} {counters.get("chat_instance", 0)}',
               "# HELP kvpush_proxy_tokenizer_local Whether the router tokenizes text prompts itself (--tokenizer): "
               "1, or 0 when it asks an instance's /tokenize.",
               "# TYPE kvpush_proxy_tokenizer_local gauge", f"kvpush_proxy_tokenizer_local {int(tokenizer_local)}",

@@ -9,8 +9,13 @@
     cannot be (no ``transformers``, the model is on another host), the instance's own ``POST /tokenize``;
   - a model directory or name: that one, loaded at start-up;
   - None (``--tokenizer none``): always the instance's ``POST /tokenize`` (a round trip on the request's path).
-- ``/v1/chat/completions``: the instance's ``POST /tokenize`` with the messages (vLLM renders its chat template
-  as it would for the request; a template the router rendered itself could differ from vLLM's choice).
+- ``/v1/chat/completions``: a text conversation (each message a role and a string, no template, tools or multimodal
+  fields of its own) is rendered here with the tokenizer's chat template and tokenized, once the router has seen that
+  this renders as the instances do: the first chat of each set of rendering fields (``add_generation_prompt``,
+  ``continue_final_message``, ``add_special_tokens``, ``chat_template_kwargs``) goes to the instance's
+  ``POST /tokenize`` and is rendered here beside it, and only equal ids let later ones skip that round trip (an
+  instance given ``--chat-template``, or a template that renders otherwise here, keeps them going there). Any
+  other chat: the instance's ``POST /tokenize`` (vLLM renders it as it would for the request).
 
 A prompt that cannot be tokenized (a batch of prompts, an instance that does not answer within
 ``TOKENIZE_TIMEOUT_S``) is placed by load alone. A long text (``INLINE_CHARS`` or more) is tokenized off the
@@ -28,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import json
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +50,14 @@ HEAD_CHARS = 1024  # a text of at least twice this is tokenized head first (``To
 _SPACES = (" ", "\n", "\t")
 _CHAT_KEYS = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
               "tools", "add_special_tokens", "mm_processor_kwargs")
+# a chat rendered here: its messages and these fields, with vLLM's defaults (a chat's special tokens are its template's)
+_RENDERING = (("add_generation_prompt", True), ("continue_final_message", False), ("add_special_tokens", False),
+              ("chat_template_kwargs", None))
+_OWN_FIELDS = ("chat_template", "tools", "mm_processor_kwargs")  # a chat with one of these goes to the instance
+# template arguments the rendering sets itself: a chat whose chat_template_kwargs name one goes to the instance
+_RESERVED_KWARGS = frozenset(("tokenize", "chat_template", "tools", "documents", "add_generation_prompt",
+                              "continue_final_message", "conversation", "messages", "return_dict"))
+MAX_RENDERINGS = 32  # sets of rendering fields whose verdict is kept (beyond: those chats go to the instance)
 
 
 def text_prompt(path: str, body: Mapping[str, Any]) -> str | None:
@@ -81,10 +96,14 @@ class Tokens:
     """Token ids of requests: ``ids(path, body, session, instance_url)``; ``tokenizer``: ``AUTO``, a local one,
     or None (the instances tokenize). ``loading``: the background load of the auto tokenizer, once started."""
 
-    def __init__(self, tokenizer: str | None = AUTO) -> None:
+    def __init__(self, tokenizer: str | None = AUTO, counters: Counter[str] | None = None) -> None:
         self.tokenizer_name = tokenizer
         self._tokenizer: Any = None
         self.loading: asyncio.Task[None] | None = None
+        #: ``chat_here`` / ``chat_instance``: chats tokenized here or by an instance
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        # rendering fields (``_rendering``'s key) -> whether the tokenizer here renders them as the instances do
+        self.renderings: dict[str, bool] = {}
         if tokenizer is not None and tokenizer != AUTO:
             from transformers import AutoTokenizer  # the router's tokenizer extra: a clear ImportError without it
 
@@ -127,8 +146,8 @@ class Tokens:
         """The prompt's token ids, or None when they cannot be had (logged at debug, counted)."""
         try:
             if path.endswith("/chat/completions"):
-                return await self._remote(session, instance, {k: body[k] for k in _CHAT_KEYS if k in body},
-                                          body.get("model"))
+                return await self._chat(session, instance, {k: body[k] for k in _CHAT_KEYS if k in body},
+                                        body.get("model"))
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one
@@ -161,6 +180,63 @@ class Tokens:
         if cut <= 0:
             return None
         return self._encode(text[:cut], body.get("add_special_tokens", True) is not False), len(text) / cut
+
+    async def _chat(self, session: aiohttp.ClientSession, instance: str, fields: Mapping[str, Any],
+                    model: Any) -> list[int] | None:
+        """A chat's ids: rendered here when this rendering is known to give the instance's ids, else the instance's
+        (and, the first time for this rendering, rendered here too, which decides)."""
+        if self._tokenizer is None:
+            self.discover(session, instance)
+        key = self._rendering(fields)
+        if key is not None and self.renderings.get(key):
+            self.counters["chat_here"] += 1
+            return await self._rendered(fields)
+        ids = await self._remote(session, instance, fields, model)
+        self.counters["chat_instance"] += 1
+        if key is not None and key not in self.renderings and len(self.renderings) < MAX_RENDERINGS and ids:
+            try:
+                here = await self._rendered(fields)
+            except Exception as error:  # noqa: BLE001 - the template does not render here: the instance renders
+                log.info("chats are tokenized by the instances: the chat template does not render here (%s)",
+                         str(error)[:200] or type(error).__name__)
+                here = None
+            self.renderings[key] = here == ids
+            if here is not None and here != ids:
+                log.info("chats rendered with %s are tokenized by the instances: the chat template here renders "
+                         "them otherwise (an instance started with --chat-template?)", key)
+        return ids
+
+    def _rendering(self, fields: Mapping[str, Any]) -> str | None:
+        """The key of a chat's rendering fields, or None when it is not rendered here (no tokenizer here, fields of
+        its own, a message that is not a role and a string)."""
+        if self._tokenizer is None or any(name in fields for name in _OWN_FIELDS):
+            return None
+        messages = fields.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                type(m) is dict and len(m) == 2 and type(m.get("role")) is str and type(m.get("content")) is str
+                for m in messages):
+            return None
+        kwargs = fields.get("chat_template_kwargs")
+        if kwargs is not None and (type(kwargs) is not dict or not _RESERVED_KWARGS.isdisjoint(kwargs)):
+            return None
+        try:
+            return json.dumps([fields.get(name, default) for name, default in _RENDERING], sort_keys=True)
+        except (TypeError, ValueError):
+            return None
+
+    def _render(self, fields: Mapping[str, Any]) -> list[int]:
+        """A text conversation's ids, rendered with the tokenizer's chat template as vLLM renders it."""
+        text: str = self._tokenizer.apply_chat_template(
+            fields["messages"], tokenize=False, add_generation_prompt=fields.get("add_generation_prompt", True),
+            continue_final_message=fields.get("continue_final_message", False),
+            **(fields.get("chat_template_kwargs") or {}))
+        return self._encode(text, fields.get("add_special_tokens", False) is True)
+
+    async def _rendered(self, fields: Mapping[str, Any]) -> list[int]:
+        """``_render`` on the event loop for a short chat, in a thread for a long one (as for text prompts)."""
+        if sum(len(m["content"]) for m in fields["messages"]) < INLINE_CHARS:
+            return self._render(fields)
+        return await asyncio.to_thread(self._render, fields)
 
     def _encode(self, prompt: str, special: bool) -> list[int]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core

@@ -34,6 +34,9 @@ class FakeVllm:
         self.tokenized: list[dict[str, Any]] = []  # POST /tokenize bodies (answered: one token per character)
         self.raw: list[bytes] = []  # the completions' bodies as they came
         self.model_root: str | None = None  # the "root" /v1/models names (vLLM: the model's directory or name)
+        #: a transformers tokenizer: /tokenize then renders a chat with its chat template and tokenizes it as vLLM
+        #: does (else one token per character of the messages' JSON)
+        self.tokenizer: Any = None
 
     async def start(self, port: int = 0) -> FakeVllm:
         app = web.Application()
@@ -90,5 +93,12 @@ class FakeVllm:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.tokenized.append(body)
+        if "messages" in body and self.tokenizer is not None:
+            text = self.tokenizer.apply_chat_template(
+                body["messages"], tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                **(body.get("chat_template_kwargs") or {}))
+            ids = self.tokenizer(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
+            return web.json_response({"tokens": ids, "count": len(ids)})
         text = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))
         return web.json_response({"tokens": [ord(c) % 2000 for c in str(text)], "count": len(str(text))})

@@ -9,7 +9,9 @@ one every ``window_every`` layers) or ``granite_hybrid`` (Granite-4-shaped: Mamb
 The weights are random (fixed seed) and float32: bf16 changed greedy tokens against fp32 on this
 host, and the P/D tests compare greedy tokens. The tokenizer is a byte-level BPE trained here on
 generated text and saved beside the weights, so ``AutoTokenizer`` and vLLM load the directory as any
-Hugging Face model. Needs ``torch``, ``transformers`` and ``tokenizers`` (vLLM brings all three).
+Hugging Face model; it carries a chat template (``CHAT_TEMPLATE``), so vLLM serves ``/v1/chat/completions`` for it as
+it does for a real model, with no ``--chat-template``. Needs ``torch``, ``transformers`` and ``tokenizers`` (vLLM
+brings all three).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ WORDS = (
 ).split()
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+#: the tokenizer's chat template: each message as ``[role] content`` on its own line, then ``[assistant]``
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 #: the families ``--arch`` builds (see ``Shape.arch``)
 ARCHS = ("llama", "deepseek_v2", "gemma3", "granite_hybrid")
@@ -67,8 +72,10 @@ def _train_tokenizer(vocab_size: int, seed: int) -> Any:  # a transformers.PreTr
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", model_max_length=1 << 20)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 @dataclass(frozen=True)

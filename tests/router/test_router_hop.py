@@ -48,9 +48,8 @@ class Router:
         async with session.get(self.url + path) as reply:
             return await reply.text()
 
-    async def post(self, session: aiohttp.ClientSession, data: bytes) -> str:
-        async with session.post(self.url + "/v1/completions", data=data,
-                                headers={"Content-Type": "application/json"}) as reply:
+    async def post(self, session: aiohttp.ClientSession, data: bytes, path: str = "/v1/completions") -> str:
+        async with session.post(self.url + path, data=data, headers={"Content-Type": "application/json"}) as reply:
             assert reply.status == 200, await reply.text()
             await reply.read()
             return reply.headers["X-Kvpush-Route"]
@@ -119,6 +118,60 @@ async def test_the_default_finds_the_instances_tokenizer_and_tokenizes_here(auto
         again = words(400, 1) + " push"
         assert await auto.post(session, body(again)) == "decode-only"
         assert "kvpush_proxy_tokenized_head_total 1" in await auto.get(session, "/metrics")
+
+
+def chat(messages: list[dict[str, str]], **fields: Any) -> bytes:
+    return json.dumps({"model": "tiny", "messages": messages, "max_tokens": 2, **fields}).encode()
+
+
+def turns(n: int, seed: int) -> list[dict[str, str]]:
+    return [{"role": ("user", "assistant")[i % 2], "content": words(20 + 10 * i, seed + i)} for i in range(n)]
+
+
+async def _chats(router: Router, session: aiohttp.ClientSession) -> tuple[int, int]:
+    """(chats tokenized here, chats tokenized by an instance), from the router's metrics."""
+    text = await router.get(session, "/metrics")
+    counts = [int(line.rsplit(" ", 1)[1]) for where in ("here", "instance") for line in text.splitlines()
+              if line.startswith(f'kvpush_proxy_chats_tokenized_total{{where="{where}"}}')]
+    return counts[0], counts[1]
+
+
+async def test_chats_are_tokenized_here_once_one_rendered_here_as_the_instance_rendered_it(
+        auto: Router, reference: Any) -> None:
+    """A chat's ids need the chat template: the first chat of each set of rendering fields is tokenized by the
+    instance (a round trip on its path) and rendered here beside it; equal ids, and later such chats are rendered
+    here alone. Chats with fields of their own (a template, tools) or messages that are not a role and a string
+    still go to the instance."""
+    auto.decode.tokenizer = reference  # the stand-in renders a chat as vLLM does, with the same template
+    CHAT = "/v1/chat/completions"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        await auto.post(session, chat(turns(2, 0)), CHAT)
+        assert len(auto.decode.tokenized) == 1 and await _chats(auto, session) == (0, 1)
+        for n in (1, 3, 4):  # the same rendering: here, and no round trip
+            await auto.post(session, chat(turns(n, n)), CHAT)
+        assert len(auto.decode.tokenized) == 1 and await _chats(auto, session) == (3, 1)
+        # other rendering fields: once by the instance, then here
+        for seed in (5, 6):
+            await auto.post(session, chat(turns(2, seed), add_generation_prompt=False), CHAT)
+        assert len(auto.decode.tokenized) == 2 and await _chats(auto, session) == (4, 2)
+        # what is not rendered here: a template of its own, tools, a message with parts
+        own = [chat(turns(2, 7), chat_template="{{ messages[0]['content'] }}"),
+               chat(turns(2, 8), tools=[{"type": "function", "function": {"name": "f"}}]),
+               chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])]
+        for sent in own:
+            await auto.post(session, sent, CHAT)
+        assert len(auto.decode.tokenized) == 2 + len(own) and await _chats(auto, session) == (4, 2 + len(own))
+
+
+async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto: Router) -> None:
+    """An instance that renders chats otherwise (vLLM started with ``--chat-template``: here, the stand-in's own
+    ids) keeps tokenizing them: the router never places by ids its own template made."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        for n in (1, 2, 3):
+            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        assert len(auto.decode.tokenized) == 3 and await _chats(auto, session) == (0, 3)
 
 
 def test_a_long_texts_head_tokenizes_as_the_whole_texts_beginning(reference: Any) -> None:

@@ -76,8 +76,6 @@ IDS_WAIT_MS = 5000
 TOKEN = {"KVPUSH_AUTH_TOKEN": "a-shared-secret-of-this-test"}
 DECODE_MODEL_LEN = 4096  # the decode's context (the tiny model's whole): long generations for clients that leave
 STARTUP_S = 300.0
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant]{% endif %}")
 WORDS = ("the cache block layer prefill decode push token model engine request memory page tensor head value key "
          "attention batch queue stream socket link cluster transfer river mountain city garden window").split()
 
@@ -151,10 +149,9 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("proxy")
     started = time.monotonic()
     requests = work / "requests.json"
-    requests.write_text(json.dumps({"prompts": PROMPTS, "chats": CHATS + STREAMED_CHATS, "chat_template": CHAT_TEMPLATE,
-                                    "max_tokens": MAX_TOKENS, "max_num_batched_tokens": PREFILL_BATCH_TOKENS}))
-    (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    chat = ["--chat-template", str(work / "chat_template.jinja")]
+    # (chats: the tiny model's tokenizer carries its chat template, as a real model's does: no --chat-template)
+    requests.write_text(json.dumps({"prompts": PROMPTS, "chats": CHATS + STREAMED_CHATS, "max_tokens": MAX_TOKENS,
+                                    "max_num_batched_tokens": PREFILL_BATCH_TOKENS}))
     reference_out = work / "reference.json"
     with open(work / "reference.log", "wb") as log:  # the child keeps its own copy of the descriptor
         reference = subprocess.Popen(
@@ -168,7 +165,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         servers["prefill"] = start_vllm(
             "prefill", tiny_model, "0", _kv_config("kv_producer", kv_port, ids_timeout_s=IDS_TIMEOUT_S,
                                                        ids_wait_ms=IDS_WAIT_MS, bootstrap_port=bootstrap_port), work,
-            "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), *chat, port=prefill_port, env=TOKEN)
+            "--max-num-batched-tokens", str(PREFILL_BATCH_TOKENS), port=prefill_port, env=TOKEN)
         return servers["prefill"]
 
     try:
@@ -176,7 +173,7 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         servers["decode"] = start_vllm("decode", tiny_model, "1", _kv_config(
             "kv_consumer", kv_port, transfer_timeout_s=TRANSFER_TIMEOUT_S, abort_grace_s=ABORT_GRACE_S), work,
             "--max-num-batched-tokens", "128", "--enable-log-requests", "--max-model-len", str(DECODE_MODEL_LEN),
-            *chat, env=TOKEN)
+            env=TOKEN)
         wait_healthy(list(servers.values()), STARTUP_S)
         assert reference.wait(timeout=max(10.0, STARTUP_S - (time.monotonic() - started))) == 0, \
             (work / "reference.log").read_text()[-4000:]
@@ -341,6 +338,17 @@ def test_streamed_completions_through_the_proxy_equal_a_single_instance(pd: Stac
 
 @pytest.mark.timeout(200)
 def test_chat_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -> None:
+    """Chats through the proxy equal a single instance's; the proxy tokenizes them for placement with the model's
+    chat template (after the first one, which vLLM's /tokenize also renders, showed that both give the same ids),
+    not with a round trip to an instance per chat."""
+    def chats_tokenized() -> dict[str, float]:
+        values = metrics(pd.proxy.url)
+        return {where: metric_sum(values, "kvpush_proxy_chats_tokenized_total", f'where="{where}"')
+                for where in ("here", "instance")}
+
+    # (the proxy loads the model's tokenizer in the background at start-up: importing transformers takes seconds)
+    assert wait_for(lambda: metric_sum(metrics(pd.proxy.url), "kvpush_proxy_tokenizer_local") == 1, 120)
+    before = chats_tokenized()
     rows = []
     for chat in CHATS:
         reference = pd.chat_ref(chat)
@@ -360,6 +368,11 @@ def test_chat_completions_through_the_proxy_equal_a_single_instance(pd: Stack) -
         assert got["prompt_tokens"] == len(reference["prompt_ids"])
         rows.append((len(reference["prompt_ids"]), reference["tokens"], got))
     _check(rows, "/v1/chat/completions through kvpush proxy (the last two streamed)")
+    after = chats_tokenized()
+    here, there = after["here"] - before["here"], after["instance"] - before["instance"]
+    assert here + there == len(rows)  # (static placement: every chat's ids)
+    # the one that decided; then the proxy's own rendering, as vLLM's gave the same ids
+    assert there <= 1, f"{there:g} of {len(rows)} chats tokenized by vLLM: the proxy's rendering differed from vLLM's"
     assert len(rows) >= 6 and any(length > PREFILL_BATCH_TOKENS for length, _, _ in rows)
 
 
