@@ -4,6 +4,7 @@ proxy, on the same vLLM instance, in one run.
 
     python bench/router_hop.py                 # 40 and 900 words, 30 requests per case and length
     python bench/router_hop.py --requests 10   # fewer
+    python bench/router_hop.py --chat          # the same prompts as chats (/v1/chat/completions, one user message)
 
 One ``vllm serve`` of the demo's tiny model (``kvpush.cli.tiny_model``) with KvpushConnector (``kv_consumer``,
 as a decode of the README's setup), on core 1; every router on core 0
@@ -25,6 +26,11 @@ Cases:
 - ``kvpush-remote-tokenize``: as ``kvpush-2-decodes`` with ``--tokenizer none``: text prompts tokenized by the
   decode's ``/tokenize`` (a round trip on the request's path: kvpush's default before issue 42);
 - ``vllm-router``: vllm-router 0.1.17 (``bench/peers/setup.sh``), ``--worker-urls`` the decode.
+
+With ``--chat`` every request is a chat of one user message. Its ids need the chat template, so every kvpush case
+tokenizes it, even with one decode: ``kvpush`` renders it with the model's template once the first chat rendered as
+the decode's ``/tokenize`` did, ``kvpush-remote-tokenize`` asks the decode's ``/tokenize`` each time (what every chat
+paid before).
 
 One JSON line per (case, length): p50 and p99 of the latency (ms), ``added_p50_ms`` = its p50 minus
 ``direct``'s, and for routers ``vs_vllm_router`` = its added p50 over vllm-router's, and ``target_ms`` =
@@ -86,6 +92,7 @@ def _floor(port: int, upstream: str) -> None:
 
         app = web.Application()
         app.router.add_post("/v1/completions", forward)
+        app.router.add_post("/v1/chat/completions", forward)
         app.router.add_get("/health", lambda _: web.Response(text="ok"))  # type: ignore[arg-type,return-value]
         runner = web.AppRunner(app)
         await runner.setup()
@@ -147,14 +154,17 @@ def _text(rng: random.Random, words: int) -> str:
 class Client:
     """One kept-alive HTTP connection to a case's URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, chat: bool = False) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        self.chat = chat
 
     def ask(self, text: str) -> tuple[float, int]:
-        body = json.dumps({"model": demo_vllm.SERVED, "prompt": text, "max_tokens": 1, "temperature": 0.0}).encode()
+        prompt = {"messages": [{"role": "user", "content": text}]} if self.chat else {"prompt": text}
+        body = json.dumps({"model": demo_vllm.SERVED, **prompt, "max_tokens": 1, "temperature": 0.0}).encode()
         started = time.perf_counter()
-        self.connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        self.connection.request("POST", "/v1/chat/completions" if self.chat else "/v1/completions", body,
+                                {"Content-Type": "application/json"})
         reply = self.connection.getresponse()
         data = reply.read()
         elapsed = time.perf_counter() - started
@@ -167,6 +177,7 @@ def main() -> int:  # noqa: PLR0915
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30, help="per case and length (default 30)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in words")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a chat of one user message")
     parser.add_argument("--floor", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor:
@@ -214,7 +225,7 @@ def main() -> int:  # noqa: PLR0915
             if case.startswith("kvpush") and "remote" not in case:
                 _tokenizer_loaded(url)
         rng = random.Random(7)
-        clients = {case: Client(url) for case, url in urls.items()}
+        clients = {case: Client(url, args.chat) for case, url in urls.items()}
         lengths = [int(n) for n in args.lengths.split(",")]
         samples: dict[tuple[str, int], list[float]] = {}
         tokens: dict[int, list[int]] = {}
@@ -235,7 +246,8 @@ def main() -> int:  # noqa: PLR0915
             for case in urls:
                 values = sorted(samples[(case, n)])
                 row: dict[str, Any] = {
-                    "workload": "ROUTER-HOP", "case": case, "prompt_words": n,
+                    "workload": "ROUTER-HOP", "case": case, "api": "chat" if args.chat else "completions",
+                    "prompt_words": n,
                     "prompt_tokens": int(statistics.median(tokens[n])), "requests": len(values),
                     "p50_ms": round(p50[case], 3), "p99_ms": round(values[min(len(values) - 1,
                                                                                 int(len(values) * 0.99))], 3),

@@ -70,7 +70,7 @@ from .relay import (
     render_metrics,
     target_url,
 )
-from .tokens import Tokens, given_ids, most_tokens
+from .tokens import Tokens, given_ids
 from .warm import Warmer
 
 __all__ = ["DEFAULT_KV_PORT", "Prefill", "ProxyConfig", "SpecError", "base_url", "bound_port", "parse_prefill",
@@ -331,7 +331,7 @@ class Proxy:
         request's path."""
         if self.config.policy.static or len(self.decodes.up()) != 1 or given_ids(path, body):
             return True  # (token ids given: they cost nothing to have)
-        bound = most_tokens(path, body)
+        bound = self.tokens.most_tokens(path, body)
         return bound is None or (bound >= self.config.policy.pd_min_tokens and bool(self.prefills.up()))
 
     async def _prompt(self, path: str, body: Mapping[str, Any], instance: str, needed: bool = True,

@@ -31,6 +31,7 @@ is never tokenized on the request's path (1.5 ms for 900 words with the demo mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -104,6 +105,7 @@ class Tokens:
         self.counters: Counter[str] = Counter() if counters is None else counters
         # rendering fields (``_rendering``'s key) -> whether the tokenizer here renders them as the instances do
         self.renderings: dict[str, bool] = {}
+        self._last_render: tuple[Any, str, str] | None = None  # (its messages, its rendering's key, the text)
         if tokenizer is not None and tokenizer != AUTO:
             from transformers import AutoTokenizer  # the router's tokenizer extra: a clear ImportError without it
 
@@ -141,28 +143,53 @@ class Tokens:
             log.info("the instances' tokenizer could not be loaded here (%s); they tokenize text prompts",
                      str(error)[:200] or type(error).__name__)
 
+    def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+        """The prompt as a text this router tokenizes, and whether special tokens are added to it: a completion's
+        one text prompt, or a chat rendered here with the chat template (a rendering known to give the instance's
+        ids: ``_chat``); None for anything else."""
+        text = text_prompt(path, body)
+        if text is not None:
+            return text, body.get("add_special_tokens", True) is not False
+        if not path.endswith("/chat/completions") or self._tokenizer is None:
+            return None
+        fields = {name: body[name] for name in _CHAT_KEYS if name in body}
+        key = self._rendering(fields)
+        if key is None or not self.renderings.get(key):
+            return None
+        return self._render(fields, key), fields.get("add_special_tokens", False) is True
+
+    def most_tokens(self, path: str, body: Mapping[str, Any]) -> int | None:
+        """``most_tokens``, and for a chat rendered here its text's bound (rendering costs no tokenizing)."""
+        bound = most_tokens(path, body)
+        if bound is None and path.endswith("/chat/completions"):
+            known = self.text(path, body)
+            if known is not None:
+                bound = len(known[0].encode("utf-8", "replace")) + 8
+        return bound
+
     async def ids(self, path: str, body: Mapping[str, Any], session: aiohttp.ClientSession,
                   instance: str) -> list[int] | None:
         """The prompt's token ids, or None when they cannot be had (logged at debug, counted)."""
         try:
-            if path.endswith("/chat/completions"):
-                return await self._chat(session, instance, {k: body[k] for k in _CHAT_KEYS if k in body},
-                                        body.get("model"))
+            if self._tokenizer is None:
+                self.discover(session, instance)
+            chat = path.endswith("/chat/completions")
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            if not chat and isinstance(prompt, list) and all(type(t) is int for t in prompt):
                 return prompt
-            if not isinstance(prompt, str):
+            known = self.text(path, body)
+            if known is None:
+                if chat:
+                    return await self._chat(session, instance, {k: body[k] for k in _CHAT_KEYS if k in body},
+                                            body.get("model"))
                 return None
-            special = body.get("add_special_tokens", True) is not False
-            if self._tokenizer is None:
-                self.discover(session, instance)
+            text, special = known
             if self._tokenizer is not None:
-                if len(prompt) < INLINE_CHARS:
-                    return self._encode(prompt, special)
-                return await asyncio.to_thread(self._encode, prompt, special)
-            return await self._remote(session, instance, {"prompt": prompt, "add_special_tokens": special},
+                self.counters["chat_here"] += chat
+                return await self._encoded(text, special)
+            return await self._remote(session, instance, {"prompt": text, "add_special_tokens": special},
                                       body.get("model"))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as error:
             self.failures += 1
@@ -170,40 +197,38 @@ class Tokens:
             return None
 
     def head_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int], float] | None:
-        """A long text prompt's head, tokenized here: its ids and the text's length over the head's (what scales
-        the head's token count to an estimate of the whole prompt's). None: not a text of at least twice
-        ``HEAD_CHARS``, no tokenizer here, or no whitespace to cut at."""
-        text = text_prompt(path, body)
-        if text is None or self._tokenizer is None or len(text) < 2 * HEAD_CHARS:
+        """A long text prompt's head (a chat's rendered text's too, ``text``), tokenized here: its ids and the text's
+        length over the head's (what scales the head's token count to an estimate of the whole prompt's). None:
+        not a text of at least twice ``HEAD_CHARS``, no tokenizer here, or no whitespace to cut at."""
+        known = self.text(path, body) if self._tokenizer is not None else None
+        if known is None or len(known[0]) < 2 * HEAD_CHARS:
             return None
+        text, special = known
         cut = max(text.rfind(space, HEAD_CHARS // 2, HEAD_CHARS + 1) for space in _SPACES)
         if cut <= 0:
             return None
-        return self._encode(text[:cut], body.get("add_special_tokens", True) is not False), len(text) / cut
+        return self._encode(text[:cut], special), len(text) / cut
 
     async def _chat(self, session: aiohttp.ClientSession, instance: str, fields: Mapping[str, Any],
                     model: Any) -> list[int] | None:
-        """A chat's ids: rendered here when this rendering is known to give the instance's ids, else the instance's
-        (and, the first time for this rendering, rendered here too, which decides)."""
-        if self._tokenizer is None:
-            self.discover(session, instance)
-        key = self._rendering(fields)
-        if key is not None and self.renderings.get(key):
-            self.counters["chat_here"] += 1
-            return await self._rendered(fields)
+        """A chat's ids from the instance. The first chat of each rendering (``_rendering``) is rendered and
+        tokenized here too: equal ids, and later chats of that rendering are rendered here (``text``)."""
         ids = await self._remote(session, instance, fields, model)
         self.counters["chat_instance"] += 1
-        if key is not None and key not in self.renderings and len(self.renderings) < MAX_RENDERINGS and ids:
-            try:
-                here = await self._rendered(fields)
-            except Exception as error:  # noqa: BLE001 - the template does not render here: the instance renders
-                log.info("chats are tokenized by the instances: the chat template does not render here (%s)",
-                         str(error)[:200] or type(error).__name__)
-                here = None
-            self.renderings[key] = here == ids
-            if here is not None and here != ids:
-                log.info("chats rendered with %s are tokenized by the instances: the chat template here renders "
-                         "them otherwise (an instance started with --chat-template?)", key)
+        key = self._rendering(fields)
+        if key is None or key in self.renderings or len(self.renderings) >= MAX_RENDERINGS or not ids:
+            return ids
+        try:
+            here: list[int] | None = await self._encoded(self._render(fields, key),
+                                                         fields.get("add_special_tokens", False) is True)
+        except Exception as error:  # noqa: BLE001 - the template does not render here: the instances render
+            log.info("chats are tokenized by the instances: the chat template does not render here (%s)",
+                     str(error)[:200] or type(error).__name__)
+            here = None
+        self.renderings[key] = here == ids
+        if here is not None and here != ids:
+            log.info("chats rendered with %s are tokenized by the instances: the chat template here renders them "
+                     "otherwise (an instance started with --chat-template?)", key)
         return ids
 
     def _rendering(self, fields: Mapping[str, Any]) -> str | None:
@@ -224,19 +249,25 @@ class Tokens:
         except (TypeError, ValueError):
             return None
 
-    def _render(self, fields: Mapping[str, Any]) -> list[int]:
-        """A text conversation's ids, rendered with the tokenizer's chat template as vLLM renders it."""
+    def _render(self, fields: Mapping[str, Any], key: str) -> str:
+        """A text conversation rendered with the tokenizer's chat template, as vLLM renders it (the last one is
+        kept: a request's placement asks for its text more than once)."""
+        messages = fields["messages"]
+        last = self._last_render
+        if last is not None and last[0] is messages and last[1] == key:  # (held: the same list, not a new one)
+            return last[2]
         text: str = self._tokenizer.apply_chat_template(
-            fields["messages"], tokenize=False, add_generation_prompt=fields.get("add_generation_prompt", True),
+            messages, tokenize=False, add_generation_prompt=fields.get("add_generation_prompt", True),
             continue_final_message=fields.get("continue_final_message", False),
             **(fields.get("chat_template_kwargs") or {}))
-        return self._encode(text, fields.get("add_special_tokens", False) is True)
+        self._last_render = (messages, key, text)
+        return text
 
-    async def _rendered(self, fields: Mapping[str, Any]) -> list[int]:
-        """``_render`` on the event loop for a short chat, in a thread for a long one (as for text prompts)."""
-        if sum(len(m["content"]) for m in fields["messages"]) < INLINE_CHARS:
-            return self._render(fields)
-        return await asyncio.to_thread(self._render, fields)
+    async def _encoded(self, text: str, special: bool) -> list[int]:
+        """``_encode`` on the event loop for a short text, in a thread for a long one."""
+        if len(text) < INLINE_CHARS:
+            return self._encode(text, special)
+        return await asyncio.to_thread(self._encode, text, special)
 
     def _encode(self, prompt: str, special: bool) -> list[int]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
@@ -253,6 +284,9 @@ class Tokens:
         collection that walked them would stall every request in flight for 100 ms or more)."""
         self._tokenizer = tokenizer
         self._encode("warm up: the first use", True)
+        if getattr(tokenizer, "chat_template", None):  # its template compiled (4 ms here), not on a chat's path
+            with contextlib.suppress(Exception):
+                tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=False)
         gc.collect()
         gc.freeze()
 

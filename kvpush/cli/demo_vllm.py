@@ -203,7 +203,8 @@ async def _through_the_router(prefill: Server, decode: Server, kv_port: int) -> 
 
 
 def _model(path: Path) -> Path:
-    if (path / "config.json").exists():
+    # (a demo model built before it carried its chat template is built again)
+    if (path / "config.json").exists() and (path != MODEL_DIR or (path / "chat_template.jinja").exists()):
         return path
     print(f"building the demo model into {path} (once, ~10 s)", flush=True)
     subprocess.run([sys.executable, "-m", "kvpush.cli.tiny_model", str(path)], check=True, capture_output=True)

@@ -148,20 +148,29 @@ async def test_chats_are_tokenized_here_once_one_rendered_here_as_the_instance_r
         await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
         await auto.post(session, chat(turns(2, 0)), CHAT)
         assert len(auto.decode.tokenized) == 1 and await _chats(auto, session) == (0, 1)
-        for n in (1, 3, 4):  # the same rendering: here, and no round trip
+        for n in (2, 3, 4):  # the same rendering: here, and no round trip
             await auto.post(session, chat(turns(n, n)), CHAT)
         assert len(auto.decode.tokenized) == 1 and await _chats(auto, session) == (3, 1)
         # other rendering fields: once by the instance, then here
         for seed in (5, 6):
             await auto.post(session, chat(turns(2, seed), add_generation_prompt=False), CHAT)
         assert len(auto.decode.tokenized) == 2 and await _chats(auto, session) == (4, 2)
+        # a chat rendered here is a text prompt: one too short to disaggregate is not tokenized on its path (its
+        # rendered text bounds its tokens), and a long one whose head no instance holds is placed by its head
+        await auto.post(session, chat([{"role": "user", "content": "hi"}]), CHAT)
+        assert len(auto.decode.tokenized) == 2 and await _chats(auto, session) == (4, 2)
+        metrics = await auto.get(session, "/metrics")
+        assert "kvpush_proxy_tokenized_head_total 0" in metrics
+        assert await auto.post(session, chat([{"role": "user", "content": words(900, 9)}]), CHAT) == "pd"
+        assert len(auto.decode.tokenized) == 2
+        assert "kvpush_proxy_tokenized_head_total 1" in await auto.get(session, "/metrics")
         # what is not rendered here: a template of its own, tools, a message with parts
         own = [chat(turns(2, 7), chat_template="{{ messages[0]['content'] }}"),
                chat(turns(2, 8), tools=[{"type": "function", "function": {"name": "f"}}]),
                chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])]
         for sent in own:
             await auto.post(session, sent, CHAT)
-        assert len(auto.decode.tokenized) == 2 + len(own) and await _chats(auto, session) == (4, 2 + len(own))
+        assert len(auto.decode.tokenized) == 2 + len(own)
 
 
 async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto: Router) -> None:
