@@ -5,6 +5,7 @@ proxy, on the same vLLM instance, in one run.
     python bench/router_hop.py                 # 40 and 900 words, 30 requests per case and length
     python bench/router_hop.py --requests 10   # fewer
     python bench/router_hop.py --chat          # the same prompts as chats (/v1/chat/completions, one user message)
+    python bench/router_hop.py --conversation  # each prompt the case's last one and 40 words more
 
 One ``vllm serve`` of the demo's tiny model (``kvpush.cli.tiny_model``) with KvpushConnector (``kv_consumer``,
 as a decode of the README's setup), on core 1; every router on core 0
@@ -31,6 +32,11 @@ With ``--chat`` every request is a chat of one user message. Its ids need the ch
 tokenizes it, even with one decode: ``kvpush`` renders it with the model's template once the first chat rendered as
 the decode's ``/tokenize`` did, ``kvpush-remote-tokenize`` asks the decode's ``/tokenize`` each time (what every chat
 paid before).
+
+With ``--conversation`` each case's prompts of a length form a conversation: each is the last one and 40 words
+more (the instance holds the last one's blocks), from N words up to twice N, then a new one. With two decodes
+placement needs such a prompt's blocks, and its head is held, so the router tokenizes it on the path: after
+issue 42 only what follows the last prompt (``kvrouter.tokens.Known``), before it the whole text.
 
 One JSON line per (case, length): p50 and p99 of the latency (ms), ``added_p50_ms`` = its p50 minus
 ``direct``'s, and for routers ``vs_vllm_router`` = its added p50 over vllm-router's, and ``target_ms`` =
@@ -147,6 +153,16 @@ def _tokenizer_loaded(url: str, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"{url}: the router did not load the model's tokenizer within {timeout_s:.0f} s")
 
 
+def _counters(url: str) -> dict[str, float]:
+    """A kvpush router's counts of how it tokenized prompts (its /metrics)."""
+    names = ("kvpush_proxy_tokenized_head_total", "kvpush_proxy_tokenized_after_known_total",
+             'kvpush_proxy_chats_tokenized_total{where="here"}', 'kvpush_proxy_chats_tokenized_total{where="instance"}')
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+        lines = answer.read().decode().splitlines()
+    return {name.removeprefix("kvpush_proxy_"): float(line.rsplit(" ", 1)[1])
+            for name in names for line in lines if line.startswith(name + " ")}
+
+
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
@@ -178,6 +194,8 @@ def main() -> int:  # noqa: PLR0915
     parser.add_argument("--requests", type=int, default=30, help="per case and length (default 30)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in words")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a chat of one user message")
+    parser.add_argument("--conversation", action="store_true",
+                        help="each prompt of a case and length its last one and 40 words more")
     parser.add_argument("--floor", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor:
@@ -230,15 +248,26 @@ def main() -> int:  # noqa: PLR0915
         samples: dict[tuple[str, int], list[float]] = {}
         tokens: dict[int, list[int]] = {}
         order = list(clients.items())
+        said: dict[tuple[str, int], str] = {}  # --conversation: each case's last prompt of a length
+
+        def prompt(case: str, n: int) -> str:
+            if not args.conversation:
+                return _text(rng, n)
+            last = said.get((case, n))
+            said[(case, n)] = _text(rng, n) if last is None or len(last.split()) >= 2 * n \
+                else last + " " + _text(rng, 40)
+            return said[(case, n)]
+
         for i in range(WARM + args.requests):  # the first WARM rounds warm every path up and are not counted
             for n in lengths:
                 for case, client in order[i % len(order):] + order[:i % len(order)]:  # each case first in turn
-                    elapsed, used = client.ask(_text(rng, n))
+                    elapsed, used = client.ask(prompt(case, n))
                     time.sleep(SPACING_S)
                     if i >= WARM:
                         samples.setdefault((case, n), []).append(elapsed * 1e3)
                         tokens.setdefault(n, []).append(used)
         (work / "samples.json").write_text(json.dumps({f"{case} {n}": v for (case, n), v in samples.items()}))
+        counted = {case: _counters(url) for case, url in urls.items() if case.startswith("kvpush")}
         rows = []
         for n in lengths:
             p50 = {case: statistics.median(samples[(case, n)]) for case in urls}
@@ -247,11 +276,14 @@ def main() -> int:  # noqa: PLR0915
                 values = sorted(samples[(case, n)])
                 row: dict[str, Any] = {
                     "workload": "ROUTER-HOP", "case": case, "api": "chat" if args.chat else "completions",
+                    "prompts": "conversation" if args.conversation else "fresh",
                     "prompt_words": n,
                     "prompt_tokens": int(statistics.median(tokens[n])), "requests": len(values),
                     "p50_ms": round(p50[case], 3), "p99_ms": round(values[min(len(values) - 1,
                                                                                 int(len(values) * 0.99))], 3),
                     "added_p50_ms": round(p50[case] - p50["direct"], 3)}
+                if case in counted:  # the router's own count of how it tokenized (all lengths)
+                    row["router_counters"] = counted[case]
                 if router_added is not None and case != "direct":
                     row["vs_vllm_router"] = round((p50[case] - p50["direct"]) / max(router_added, 1e-6), 2)
                     row["target_ms"] = round(max(1.0, 1.5 * router_added), 3)

@@ -26,17 +26,25 @@ begins, tokenized here. Tokenizers split words at whitespace before they merge, 
 text's ids. The last block is kept out because an added end token or a boundary merge could change it. Where no
 instance holds those blocks, none holds more of the prompt, and placement needs no more ids: the rest of the text
 is never tokenized on the request's path (1.5 ms for 900 words with the demo model's tokenizer).
+
+A long text that begins with one tokenized here before (``Known``: a conversation's next turn begins with the last
+one's prompt, rendered chats included) is tokenized from that one's last whitespace on, behind its ids up to
+there: the whole text's ids, for a tokenizer that splits words at whitespace before it merges, which is checked
+when it loads (``splits_at_whitespace``: byte-level BPE does; SentencePiece's dummy prefix does not, and then every
+text is tokenized whole).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import bisect
 import contextlib
 import gc
 import importlib.util
 import json
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,6 +113,8 @@ class Tokens:
         self.counters: Counter[str] = Counter() if counters is None else counters
         # rendering fields (``_rendering``'s key) -> whether the tokenizer here renders them as the instances do
         self.renderings: dict[str, bool] = {}
+        #: long texts tokenized here (None: this tokenizer does not split at whitespace as ``Known`` needs)
+        self.known: Known | None = None
         self._last_render: tuple[Any, str, str] | None = None  # (its messages, its rendering's key, the text)
         if tokenizer is not None and tokenizer != AUTO:
             from transformers import AutoTokenizer  # the router's tokenizer extra: a clear ImportError without it
@@ -204,6 +214,8 @@ class Tokens:
         if known is None or len(known[0]) < 2 * HEAD_CHARS:
             return None
         text, special = known
+        if self.known is not None and self.known.find(text, special) is not None:
+            return None  # it begins with a text tokenized before: its whole ids cost its rest's, no more
         cut = max(text.rfind(space, HEAD_CHARS // 2, HEAD_CHARS + 1) for space in _SPACES)
         if cut <= 0:
             return None
@@ -264,10 +276,27 @@ class Tokens:
         return text
 
     async def _encoded(self, text: str, special: bool) -> list[int]:
-        """``_encode`` on the event loop for a short text, in a thread for a long one."""
+        """``_encode`` on the event loop for a short text, in a thread for a long one. A long text that begins with
+        one tokenized here before (a conversation's next turn: ``Known``) is tokenized from the last whitespace of
+        that one on, behind its ids."""
         if len(text) < INLINE_CHARS:
             return self._encode(text, special)
-        return await asyncio.to_thread(self._encode, text, special)
+        if self.known is None:
+            return await asyncio.to_thread(self._encode, text, special)
+        found = self.known.find(text, special)
+        start, head, head_ends = (0, [], []) if found is None else found
+        rest = text[start:]
+        tail, tail_ends = (self._encode_spans(rest, special and not start) if len(rest) < INLINE_CHARS
+                           else await asyncio.to_thread(self._encode_spans, rest, special and not start))
+        ids = head + tail
+        self.known.remember(text, special, ids, head_ends + [start + end for end in tail_ends] if start else tail_ends)
+        self.counters["tokenized_after_known"] += found is not None
+        return ids
+
+    def _encode_spans(self, text: str, special: bool) -> tuple[list[int], list[int]]:
+        """A text's ids and where each token ends in it (its fast tokenizer's offsets)."""
+        encoding = self._tokenizer.backend_tokenizer.encode(text, add_special_tokens=special)
+        return encoding.ids, [end for _, end in encoding.offsets]
 
     def _encode(self, prompt: str, special: bool) -> list[int]:
         backend = getattr(self._tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
@@ -284,6 +313,7 @@ class Tokens:
         collection that walked them would stall every request in flight for 100 ms or more)."""
         self._tokenizer = tokenizer
         self._encode("warm up: the first use", True)
+        self.known = Known() if splits_at_whitespace(tokenizer) else None
         if getattr(tokenizer, "chat_template", None):  # its template compiled (4 ms here), not on a chat's path
             with contextlib.suppress(Exception):
                 tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=False)
@@ -306,3 +336,99 @@ class Tokens:
         if not all(type(t) is int for t in tokens):
             raise ValueError("/tokenize answered something else than token ids")
         return list(tokens)
+
+
+KNOWN_TOKENS = 1 << 20  # token ids ``Known`` keeps (12 MB, and their texts: about 4 characters a token)
+KNOWN_PER_HEAD = 8  # texts kept per head (the conversations that share a system prompt's first characters)
+_SPLIT_SAMPLE = "a sample: one line,\nanother  with two spaces\tand a tab; numbers 1234 and (brackets) here."
+
+
+def _whitespace_begins(text: str, end: int) -> int:
+    """Where the run of whitespace that holds or ends before ``end`` begins (0: none)."""
+    cut = max(text.rfind(space, 0, end) for space in _SPACES)
+    while cut > 0 and text[cut - 1] in _SPACES:
+        cut -= 1
+    return max(cut, 0)
+
+
+def splits_at_whitespace(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` gives a text's ids as its head's ids and then its tail's, cut where whitespace
+    begins (the tail without special tokens): byte-level BPE does (it splits words at whitespace before it
+    merges); a tokenizer that marks a text's first word (SentencePiece's dummy prefix) does not. Checked on a
+    sample at every whitespace, with its fast tokenizer's offsets."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        whole = backend.encode(_SPLIT_SAMPLE, add_special_tokens=True).ids
+        for cut in {_whitespace_begins(_SPLIT_SAMPLE, end) for end in range(1, len(_SPLIT_SAMPLE))} - {0}:
+            split = (backend.encode(_SPLIT_SAMPLE[:cut], add_special_tokens=True).ids
+                     + backend.encode(_SPLIT_SAMPLE[cut:], add_special_tokens=False).ids)
+            if split != whole:
+                return False
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: nothing is reused
+        return False
+    return True
+
+
+class Known:
+    """Long texts tokenized here, with their ids and where each token ends: a text that begins with one of them
+    (a conversation's next turn begins with the last one's prompt) is tokenized only from the last whitespace of
+    that one on (``find``), behind its ids up to there, as the whole text would be (``splits_at_whitespace``).
+    Bounded: ``KNOWN_TOKENS`` ids, the least recently used texts leave first."""
+
+    def __init__(self, capacity: int = KNOWN_TOKENS) -> None:
+        self.capacity = capacity
+        self.tokens = 0
+        # a text's first HEAD_CHARS characters -> the texts that begin so: (text, special, ids, ends), newest last
+        # (arrays: 12 bytes a token, where a list of ints takes 60 or more)
+        self._texts: OrderedDict[str, list[tuple[str, bool, array.array[int], array.array[int]]]] = OrderedDict()
+
+    def find(self, text: str, special: bool) -> tuple[int, list[int], list[int]] | None:
+        """After the longest known text ``text`` begins with: where ``text``'s tail begins (the last whitespace of
+        that one), and the ids before it with their ends; None when it begins with none."""
+        key = text[:HEAD_CHARS]
+        entries = self._texts.get(key)
+        if not entries:
+            return None
+        self._texts.move_to_end(key)
+        best: tuple[str, bool, array.array[int], array.array[int]] | None = None
+        for entry in entries:
+            known = entry[0]
+            if entry[1] == special and (best is None or len(known) > len(best[0])) and text.startswith(known):
+                best = entry
+        if best is None:
+            return None
+        known, _, ids, ends = best
+        cut = _whitespace_begins(known, len(known))
+        if cut <= 0:
+            return None
+        count = bisect.bisect_right(ends, cut, 0, _regular(ends))  # the tokens that end at the cut or before
+        return cut, ids[:count].tolist(), ends[:count].tolist()
+
+    def remember(self, text: str, special: bool, ids: list[int], ends: list[int]) -> None:
+        """``text``'s ids, and where each ends in it."""
+        if len(ids) > self.capacity or len(ends) != len(ids):
+            return
+        key = text[:HEAD_CHARS]
+        entries = self._texts.setdefault(key, [])
+        self._texts.move_to_end(key)
+        for index, entry in enumerate(entries):
+            if entry[0] == text and entry[1] == special:  # (the same prompt again)
+                entries.append(entries.pop(index))
+                return
+        entries.append((text, special, array.array("q", ids), array.array("I", ends)))
+        self.tokens += len(ids)
+        if len(entries) > KNOWN_PER_HEAD:
+            self.tokens -= len(entries.pop(0)[2])
+        while self.tokens > self.capacity:
+            _, dropped = self._texts.popitem(last=False)
+            self.tokens -= sum(len(entry[2]) for entry in dropped)
+
+
+def _regular(ends: array.array[int]) -> int:
+    """How many tokens come before the special tokens a text ends with (their offsets are 0)."""
+    count = len(ends)
+    while count > 1 and ends[count - 1] == 0:
+        count -= 1
+    return count

@@ -117,7 +117,10 @@ async def test_the_default_finds_the_instances_tokenizer_and_tokenizes_here(auto
         # holds its head too, so it is tokenized whole
         again = words(400, 1) + " push"
         assert await auto.post(session, body(again)) == "decode-only"
-        assert "kvpush_proxy_tokenized_head_total 1" in await auto.get(session, "/metrics")
+        metrics = await auto.get(session, "/metrics")
+        assert "kvpush_proxy_tokenized_head_total 1" in metrics
+        # ... and it began with the first one, tokenized whole after its answer: only its end was tokenized now
+        assert "kvpush_proxy_tokenized_after_known_total 1" in metrics
 
 
 def chat(messages: list[dict[str, str]], **fields: Any) -> bytes:
@@ -181,6 +184,63 @@ async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto:
         for n in (1, 2, 3):
             await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
         assert len(auto.decode.tokenized) == 3 and await _chats(auto, session) == (0, 3)
+
+
+async def test_a_text_that_begins_with_a_known_one_tokenizes_as_the_whole_text(reference: Any) -> None:
+    """``Known``: a conversation's turns, each the last one and more (joined by a space, new lines, nothing,
+    with and without special tokens), get the ids the whole text gets, tokenized after the last one's ids; the
+    same text again is kept once; what is kept stays within its bound, the least recently used leaving first."""
+    from kvrouter.tokens import KNOWN_PER_HEAD, Known, Tokens
+
+    tokens = Tokens(None)
+    tokens._loaded(reference)
+    assert tokens.known is not None
+    text, turns = words(900, 1), 0
+    for turn, joint in enumerate((" ", "\n", "", ". ", "\n\n", " ", "  ")):
+        special = turn != 5
+        assert await tokens._encoded(text, special) == reference(text, add_special_tokens=special)["input_ids"]
+        turns += turn not in (0, 5)  # (5: no known text was tokenized without special tokens)
+        assert tokens.counters["tokenized_after_known"] == turns
+        text += joint + words(60, turn)
+    await tokens._encoded(text, True)
+    held = tokens.known.tokens
+    assert await tokens._encoded(text, True) == reference(text)["input_ids"]  # the same text again: kept once
+    assert tokens.known.tokens == held
+
+    known = Known(capacity=3000)
+    for seed in range(40):  # different heads: the oldest leave
+        ids = reference(words(700, seed))["input_ids"]
+        known.remember(words(700, seed), True, ids, list(range(1, len(ids) + 1)))
+        assert known.tokens <= 3000
+    assert known.find(words(700, 39) + " more", True) is not None and known.find(words(700, 0), True) is None
+    shared = Known()
+    for n in range(KNOWN_PER_HEAD + 3):  # one head, many texts: at most KNOWN_PER_HEAD of them
+        text = words(600, 2) + " " + words(10 + n, n)
+        ids = reference(text)["input_ids"]
+        shared.remember(text, True, ids, list(range(1, len(ids) + 1)))
+    assert len(shared._texts) == 1 and len(next(iter(shared._texts.values()))) == KNOWN_PER_HEAD
+
+
+def test_a_tokenizer_that_marks_a_texts_first_word_is_not_cut(reference: Any) -> None:
+    """SentencePiece's dummy prefix (a text's first word is tokenized as if a space preceded it): a text's tail
+    tokenized alone is not the whole text's end, so nothing is tokenized after a known text with such a tokenizer;
+    byte-level BPE (the tiny model's) splits cleanly."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvrouter.tokens import Tokens, splits_at_whitespace
+
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    model.decoder = tokenizers.decoders.Metaspace()
+    model.train_from_iterator([words(200, seed) for seed in range(20)],
+                              tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"],
+                                                             show_progress=False))
+    dummy_prefix = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>")
+    assert not splits_at_whitespace(dummy_prefix) and splits_at_whitespace(reference)
+    tokens = Tokens(None)
+    tokens._loaded(dummy_prefix)
+    assert tokens.known is None
 
 
 def test_a_long_texts_head_tokenizes_as_the_whole_texts_beginning(reference: Any) -> None:
