@@ -355,7 +355,7 @@ def splits_at_whitespace(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` gives a text's ids as its head's ids and then its tail's, cut where whitespace
     begins (the tail without special tokens): byte-level BPE does (it splits words at whitespace before it
     merges); a tokenizer that marks a text's first word (SentencePiece's dummy prefix) does not. Checked on a
-    sample at every whitespace, with its fast tokenizer's offsets."""
+    sample, cut at every run of whitespace, with its fast tokenizer (``Known`` needs its offsets)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
