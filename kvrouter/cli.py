@@ -142,6 +142,10 @@ def add_arguments(proxy: argparse.ArgumentParser) -> None:
                               "tokenizer extra); default auto: the instances' model's, when its files are on this host "
                               "and transformers is installed, else the instances tokenize; none: the instances "
                               "tokenize (a round trip on each request's path)")
+    placing.add_argument("--chat-template", default=None, metavar="PATH",
+                         help="the chat template the instances were started with (their --chat-template: a file, "
+                              "or the template itself); default: the tokenizer's own. Chats are rendered here with "
+                              "it once one rendered as an instance's /tokenize did")
     placing.add_argument("--no-kv-events", action="store_true",
                          help="do not follow the instances' KV events: guess what they hold from what was sent")
     proxy.add_argument("--no-warm-links", action="store_true",
@@ -182,12 +186,25 @@ def run(args: argparse.Namespace) -> int:
                                       hash_seed=args.prefix_hash_seed, sources=sources,
                                       follow_events=not args.no_kv_events,
                                       tokenizer=None if args.tokenizer == "none" else args.tokenizer,
+                                      chat_template=_template(args.chat_template),
                                       warm_links=not args.no_warm_links)
     except ValueError as error:  # SpecError, FleetError, HashConfigError
         raise UsageError(str(error)) from None
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(_serve(args, config))
     return 130
+
+
+def _template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself (as vLLM's flag takes it)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if any(char in value for char in "{}\n"):
+        return value
+    raise UsageError(f"--chat-template {value}: no such file, and not a template")
 
 
 def _fail(message: str) -> int:

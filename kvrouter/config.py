@@ -36,7 +36,9 @@ class ProxyConfig:
     instances' prefix-cache settings (``block_size`` None: learnt from their KV events); ``sources`` says where
     an instance publishes its KV events (by URL; the others are asked); ``follow_events`` False: every
     index is guessed from the requests sent; ``tokenizer``: where to load the model's tokenizer ("auto": the one
-    the instances serve, if its files are on this host; None: the instances tokenize; ``kvrouter.tokens``)."""
+    the instances serve, if its files are on this host; None: the instances tokenize; ``kvrouter.tokens``);
+    ``chat_template``: the chat template the instances were given (``--chat-template``: its text), else the
+    tokenizer's own renders chats here."""
 
     prefills: Sequence[Prefill]
     decodes: Sequence[str]  # base URLs
@@ -59,6 +61,7 @@ class ProxyConfig:
     follow_events: bool = True
     index_capacity: int = DEFAULT_CAPACITY
     tokenizer: str | None = "auto"
+    chat_template: str | None = None
     warm_links: bool = False  # each prefill-decode pair carries a warm-up request first (``kvrouter.warm``)
 
     def __post_init__(self) -> None:

@@ -108,7 +108,7 @@ class Proxy:
         self.counters: Counter[str] = Counter()
         self._pending: Counter[str] = Counter()  # per instance: prompt tokens placed on it, not yet answered
         self.caches = Caches(self.counters, config.index_capacity, config.follow_events, config.block_size)
-        self.tokens = Tokens(config.tokenizer, self.counters)
+        self.tokens = Tokens(config.tokenizer, self.counters, config.chat_template)
         self._hashers: dict[int, BlockHasher] = {}
         self._session: aiohttp.ClientSession | None = None
         self.membership = Membership() if config.discovery is not None else None

@@ -14,8 +14,8 @@
   this renders as the instances do: the first chat of each set of rendering fields (``add_generation_prompt``,
   ``continue_final_message``, ``add_special_tokens``, ``chat_template_kwargs``) goes to the instance's
   ``POST /tokenize`` and is rendered here beside it, and only equal ids let later ones skip that round trip (an
-  instance given ``--chat-template``, or a template that renders otherwise here, keeps them going there). Any
-  other chat: the instance's ``POST /tokenize`` (vLLM renders it as it would for the request).
+  instance given ``--chat-template`` the router was not given too, or a template that renders otherwise here, keeps
+  them going there). Any other chat: the instance's ``POST /tokenize`` (vLLM renders it as it would for the request).
 
 A prompt that cannot be tokenized (a batch of prompts, an instance that does not answer within
 ``TOKENIZE_TIMEOUT_S``) is placed by load alone. A long text (``INLINE_CHARS`` or more) is tokenized off the
@@ -105,8 +105,10 @@ class Tokens:
     """Token ids of requests: ``ids(path, body, session, instance_url)``; ``tokenizer``: ``AUTO``, a local one,
     or None (the instances tokenize). ``loading``: the background load of the auto tokenizer, once started."""
 
-    def __init__(self, tokenizer: str | None = AUTO, counters: Counter[str] | None = None) -> None:
+    def __init__(self, tokenizer: str | None = AUTO, counters: Counter[str] | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer_name = tokenizer
+        self.chat_template = chat_template  # the instances' (their --chat-template), else None: the tokenizer's
         self._tokenizer: Any = None
         self.loading: asyncio.Task[None] | None = None
         #: ``chat_here`` / ``chat_instance``: chats tokenized here or by an instance
@@ -240,7 +242,7 @@ class Tokens:
         self.renderings[key] = here == ids
         if here is not None and here != ids:
             log.info("chats rendered with %s are tokenized by the instances: the chat template here renders them "
-                     "otherwise (an instance started with --chat-template?)", key)
+                     "otherwise (an instance started with a --chat-template this router was not given?)", key)
         return ids
 
     def _rendering(self, fields: Mapping[str, Any]) -> str | None:
@@ -270,7 +272,7 @@ class Tokens:
             return last[2]
         text: str = self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=fields.get("add_generation_prompt", True),
-            continue_final_message=fields.get("continue_final_message", False),
+            continue_final_message=fields.get("continue_final_message", False), chat_template=self.chat_template,
             **(fields.get("chat_template_kwargs") or {}))
         self._last_render = (messages, key, text)
         return text
@@ -314,9 +316,10 @@ class Tokens:
         self._tokenizer = tokenizer
         self._encode("warm up: the first use", True)
         self.known = Known() if splits_at_whitespace(tokenizer) else None
-        if getattr(tokenizer, "chat_template", None):  # its template compiled (4 ms here), not on a chat's path
+        if self.chat_template or getattr(tokenizer, "chat_template", None):  # compiled (4 ms), not on a chat's path
             with contextlib.suppress(Exception):
-                tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=False)
+                tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=False,
+                                              chat_template=self.chat_template)
         gc.collect()
         gc.freeze()
 

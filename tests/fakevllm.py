@@ -37,6 +37,7 @@ class FakeVllm:
         #: a transformers tokenizer: /tokenize then renders a chat with its chat template and tokenizes it as vLLM
         #: does (else one token per character of the messages' JSON)
         self.tokenizer: Any = None
+        self.chat_template: str | None = None  # the one it was started with (--chat-template), else the tokenizer's
 
     async def start(self, port: int = 0) -> FakeVllm:
         app = web.Application()
@@ -96,7 +97,7 @@ class FakeVllm:
         if "messages" in body and self.tokenizer is not None:
             text = self.tokenizer.apply_chat_template(
                 body["messages"], tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
+                continue_final_message=body.get("continue_final_message", False), chat_template=self.chat_template,
                 **(body.get("chat_template_kwargs") or {}))
             ids = self.tokenizer(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
             return web.json_response({"tokens": ids, "count": len(ids)})

@@ -55,11 +55,12 @@ class Router:
             return reply.headers["X-Kvpush-Route"]
 
 
-async def router(tokenizer: str | None, root: str | None) -> AsyncIterator[Router]:
+async def router(tokenizer: str | None, root: str | None, chat_template: str | None = None) -> AsyncIterator[Router]:
     decode, prefill = await FakeVllm("decode").start(), await FakeVllm("prefill").start()
     decode.model_root = root
     config = ProxyConfig([parse_prefill(f"{prefill.url}#kv=14600")], [decode.url], kv_probe_s=0,
-                         policy=Policy(pd_min_tokens=256), block_size=BLOCK, tokenizer=tokenizer)
+                         policy=Policy(pd_min_tokens=256), block_size=BLOCK, tokenizer=tokenizer,
+                         chat_template=chat_template)
     runner = await server.start(config, "127.0.0.1", 0)
     try:
         yield Router(decode, prefill, f"http://127.0.0.1:{server.bound_port(runner)}")
@@ -241,6 +242,49 @@ def test_a_tokenizer_that_marks_a_texts_first_word_is_not_cut(reference: Any) ->
     tokens = Tokens(None)
     tokens._loaded(dummy_prefix)
     assert tokens.known is None
+
+
+OWN_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}<assistant>"
+
+
+@pytest.fixture
+async def own_template(tokenizer_dir: Path) -> AsyncIterator[Router]:
+    """``--chat-template``: the router is given the template its instances were started with."""
+    async for r in router("auto", str(tokenizer_dir), chat_template=OWN_TEMPLATE):
+        yield r
+
+
+async def test_the_instances_own_chat_template_given_to_the_router_renders_chats_here(
+        own_template: Router, reference: Any) -> None:
+    """Instances started with a ``--chat-template`` of their own: a router given the same renders their chats as
+    they do, and tokenizes them itself after the first."""
+    own_template.decode.tokenizer, own_template.decode.chat_template = reference, OWN_TEMPLATE
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await until(lambda: _contains(own_template.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        for n in (2, 3, 4):
+            await own_template.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        assert len(own_template.decode.tokenized) == 1 and await _chats(own_template, session) == (2, 1)
+
+
+async def test_instances_with_a_chat_template_the_router_was_not_given_keep_tokenizing_chats(
+        auto: Router, reference: Any) -> None:
+    auto.decode.tokenizer, auto.decode.chat_template = reference, OWN_TEMPLATE
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        for n in (2, 3, 4):
+            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        assert len(auto.decode.tokenized) == 3 and await _chats(auto, session) == (0, 3)
+
+
+def test_the_router_takes_a_chat_template_as_vllm_does(tmp_path: Path) -> None:
+    """``--chat-template``: a file, or the template itself; a path that names no file is an error."""
+    from kvrouter.cli import UsageError, _template
+
+    (tmp_path / "t.jinja").write_text(OWN_TEMPLATE)
+    assert _template(str(tmp_path / "t.jinja")) == OWN_TEMPLATE == _template(OWN_TEMPLATE)
+    assert _template(None) is None
+    with pytest.raises(UsageError, match="no such file"):
+        _template(str(tmp_path / "missing.jinja"))
 
 
 def test_a_long_texts_head_tokenizes_as_the_whole_texts_beginning(reference: Any) -> None:
