@@ -437,8 +437,8 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "instance held them, so the rest was not tokenized on the request's path.",
               "# TYPE kvpush_proxy_tokenized_head_total counter",
               f"kvpush_proxy_tokenized_head_total {counters.get('tokenized_head', 0)}",
-              "# HELP kvpush_proxy_tokenized_after_known_total Long prompts that began with one tokenized before (a "
-              "conversation's next turn): only their rest was tokenized.",
+              "# HELP kvpush_proxy_tokenized_after_known_total Long prompts that shared their beginning with one "
+              "tokenized before (a conversation's next turn): only their rest was tokenized.",
               "# TYPE kvpush_proxy_tokenized_after_known_total counter",
               f"kvpush_proxy_tokenized_after_known_total {counters.get('tokenized_after_known', 0)}",
               "# HELP kvpush_proxy_chats_tokenized_total Chats tokenized for placement, by where: here (the "

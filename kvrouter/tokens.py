@@ -27,11 +27,11 @@ text's ids. The last block is kept out because an added end token or a boundary 
 instance holds those blocks, none holds more of the prompt, and placement needs no more ids: the rest of the text
 is never tokenized on the request's path (1.5 ms for 900 words with the demo model's tokenizer).
 
-A long text that begins with one tokenized here before (``Known``: a conversation's next turn begins with the last
-one's prompt, rendered chats included) is tokenized from that one's last whitespace on, behind its ids up to
-there: the whole text's ids, for a tokenizer that splits words at whitespace before it merges, which is checked
-when it loads (``splits_at_whitespace``: byte-level BPE does; SentencePiece's dummy prefix does not, and then every
-text is tokenized whole).
+A long text that shares its beginning with one tokenized here before (``Known``: a conversation's next turn begins
+with the last one's prompt, rendered chats included) is tokenized from where whitespace begins before the two part,
+behind that one's ids up to there: the whole text's ids, for a tokenizer that splits words at whitespace before it
+merges, which is checked when it loads (``splits_at_whitespace``: byte-level BPE does; SentencePiece's dummy prefix
+does not, and then every text is tokenized whole).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class Tokens:
             return None
         text, special = known
         if self.known is not None and self.known.find(text, special) is not None:
-            return None  # it begins with a text tokenized before: its whole ids cost its rest's, no more
+            return None  # it shares its head with a text tokenized before: its whole ids cost its rest's
         cut = max(text.rfind(space, HEAD_CHARS // 2, HEAD_CHARS + 1) for space in _SPACES)
         if cut <= 0:
             return None
@@ -278,9 +278,9 @@ class Tokens:
         return text
 
     async def _encoded(self, text: str, special: bool) -> list[int]:
-        """``_encode`` on the event loop for a short text, in a thread for a long one. A long text that begins with
-        one tokenized here before (a conversation's next turn: ``Known``) is tokenized from the last whitespace of
-        that one on, behind its ids."""
+        """``_encode`` on the event loop for a short text, in a thread for a long one. A long text that shares its
+        beginning with one tokenized here before (a conversation's next turn: ``Known``) is tokenized from where
+        whitespace begins before the two part, behind that one's ids."""
         if len(text) < INLINE_CHARS:
             return self._encode(text, special)
         if self.known is None:
@@ -375,9 +375,10 @@ def splits_at_whitespace(tokenizer: Any) -> bool:
 
 
 class Known:
-    """Long texts tokenized here, with their ids and where each token ends: a text that begins with one of them
-    (a conversation's next turn begins with the last one's prompt) is tokenized only from the last whitespace of
-    that one on (``find``), behind its ids up to there, as the whole text would be (``splits_at_whitespace``).
+    """Long texts tokenized here, with their ids and where each token ends: a text that shares its beginning with
+    one of them (a conversation's next turn begins with the last one's prompt) is tokenized only from where
+    whitespace begins before the two part (``find``), behind that one's ids up to there, as the whole text would be
+    (``splits_at_whitespace``).
     Bounded: ``KNOWN_TOKENS`` ids, the least recently used texts leave first."""
 
     def __init__(self, capacity: int = KNOWN_TOKENS) -> None:
@@ -388,22 +389,24 @@ class Known:
         self._texts: OrderedDict[str, list[tuple[str, bool, array.array[int], array.array[int]]]] = OrderedDict()
 
     def find(self, text: str, special: bool) -> tuple[int, list[int], list[int]] | None:
-        """After the longest known text ``text`` begins with: where ``text``'s tail begins (the last whitespace of
-        that one), and the ids before it with their ends; None when it begins with none."""
+        """After the known text ``text`` shares the longest beginning with (a conversation's last prompt, or the
+        same history with another last message): where ``text``'s tail begins (where whitespace begins before the
+        two part), and the ids before it with their ends; None when no known text shares its head."""
         key = text[:HEAD_CHARS]
         entries = self._texts.get(key)
         if not entries:
             return None
         self._texts.move_to_end(key)
-        best: tuple[str, bool, array.array[int], array.array[int]] | None = None
+        best, shared = None, 0
         for entry in entries:
-            known = entry[0]
-            if entry[1] == special and (best is None or len(known) > len(best[0])) and text.startswith(known):
-                best = entry
+            if entry[1] == special:
+                length = _shared(entry[0], text)
+                if length > shared:
+                    best, shared = entry, length
         if best is None:
             return None
         known, _, ids, ends = best
-        cut = _whitespace_begins(known, len(known))
+        cut = _whitespace_begins(known, shared)
         if cut <= 0:
             return None
         count = bisect.bisect_right(ends, cut, 0, _regular(ends))  # the tokens that end at the cut or before
@@ -427,6 +430,21 @@ class Known:
         while self.tokens > self.capacity:
             _, dropped = self._texts.popitem(last=False)
             self.tokens -= sum(len(entry[2]) for entry in dropped)
+
+
+def _shared(known: str, text: str) -> int:
+    """How many first characters ``text`` shares with ``known`` (slices compared in C, halving: no loop over
+    characters)."""
+    if text.startswith(known):
+        return len(known)
+    low, high = 0, min(len(known), len(text))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if known[low:middle] == text[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _regular(ends: array.array[int]) -> int:

@@ -189,8 +189,9 @@ async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto:
 
 async def test_a_text_that_begins_with_a_known_one_tokenizes_as_the_whole_text(reference: Any) -> None:
     """``Known``: a conversation's turns, each the last one and more (joined by a space, new lines, nothing,
-    with and without special tokens), get the ids the whole text gets, tokenized after the last one's ids; the
-    same text again is kept once; what is kept stays within its bound, the least recently used leaving first."""
+    with and without special tokens), and texts that part from a known one before its end, get the ids the whole
+    text gets, tokenized after the shared part's ids; the same text again is kept once; what is kept stays within
+    its bound, the least recently used leaving first."""
     from kvrouter.tokens import KNOWN_PER_HEAD, Known, Tokens
 
     tokens = Tokens(None)
@@ -203,6 +204,14 @@ async def test_a_text_that_begins_with_a_known_one_tokenizes_as_the_whole_text(r
         turns += turn not in (0, 5)  # (5: no known text was tokenized without special tokens)
         assert tokens.counters["tokenized_after_known"] == turns
         text += joint + words(60, turn)
+    # texts that part from a known one before its end: a rendered chat whose one message grew (the known one ends
+    # with the template's tail), the same history with another last message
+    template = "[user] {}\n[assistant]"
+    for grown in (words(700, 3), words(700, 3) + " " + words(50, 4), words(700, 3) + " " + words(30, 5)):
+        before = tokens.counters["tokenized_after_known"]
+        rendered = template.format(grown)
+        assert await tokens._encoded(rendered, False) == reference(rendered, add_special_tokens=False)["input_ids"]
+        assert tokens.counters["tokenized_after_known"] == before + (grown != words(700, 3))
     await tokens._encoded(text, True)
     held = tokens.known.tokens
     assert await tokens._encoded(text, True) == reference(text)["input_ids"]  # the same text again: kept once
