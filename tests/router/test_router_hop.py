@@ -177,14 +177,20 @@ async def test_chats_are_tokenized_here_once_one_rendered_here_as_the_instance_r
         assert len(auto.decode.tokenized) == 2 + len(own)
 
 
-async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto: Router) -> None:
-    """An instance that renders chats otherwise (vLLM started with ``--chat-template``: here, the stand-in's own
-    ids) keeps tokenizing them: the router never places by ids its own template made."""
+async def _three_chats(r: Router) -> tuple[int, tuple[int, int]]:
+    """Three chats of one rendering through ``r``, once its tokenizer is loaded: (the instance's ``/tokenize``
+    calls, (chats tokenized here, chats tokenized by an instance))."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
-        for n in (1, 2, 3):
-            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
-        assert len(auto.decode.tokenized) == 3 and await _chats(auto, session) == (0, 3)
+        await until(lambda: _contains(r.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
+        for n in (2, 3, 4):
+            await r.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        return len(r.decode.tokenized), await _chats(r, session)
+
+
+async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto: Router) -> None:
+    """An instance that renders chats otherwise (here, the stand-in's own ids) keeps tokenizing them: the router
+    never places by ids its own template made."""
+    assert await _three_chats(auto) == (3, (0, 3))
 
 
 async def test_a_text_that_begins_with_a_known_one_tokenizes_as_the_whole_text(reference: Any) -> None:
@@ -268,21 +274,14 @@ async def test_the_instances_own_chat_template_given_to_the_router_renders_chats
     """Instances started with a ``--chat-template`` of their own: a router given the same renders their chats as
     they do, and tokenizes them itself after the first."""
     own_template.decode.tokenizer, own_template.decode.chat_template = reference, OWN_TEMPLATE
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await until(lambda: _contains(own_template.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
-        for n in (2, 3, 4):
-            await own_template.post(session, chat(turns(n, n)), "/v1/chat/completions")
-        assert len(own_template.decode.tokenized) == 1 and await _chats(own_template, session) == (2, 1)
+    assert await _three_chats(own_template) == (1, (2, 1))
 
 
 async def test_instances_with_a_chat_template_the_router_was_not_given_keep_tokenizing_chats(
         auto: Router, reference: Any) -> None:
+    """Instances started with a ``--chat-template`` the router was not given: their chats stay on ``/tokenize``."""
     auto.decode.tokenizer, auto.decode.chat_template = reference, OWN_TEMPLATE
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_tokenizer_local 1"))
-        for n in (2, 3, 4):
-            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
-        assert len(auto.decode.tokenized) == 3 and await _chats(auto, session) == (0, 3)
+    assert await _three_chats(auto) == (3, (0, 3))
 
 
 def test_the_router_takes_a_chat_template_as_vllm_does(tmp_path: Path) -> None:
