@@ -446,6 +446,10 @@ def render_metrics(counters: Mapping[str, int], prefills: Pool[Prefill], decodes
               "# TYPE kvpush_proxy_chats_tokenized_total counter",
               f'kvpush_proxy_chats_tokenized_total{{where="here"}} {counters.get("chat_here", 0)}',
               f'kvpush_proxy_chats_tokenized_total{{where="instance"}} {counters.get("chat_instance", 0)}',
+              "# HELP kvpush_proxy_chat_renderings_refuted_total Chats rendered here whose ids an instance's "
+              "/tokenize, asked again off their path, gave otherwise: that rendering went back to the instances.",
+              "# TYPE kvpush_proxy_chat_renderings_refuted_total counter",
+              f"kvpush_proxy_chat_renderings_refuted_total {counters.get('chat_refuted', 0)}",
               "# HELP kvpush_proxy_tokenizer_local Whether the router tokenizes text prompts itself (--tokenizer): "
               "1, or 0 when it asks an instance's /tokenize.",
               "# TYPE kvpush_proxy_tokenizer_local gauge", f"kvpush_proxy_tokenizer_local {int(tokenizer_local)}",

@@ -13,7 +13,8 @@
   fields of its own) is rendered here with the tokenizer's chat template and tokenized, once the router has seen that
   this renders as the instances do: the first chat of each set of rendering fields (``add_generation_prompt``,
   ``continue_final_message``, ``add_special_tokens``, ``chat_template_kwargs``) goes to the instance's
-  ``POST /tokenize`` and is rendered here beside it, and only equal ids let later ones skip that round trip (an
+  ``POST /tokenize`` and is rendered here beside it, and only equal ids let later ones skip that round trip (one in
+  ``RECHECK_EVERY`` is still asked of the instance, off its path: other ids, and they go there again; an
   instance given ``--chat-template`` the router was not given too, or a template that renders otherwise here, keeps
   them going there). Any other chat: the instance's ``POST /tokenize`` (vLLM renders it as it would for the request).
 
@@ -67,6 +68,7 @@ _OWN_FIELDS = ("chat_template", "tools", "mm_processor_kwargs")  # a chat with o
 _RESERVED_KWARGS = frozenset(("tokenize", "chat_template", "tools", "documents", "add_generation_prompt",
                               "continue_final_message", "conversation", "messages", "return_dict"))
 MAX_RENDERINGS = 32  # sets of rendering fields whose verdict is kept (beyond: those chats go to the instance)
+RECHECK_EVERY = 64  # one chat in this many rendered here is also sent to an instance's /tokenize, off its path
 
 
 def text_prompt(path: str, body: Mapping[str, Any]) -> str | None:
@@ -118,6 +120,7 @@ class Tokens:
         #: long texts tokenized here (None: this tokenizer does not split at whitespace as ``Known`` needs)
         self.known: Known | None = None
         self._last_render: tuple[Any, str, str] | None = None  # (its messages, its rendering's key, the text)
+        self._rechecks: set[asyncio.Task[None]] = set()
         if tokenizer is not None and tokenizer != AUTO:
             from transformers import AutoTokenizer  # the router's tokenizer extra: a clear ImportError without it
 
@@ -199,8 +202,12 @@ class Tokens:
                 return None
             text, special = known
             if self._tokenizer is not None:
-                self.counters["chat_here"] += chat
-                return await self._encoded(text, special)
+                ids = await self._encoded(text, special)
+                if chat:
+                    self.counters["chat_here"] += 1
+                    if self.counters["chat_here"] % RECHECK_EVERY == 0:
+                        self._recheck(session, instance, body, ids)
+                return ids
             return await self._remote(session, instance, {"prompt": text, "add_special_tokens": special},
                                       body.get("model"))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as error:
@@ -244,6 +251,28 @@ class Tokens:
             log.info("chats rendered with %s are tokenized by the instances: the chat template here renders them "
                      "otherwise (an instance started with a --chat-template this router was not given?)", key)
         return ids
+
+    def _recheck(self, session: aiohttp.ClientSession, instance: str, body: Mapping[str, Any],
+                 ids: list[int]) -> None:
+        """Ask ``instance`` for the ids of a chat rendered here too, off its path: other ids, and chats of that
+        rendering go to the instances again (a template whose output depends on what the first chat lacked)."""
+        fields = {name: body[name] for name in _CHAT_KEYS if name in body}
+        key = self._rendering(fields)
+
+        async def check() -> None:
+            try:
+                theirs = await self._remote(session, instance, fields, body.get("model"))
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError):
+                return  # no answer: nothing learnt
+            if key is not None and theirs is not None and theirs != ids:
+                self.renderings[key] = False
+                self.counters["chat_refuted"] += 1
+                log.warning("a chat rendered here gave other ids than %s's /tokenize: chats rendered with %s are "
+                            "tokenized by the instances from now on", instance, key)
+
+        task = asyncio.get_running_loop().create_task(check(), name="kvpush-proxy-chat-recheck")
+        self._rechecks.add(task)
+        task.add_done_callback(self._rechecks.discard)
 
     def _rendering(self, fields: Mapping[str, Any]) -> str | None:
         """The key of a chat's rendering fields, or None when it is not rendered here (no tokenizer here, fields of
@@ -324,9 +353,11 @@ class Tokens:
         gc.freeze()
 
     async def close(self) -> None:
-        if self.loading is not None:
-            self.loading.cancel()
-            await asyncio.gather(self.loading, return_exceptions=True)
+        """Cancel the tokenizer's loading and the chats' re-checks still running (before the session closes)."""
+        tasks = [*self._rechecks, *([self.loading] if self.loading is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _remote(self, session: aiohttp.ClientSession, instance: str, fields: Mapping[str, Any],
                       model: Any) -> list[int] | None:

@@ -187,6 +187,33 @@ async def _three_chats(r: Router) -> tuple[int, tuple[int, int]]:
         return len(r.decode.tokenized), await _chats(r, session)
 
 
+async def test_chats_rendered_here_are_checked_again_and_go_back_to_the_instance_when_it_differs(
+        auto: Router, reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One chat in ``RECHECK_EVERY`` rendered here is also asked of the instance, off its path: when the instance
+    renders otherwise (here, a template the first chat did not show: it changed), chats of that rendering go to
+    the instance again."""
+    from kvrouter import tokens
+
+    monkeypatch.setattr(tokens, "RECHECK_EVERY", 2)
+    auto.decode.tokenizer = reference
+
+    async def rechecked(calls: int) -> bool:  # (a re-check runs beside its chat: it may end after the answer)
+        return len(auto.decode.tokenized) == calls
+
+    # the deciding chat, then two here, the second re-checked (the same ids: nothing changes)
+    assert (await _three_chats(auto))[1] == (2, 1)
+    await until(lambda: rechecked(2))
+    auto.decode.chat_template = OWN_TEMPLATE
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for n in (5, 6):  # the second re-checked: the instance now renders otherwise
+            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        await until(lambda: _contains(auto.get(session, "/metrics"), "kvpush_proxy_chat_renderings_refuted_total 1"))
+        for n in (7, 8):  # the instance's again
+            await auto.post(session, chat(turns(n, n)), "/v1/chat/completions")
+        assert len(auto.decode.tokenized) == 5 and await _chats(auto, session) == (4, 3)
+        assert "kvpush_proxy_chat_renderings_refuted_total 1" in await auto.get(session, "/metrics")
+
+
 async def test_chats_that_render_otherwise_here_keep_going_to_the_instance(auto: Router) -> None:
     """An instance that renders chats otherwise (here, the stand-in's own ids) keeps tokenizing them: the router
     never places by ids its own template made."""
