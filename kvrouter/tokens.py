@@ -81,6 +81,11 @@ def text_prompt(path: str, body: Mapping[str, Any]) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+def _chat_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a chat request renders its prompt (what an instance's ``/tokenize`` is given for it)."""
+    return {name: body[name] for name in _CHAT_KEYS if name in body}
+
+
 def given_ids(path: str, body: Mapping[str, Any]) -> bool:
     """Whether the request gives its prompt as token ids (``/v1/completions``, one prompt)."""
     prompt = body.get("prompt")
@@ -167,7 +172,7 @@ class Tokens:
             return text, body.get("add_special_tokens", True) is not False
         if not path.endswith("/chat/completions") or self._tokenizer is None:
             return None
-        fields = {name: body[name] for name in _CHAT_KEYS if name in body}
+        fields = _chat_fields(body)
         key = self._rendering(fields)
         if key is None or not self.renderings.get(key):
             return None
@@ -197,8 +202,7 @@ class Tokens:
             known = self.text(path, body)
             if known is None:
                 if chat:
-                    return await self._chat(session, instance, {k: body[k] for k in _CHAT_KEYS if k in body},
-                                            body.get("model"))
+                    return await self._chat(session, instance, _chat_fields(body), body.get("model"))
                 return None
             text, special = known
             if self._tokenizer is not None:
@@ -256,7 +260,7 @@ class Tokens:
                  ids: list[int]) -> None:
         """Ask ``instance`` for the ids of a chat rendered here too, off its path: other ids, and chats of that
         rendering go to the instances again (a template whose output depends on what the first chat lacked)."""
-        fields = {name: body[name] for name in _CHAT_KEYS if name in body}
+        fields = _chat_fields(body)
         key = self._rendering(fields)
 
         async def check() -> None:
