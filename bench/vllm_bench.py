@@ -90,7 +90,9 @@ medians in ``phases_p50_ms`` and a table): ``to_prefill`` (the request sent -> t
 ``to_first_token`` (-> the client had the first token: the prefill's when it came first, as ``kvpush proxy``
 leads a greedy stream with it (``first_token_from_prefill`` counts those), else the decode's step for it and
 the stream), and beside them ``tail`` (the forward's end -> the decode reported the KV landed); see
-``phases_of``.
+``phases_of``. Of those, the prefill's time in KvpushConnector's own hooks (every hook timed,
+bench/vllm_timed_connector.py): before the forward, in it, and after it until its scheduler let the request go
+(``kvpush_before_forward``, ``kvpush_in_forward``, ``kvpush_after_forward``; a table of their own).
 
 Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
 ratios to the single instance and to every other connector of the same run) and ``.png``, and
@@ -267,6 +269,8 @@ PHASES = ("to_prefill", "held", "to_forward", "forward", "to_first_token", "tail
 # the decode's side: its request to its scheduler, its block ids out, and their way to the prefill's scheduler (a
 # held request) or how far into the prefill's forward they left (an unheld one; negative: before it)
 HOLD_PHASES = ("decode_to_scheduler", "decode_ids_out", "ids_to_prefill", "ids_after_forward_start")
+# the prefill's time in KvpushConnector's own hooks, before its forward, in it and after it (``hook_phases``)
+HOOK_PHASES = ("kvpush_before_forward", "kvpush_in_forward", "kvpush_after_forward")
 
 
 def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[dict[str, Any]],
@@ -300,6 +304,7 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
     # the hold, from the decode's side: its request reached its scheduler, its block ids went out
     seen_decode = [e["t"] for e in trace_decode if e.get("ev") == "seen" and begin <= e["t"] <= end]
     ids_out = [e["t"] for e in trace_decode if e.get("ev") == "ids" and begin <= e["t"] <= end]
+    phases.update(hook_phases(trace_prefill, begin, end))
     if seen_decode and ids_out:
         phases["decode_to_scheduler"] = round((min(seen_decode) - begin) * 1e3, 2)
         phases["decode_ids_out"] = round((min(ids_out) - min(seen_decode)) * 1e3, 2)
@@ -309,11 +314,37 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
     return phases
 
 
+def hook_phases(trace_prefill: Sequence[dict[str, Any]], begin: float, end: float) -> dict[str, float]:
+    """The prefill's time in KvpushConnector's own hooks for the request sent at ``begin`` (answered by ``end``),
+    from the clocks of its scheduler and its worker (bench/vllm_timed_connector.py); {} when the trace lacks them:
+    ``kvpush_before_forward``  the scheduler's, from its first look at the request to the step that sends it built;
+    ``kvpush_in_forward``      the worker's, from the step's bind to the forward's end (a push per layer);
+    ``kvpush_after_forward``   the scheduler's, from that step built to the request let go, and the worker's, from
+                               the forward's end to the step's last hook (its ``wait_for_save`` and reports)."""
+    def within(name: str) -> list[dict[str, Any]]:
+        return [e for e in trace_prefill if e.get("ev") == name and begin <= e["t"] <= end and "hooks_ms" in e]
+
+    seen, built, finished, reported = within("seen"), within("built"), within("finished"), within("reported")
+    mine = sorted((e for e in trace_prefill if e.get("ev") == "step" and "hooks_ms_bind" in e
+                   and begin <= e["t_bind"] <= end), key=lambda e: e["t_bind"])
+    last = [e for e in reported if mine and e["t"] >= mine[-1]["t_forward_end"]]
+    if not (seen and built and finished and last):
+        return {}
+    worker_after = min(last, key=lambda e: e["t"])["hooks_ms"] - mine[-1]["hooks_ms"]
+    return {"kvpush_before_forward": round(built[0]["hooks_ms"] - seen[0]["hooks_ms"], 3),
+            "kvpush_in_forward": round(sum(e["hooks_ms"] - e["hooks_ms_bind"] for e in mine), 3),
+            "kvpush_after_forward": round(finished[-1]["hooks_ms"] - built[0]["hooks_ms"] + worker_after, 3)}
+
+
 def phases_p50(phases: Sequence[dict[str, float] | None]) -> dict[str, float]:
     """The median of each phase over the requests whose trace was complete."""
     complete = [p for p in phases if p is not None]
     names = [*PHASES, *(name for name in HOLD_PHASES if all(name in p for p in complete))]
-    return {name: round(median([p[name] for p in complete]), 1) for name in names} if complete else {}
+    p50 = {name: round(median([p[name] for p in complete]), 1) for name in names} if complete else {}
+    hooked = [p for p in complete if HOOK_PHASES[0] in p]
+    if hooked and len(hooked) == len(complete):
+        p50.update({name: round(median([p[name] for p in hooked]), 2) for name in HOOK_PHASES})
+    return p50
 
 
 def hidden_record(system: str, length: int, pairs: Sequence[tuple[Timing | None, Timing | None]],
@@ -425,6 +456,17 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
                 own = f"{single - p['forward']:.1f}" if single else ""
                 lines.append(f"| {r['prompt_tokens']} | {r['case']} | "
                              + " | ".join(str(p.get(n, "")) for n in HOLD_PHASES) + f" | {overhead:.1f} | {own} |")
+    hooked = [r for r in phased if "kvpush_before_forward" in r["phases_p50_ms"]]
+    if hooked:  # of the prefill's phases, its time in KvpushConnector's own hooks
+        lines += ["", "| prompt | case | to prefill + held + to forward ms | of it, kvpush's hooks | forward ms "
+                  "| of it, kvpush's hooks | to first token ms | of it, kvpush's hooks (to the request's end) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(hooked, key=lambda r: (r["prompt_tokens"], r["case"])):
+            p = r["phases_p50_ms"]
+            before = p["to_prefill"] + p["held"] + p["to_forward"]
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | {before:.1f} | {p['kvpush_before_forward']} "
+                         f"| {p['forward']} | {p['kvpush_in_forward']} | {p['to_first_token']} "
+                         f"| {p['kvpush_after_forward']} |")
     moved = [r for r in records if r.get("bytes_moved_per_request") is not None and "result" not in r]
     if moved:  # what each request moved, beside what the same model would move were every layer full attention
         lines += ["", "| prompt | case | bytes moved per request | every layer full attention would move "

@@ -31,7 +31,20 @@ Trace lines (``time.monotonic()``, which is one clock for every process of a Lin
   ``finished_recving`` (the decode engine steps continuously while a request waits, so this is within
   one empty step of the landing notification).
 
-The bookkeeping costs one ``time.monotonic()`` per layer and one buffered line per sending step.
+kvpush's own time: every hook vLLM calls is timed around ``KvpushConnector``'s own code into a clock per process
+(``hooks_ms``: the time spent in hooks so far; vLLM runs the scheduler and the worker in processes of their own, so
+each side has its clock). The prefill's scheduler writes it on ``seen``, on ``{"ev": "built", "t": ..}`` (the step
+that sends a request was built) and on ``{"ev": "finished", "t": ..}`` (``request_finished``: it let the request
+go); its worker on ``step``, twice: ``hooks_ms_bind`` (before the forward) and ``hooks_ms`` (at its end), with
+``save_ms`` and ``save_cpu_ms`` (``wait_for_save``'s time, and its thread's CPU time in it: the rest is waiting for
+the core or the GIL), and on
+``{"ev": "reported", "t": .., "by_hook_ms": {..}}`` (the step's last hook, ``build_connector_worker_meta``,
+returned: the step's ``wait_for_save`` and reports are done; ``by_hook_ms``: the time in each hook since the
+forward's end). The difference between two lines of one side is kvpush's own time between
+them.
+
+The bookkeeping costs one ``time.monotonic()`` per layer, two ``time.perf_counter()`` per hook call and one
+buffered line per sending step.
 """
 
 from __future__ import annotations
@@ -43,8 +56,46 @@ from typing import IO, Any
 
 from kvpush.integrations.vllm import KvpushConnector, KvpushMetadata
 
+# every hook vLLM calls on a connector, scheduler side then worker side
+HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "has_pending_push_work",
+         "bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+         "get_transfer_results", "get_finished", "build_connector_worker_meta", "get_kv_connector_stats")
+_SPENT = [0.0]  # seconds this process spent in KvpushConnector's hooks
+_BY_HOOK: dict[str, float] = dict.fromkeys(HOOKS, 0.0)  # the same, per hook
 
-class TimedKvpushConnector(KvpushConnector):
+
+def _clocked(name: str) -> Any:
+    """``KvpushConnector.<name>``, its time added to ``_SPENT``."""
+    hook = getattr(KvpushConnector, name)
+
+    def clocked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            spent = time.perf_counter() - start
+            _SPENT[0] += spent
+            _BY_HOOK[name] += spent
+
+    clocked.__name__ = clocked.__qualname__ = name
+    return clocked
+
+
+def hooks_ms() -> float:
+    """The time this process spent in the connector's hooks so far (ms)."""
+    return round(_SPENT[0] * 1e3, 3)
+
+
+class _ClockedConnector(KvpushConnector):
+    """``KvpushConnector`` with every hook of ``HOOKS`` timed into ``_SPENT``."""
+
+
+for _name in HOOKS:
+    setattr(_ClockedConnector, _name, _clocked(_name))
+
+
+class TimedKvpushConnector(_ClockedConnector):
     """``KvpushConnector`` plus the trace described in the module docstring."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -58,6 +109,8 @@ class TimedKvpushConnector(KvpushConnector):
         self._held: dict[str, float] = {}  # scheduler: request id -> when it was first held
         self._seen: set[str] = set()  # decode scheduler: requests whose "seen" line was written
         self._bytes_written = 0  # prefill worker: the bytes_pushed of its last "bytes" line
+        self._reporting = False  # prefill worker: a sending step's forward ended, its reports are due
+        self._at_forward_end: dict[str, float] = {}  # _BY_HOOK when it did
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._trace is not None:
@@ -78,7 +131,7 @@ class TimedKvpushConnector(KvpushConnector):
         side = "decode" if params.get("do_remote_prefill") else "prefill" if params.get("do_remote_decode") else None
         if side is not None and request.request_id not in self._seen:
             self._seen.add(request.request_id)
-            self._write({"ev": "seen", "t": time.monotonic(), "side": side})
+            self._write({"ev": "seen", "t": time.monotonic(), "side": side, "hooks_ms": hooks_ms()})
             if len(self._seen) > 4096:
                 self._seen.clear()
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -91,6 +144,18 @@ class TimedKvpushConnector(KvpushConnector):
                          "ids_in": ids_in})
         return answer
 
+    def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        if meta.step is not None and meta.step.send:
+            self._write({"ev": "built", "t": time.monotonic(), "hooks_ms": hooks_ms()})
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        answer = super().request_finished(request, block_ids)
+        if (getattr(request, "kv_transfer_params", None) or {}).get("do_remote_decode"):
+            self._write({"ev": "finished", "t": time.monotonic(), "hooks_ms": hooks_ms()})
+        return answer
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         now = time.monotonic()
         step = connector_metadata.step if isinstance(connector_metadata, KvpushMetadata) else None
@@ -99,10 +164,19 @@ class TimedKvpushConnector(KvpushConnector):
             self._serial = mode == "serial"
             self._before = self.stats()
             self._step = {"ev": "step", "t_bind": now, "t_first_layer": None, "t_last_layer": None,
-                          "mode": mode, "sends": len(step.send)}
+                          "mode": mode, "sends": len(step.send), "hooks_ms_bind": hooks_ms()}
         if step is not None and step.recv:
             self._write({"ev": "ids", "t": now, "n": len(step.recv)})
         super().bind_connector_metadata(connector_metadata)
+
+    def build_connector_worker_meta(self) -> Any:
+        meta = super().build_connector_worker_meta()
+        if self._reporting:  # the last hook of a step that sent: its reports are out
+            self._reporting = False
+            by_hook = {name: round((_BY_HOOK[name] - self._at_forward_end[name]) * 1e3, 3) for name in HOOKS
+                       if _BY_HOOK[name] > self._at_forward_end[name]}
+            self._write({"ev": "reported", "t": time.monotonic(), "hooks_ms": hooks_ms(), "by_hook_ms": by_hook})
+        return meta
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         if self._step is not None:
@@ -118,13 +192,19 @@ class TimedKvpushConnector(KvpushConnector):
         step, self._step = self._step, None
         if step is not None:
             step["t_forward_end"] = time.monotonic()
+            step["hooks_ms"] = hooks_ms()
+            self._at_forward_end = dict(_BY_HOOK)
+        cpu, wall = time.thread_time(), time.perf_counter()
         super().wait_for_save()
-        if step is not None:
+        if step is not None:  # what the hook took, and how much of it was this thread's CPU (the rest: waiting)
+            step["save_ms"] = round((time.perf_counter() - wall) * 1e3, 3)
+            step["save_cpu_ms"] = round((time.thread_time() - cpu) * 1e3, 3)
             after = self.stats()
             for key in ("pushes_pipelined", "pushes_after_forward", "pushes_deferred"):
                 name = f"producer.{key}"
                 step[key] = after.get(name, 0) - self._before.get(name, 0)
             self._write(step)
+            self._reporting = True
 
     def _landed(self, recving: set[str] | None) -> None:
         if recving:

@@ -124,6 +124,30 @@ def test_phases_of_a_request_add_up_to_its_time_to_first_token() -> None:
     assert phases_p50([None]) == {}
 
 
+def test_kvpush_hook_time_of_a_request_is_cut_at_the_forward() -> None:
+    """The clocks of KvpushConnector's hooks in the prefill's scheduler (read at its first look at the request:
+    2.0 ms so far, the sending step built: 2.4, the request let go: 2.7) and its worker (the step's bind: 12.5, the
+    forward's end: 14.0, the step's reports out: 14.2): 0.4 ms before the forward, 1.5 in it, 0.3 + 0.2 after. A
+    trace without the step's reports (or without the clocks: an older connector) gives the other phases only."""
+    prefill = [{"ev": "seen", "t": 9.1, "side": "prefill", "hooks_ms": 2.0},
+               {"ev": "built", "t": 9.95, "hooks_ms": 2.4},
+               {"ev": "step", "t_bind": 10.0, "t_forward_end": 11.0, "hooks_ms_bind": 12.5, "hooks_ms": 14.0},
+               {"ev": "reported", "t": 11.1, "hooks_ms": 14.2},
+               {"ev": "finished", "t": 11.2, "hooks_ms": 2.7},
+               {"ev": "reported", "t": 30.0, "hooks_ms": 99.0}]  # another request's
+    decode = [{"ev": "ids", "t": 9.12}, {"ev": "landed", "t": 11.02}]
+    sample = Sample(2.5, 3.0, [1, 2], 64, t_start=9.0, t_end=12.0)
+    phases = phases_of(prefill, decode, sample)
+    assert phases is not None
+    assert phases["kvpush_before_forward"] == pytest.approx(0.4)
+    assert phases["kvpush_in_forward"] == pytest.approx(1.5)
+    assert phases["kvpush_after_forward"] == pytest.approx(0.5)
+    last = phases_of([e for e in prefill if e["ev"] != "reported"], decode, sample)
+    assert last is not None and "kvpush_before_forward" not in last and last["forward"] == 1000.0
+    assert phases_p50([phases, phases])["kvpush_in_forward"] == pytest.approx(1.5)
+    assert "kvpush_in_forward" not in phases_p50([phases, last, last])  # every request must have them
+
+
 def test_hidden_share_from_pipelined_and_serial_pairs() -> None:
     # serial: forward 1.0 s, then the whole transfer (0.1 s); pipelined: forward 1.01 s (slowed by the
     # pushes), and only 0.01 s of transfer left after it
