@@ -622,6 +622,7 @@ class Settings:
     serve_args: tuple[str, ...] = ()  # every server's, before a case's own (``--family``'s: ``FAMILY_ARGS``)
     full_attention_bytes_per_token: int = 0  # the model's KV per token were every layer full attention
     block_size: int = 32
+    kv_extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config for kvpush's cases
 
     def full_attention_bytes(self, tokens: int) -> int:
         """What a request of ``tokens`` prompt tokens would move were every layer full attention (whole blocks)."""
@@ -902,15 +903,28 @@ def nixl_site(python: str, install: bool) -> tuple[Path | None, str | None]:
     return NIXL_SITE, None
 
 
-def kv_configs(system: str, kv_port: int, storage: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(prefill, decode) KVTransferConfig of a P/D case."""
+def kv_extra(text: str) -> dict[str, Any]:
+    """``--kv-extra``'s JSON object (argparse's type: anything else is a usage error naming it)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return value
+
+
+def kv_configs(system: str, kv_port: int, storage: Path, kv_extra: dict[str, Any] | None = None
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill, decode) KVTransferConfig of a P/D case; ``kv_extra``: more of kvpush's settings (``--kv-extra``)."""
     if system.startswith("kvpush"):
         transport = {"kvpush-tp2": "auto"}.get(system, system.split("-", 1)[1])
         def kvpush(role: str) -> dict[str, Any]:
             return {"kv_connector": "TimedKvpushConnector", "kv_connector_module_path": "bench.vllm_timed_connector",
                     "kv_role": role, "kv_port": kv_port,
                     "kv_connector_extra_config": {"transport": transport, "transfer_timeout_s": 120,
-                                                  "ids_timeout_s": 120, "engine_options": KVPUSH_ENGINE_OPTIONS}}
+                                                  "ids_timeout_s": 120, "engine_options": KVPUSH_ENGINE_OPTIONS,
+                                                  **(kv_extra or {})}}
         return kvpush("kv_producer"), kvpush("kv_consumer")
     if system == "example":
         def example(role: str) -> dict[str, Any]:
@@ -1016,7 +1030,7 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
                 env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
         control = settings.work / f"{system}.control"
         control.write_text("pipelined")
-        prefill_kv, decode_kv = kv_configs(system, free_port(), storage)
+        prefill_kv, decode_kv = kv_configs(system, free_port(), storage, settings.kv_extra)
         traced = system.startswith("kvpush")
         for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
             own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
@@ -1286,6 +1300,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only write the table and chart of an earlier run's .jsonl (beside it)")
     parser.add_argument("--no-nixl-install", action="store_true",
                         help=f"do not pip-install {' '.join(NIXL_WHEELS)} (--no-deps) into {NIXL_SITE}")
+    parser.add_argument("--kv-extra", type=kv_extra, default={}, metavar="JSON",
+                        help="more of KvpushConnector's kv_connector_extra_config for the kvpush cases, e.g. "
+                             "'{\"loop_yields\": true}'")
     args = parser.parse_args(argv)
     if args.render:
         return render(Path(args.render))
@@ -1315,13 +1332,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-bench-"))
     settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install,
                         serve_args=FAMILY_ARGS.get(args.family, ()),
-                        full_attention_bytes_per_token=int(model_info["mha_kv_bytes_per_token"]), block_size=BLOCK_SIZE)
+                        full_attention_bytes_per_token=int(model_info["mha_kv_bytes_per_token"]), block_size=BLOCK_SIZE,
+                        kv_extra=args.kv_extra)
     records: list[dict[str, Any]] = []
     machine = {"workload": "-", "case": "machine", "cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version(), "quick": args.quick, "model": model_info,
                "lengths": list(bench.lengths), "lengths_asked": bool(args.lengths),
                "reps": {str(k): v for k, v in bench.reps.items()},
-               "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg()}
+               "max_tokens": bench.max_tokens, "logs": str(work), "loadavg_start": os.getloadavg(),
+               "kv_extra": args.kv_extra}
     jsonl = out / f"{stamp}.jsonl"
 
     def interrupted(signum: int, frame: Any) -> None:

@@ -89,6 +89,7 @@ from bench.vllm_bench import (  # noqa: E402
     free_port,
     idle_load,
     kv_configs,
+    kv_extra,
     median,
     nixl_site,
     percentile,
@@ -378,9 +379,10 @@ def kvpush_cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvpush"]
 
 
-def _kvpush(role: str, kv_port: int) -> dict[str, Any]:
+def _kvpush(role: str, kv_port: int, kv_extra: dict[str, Any]) -> dict[str, Any]:
     return {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.integrations.vllm",
-            "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute"}
+            "kv_role": role, "kv_port": kv_port, "kv_load_failure_policy": "recompute",
+            **({"kv_connector_extra_config": kv_extra} if kv_extra else {})}
 
 
 def _events(port: int) -> list[str]:
@@ -428,7 +430,8 @@ def start_setup(setup: str, settings: Settings, startup_s: float, router_args: S
         if setup in ("router", "vllm-router", "vllm-router-kv"):
             kv, events = [free_port() for _ in (0, 1)], [free_port() for _ in (0, 1)]
             for core in (0, 1):
-                servers.append(start_server(settings, f"{setup}-{core}", core, _kvpush("kv_both", kv[core]),
+                servers.append(start_server(settings, f"{setup}-{core}", core,
+                                            _kvpush("kv_both", kv[core], settings.kv_extra),
                                             args=[*extra_args, *_events(events[core])]))
             wait_healthy(servers, startup_s)
             urls = [f"http://{s.url}" for s in servers]
@@ -451,7 +454,8 @@ def start_setup(setup: str, settings: Settings, startup_s: float, router_args: S
                 env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(site)))
             prefill_kv, decode_kv = kv_configs("nixl", kv_port, settings.work)
         else:
-            prefill_kv, decode_kv = _kvpush("kv_producer", kv_port), _kvpush("kv_consumer", kv_port)
+            prefill_kv, decode_kv = (_kvpush("kv_producer", kv_port, settings.kv_extra),
+                                    _kvpush("kv_consumer", kv_port, settings.kv_extra))
         for name, core, kv_config in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
             own = dict(env)
             if setup == "nixl":
@@ -617,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     parser.add_argument("--startup-timeout", type=float, default=420)
     parser.add_argument("--request-timeout", type=float, default=300, help="a request not done by then is a miss")
     parser.add_argument("--no-nixl-install", action="store_true")
+    parser.add_argument("--kv-extra", type=kv_extra, default={}, metavar="JSON",
+                        help="KvpushConnector's kv_connector_extra_config in every kvpush setup, e.g. "
+                             "'{\"loop_yields\": true}'")
     parser.add_argument("--router-args", default="", help="more flags for kvpush proxy in the router setup, "
                         "e.g. --router-args='--pd-min-tokens 1024 --request-tokens 64' (with '=' for a single flag)")
     args = parser.parse_args(argv)
@@ -644,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
     vocab = vocab_of(model)
     work = Path(tempfile.mkdtemp(prefix="kvpush-vllm-load-"))
     settings = Settings(args.python, model, work, nixl_install=not args.no_nixl_install, prefix_caching=True,
-                        extra_env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache between rates
+                        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache between rates
+                        kv_extra=args.kv_extra)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "load-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
@@ -672,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
             machine: dict[str, Any] = {"workload": "-", "case": "machine", "cpus": os.cpu_count(),
                                        "platform": platform.platform(), "python": platform.python_version(),
                                        "model": model_info, "max_num_seqs": MAX_NUM_SEQS, "logs": str(work),
-                                       "loadavg_start": os.getloadavg()}
+                                       "loadavg_start": os.getloadavg(), "kv_extra": args.kv_extra}
             rates: list[float] = []
             targets = None
             if jobs:

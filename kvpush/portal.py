@@ -36,6 +36,7 @@ import atexit
 import concurrent.futures
 import concurrent.futures.thread  # noqa: F401  (imported before at_exit registers: see _register_exit)
 import logging
+import os
 import threading
 import time
 import weakref
@@ -65,11 +66,31 @@ def refuse_in_event_loop(api: str, hint: str = "") -> None:
                        f"event loop (it would stall that loop).{' ' + hint if hint else ''}")
 
 
-class Portal:
-    """One private event loop on one daemon thread, and the tasks it runs for blocking callers."""
+def yield_to_host(name: str) -> bool:
+    """Put the calling thread under ``SCHED_BATCH`` (Linux): its wakeups no longer preempt the threads of the
+    process it runs in (an engine's, whose step output carries a request's first token); it runs when they
+    wait or their time slice ends, with the same share of the core as before. Threads it starts inherit it.
+    False (and a log line) where the host has no such policy or refuses it."""
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None:
+        log.info("portal %s: this host has no SCHED_BATCH; its loop thread keeps its policy", name)
+        return False
+    try:
+        os.sched_setscheduler(0, batch, os.sched_param(0))
+    except OSError as error:
+        log.warning("portal %s: SCHED_BATCH refused (%s); its loop thread keeps its policy", name, error)
+        return False
+    return True
 
-    def __init__(self, name: str) -> None:
+
+class Portal:
+    """One private event loop on one daemon thread, and the tasks it runs for blocking callers. ``yields``:
+    the thread runs under ``SCHED_BATCH`` (``yield_to_host``), for a portal embedded in a process whose own
+    threads' latency comes first."""
+
+    def __init__(self, name: str, yields: bool = False) -> None:
         self.name = name
+        self._yields = yields
         self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._closing = False  # no new work accepted (set by close() or the loop thread dying)
@@ -97,6 +118,8 @@ class Portal:
 
     # -- the loop thread -------------------------------------------------------------------------------
     def _main(self) -> None:
+        if self._yields:
+            yield_to_host(self.name)
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_forever()

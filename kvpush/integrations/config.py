@@ -49,6 +49,8 @@ class ConnectorConfig:
     an engine step that computes nothing waits for a transfer's news before vLLM takes the next one (0: not
     at all; vLLM's worker then spins between such steps); ``own_sched_group`` (true): a worker bound to some of
     the cores takes a session, so a scheduling group, of its own (``kvpush.integrations.sched_group``);
+    ``loop_yields`` (false): the worker's kvpush loop thread runs under ``SCHED_BATCH``, so its wakeups (a push's
+    last layers, its notices) do not preempt the engine's own thread on a shared core (``kvpush.portal``);
     ``abort_grace_s`` how long a decode waits, after an abort or timeout, for the prefill to confirm
     nothing more will land; ``sync_kv_timeout_ms`` is kvpush's per-layer deadline; ``link_timeout_ms``
     bounds linking. ``bootstrap_port``: a prefill serves vLLM's Mooncake bootstrap contract (``GET /query``)
@@ -68,6 +70,7 @@ class ConnectorConfig:
     ids_wait_ms: int = IDS_WAIT_MS
     idle_wait_ms: int = IDLE_WAIT_MS
     own_sched_group: bool = True
+    loop_yields: bool = False
     abort_grace_s: float = 5.0
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 5000
@@ -163,6 +166,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
                     _text),
     "insecure": _flag,
     "own_sched_group": _flag,
+    "loop_yields": _flag,
     "engine_options": _string_map,
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,25 @@ def test_call_soon_runs_on_the_loop_thread(portal: Portal) -> None:
     done = threading.Event()
     portal.call_soon(lambda name: (seen.append(f"{name}@{threading.current_thread().name}"), done.set()), "cb")
     assert done.wait(5) and seen == ["cb@test-portal"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_a_yielding_portal_runs_its_loop_under_sched_batch_and_threads_it_starts_inherit_it() -> None:
+    """``yields``: the loop thread's wakeups do not preempt its host's threads; the host's thread and a plain
+    portal's keep their policy, and a thread the loop starts (an executor's) inherits the loop's."""
+    yielding, plain = Portal("yielding", yields=True), Portal("plain")
+    try:
+        async def policies() -> tuple[int, int]:
+            here = os.sched_getscheduler(0)
+            spawned = await asyncio.get_running_loop().run_in_executor(None, os.sched_getscheduler, 0)
+            return here, spawned
+
+        assert yielding.run(policies(), timeout=10) == (os.SCHED_BATCH, os.SCHED_BATCH)
+        assert plain.run(policies(), timeout=10) == (os.SCHED_OTHER, os.SCHED_OTHER)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        yielding.close()
+        plain.close()
 
 
 def test_close_cancels_and_awaits_every_task_then_is_idempotent() -> None:

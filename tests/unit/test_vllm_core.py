@@ -210,6 +210,9 @@ def test_config_defaults_and_validation() -> None:
     assert ConnectorConfig.from_extra_config({"ids_wait_ms": 0}).ids_wait_ms == 0  # never held
     with pytest.raises(ParamsError, match="ids_wait_ms"):
         ConnectorConfig.from_extra_config({"ids_wait_ms": -1})
+    assert not config.loop_yields and ConnectorConfig.from_extra_config({"loop_yields": True}).loop_yields
+    with pytest.raises(ParamsError, match="loop_yields"):
+        ConnectorConfig.from_extra_config({"loop_yields": "yes"})
 
 
 def test_engine_options_from_config() -> None:

@@ -68,7 +68,7 @@ class EngineBridge:
         self.config = config
         self.auth_token = auth_token
         self.events = events
-        self.thread = Portal(f"kvpush-{cluster_id}")
+        self.thread = Portal(f"kvpush-{cluster_id}", yields=config.loop_yields)
         self.dd = LLMDataDist(role, cluster_id)
         self.cache: Cache | None = None
         self._pushes: dict[int, _Push] = {}
