@@ -10,9 +10,6 @@ Environment (read once, in the worker):
   (default) or ``serial``. ``serial`` keeps ``save_kv_layer`` from pushing, so ``wait_for_save`` pushes
   every layer after the forward pass (the connector's own path for a model whose layers never reach
   ``save_kv_layer``): the same transfer, with no overlap, on the same servers.
-- ``KVPUSH_BENCH_LOOP_BATCH=1``: an experiment, not a setting of the connector: its engine's loop threads (the
-  ``kvpush-*`` threads of the worker) run under ``SCHED_BATCH``, so a wakeup of theirs does not preempt vLLM's
-  own threads on the same core (docs/perf/issue42-fixed-cost.md, "kvpush's own hooks").
 
 Trace lines (``time.monotonic()``, which is one clock for every process of a Linux host):
 - prefill, one per step that computes prompt tokens of a request being sent:
@@ -54,7 +51,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from typing import IO, Any
 
@@ -172,13 +168,6 @@ class TimedKvpushConnector(_ClockedConnector):
         if step is not None and step.recv:
             self._write({"ev": "ids", "t": now, "n": len(step.recv)})
         super().bind_connector_metadata(connector_metadata)
-
-    def register_kv_caches(self, kv_caches: Any) -> None:
-        super().register_kv_caches(kv_caches)
-        if os.environ.get("KVPUSH_BENCH_LOOP_BATCH") == "1":  # an experiment: see the module docstring
-            for thread in threading.enumerate():
-                if thread.name.startswith("kvpush-") and thread.native_id is not None:
-                    os.sched_setscheduler(thread.native_id, os.SCHED_BATCH, os.sched_param(0))
 
     def build_connector_worker_meta(self) -> Any:
         meta = super().build_connector_worker_meta()
