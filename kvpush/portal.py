@@ -67,9 +67,9 @@ def refuse_in_event_loop(api: str, hint: str = "") -> None:
 
 
 def yield_to_host(name: str) -> bool:
-    """Put the calling thread under ``SCHED_BATCH`` (Linux): its wakeups no longer preempt the threads of the
-    process it runs in (an engine's, whose step output carries a request's first token); it runs when they
-    wait or their time slice ends, with the same share of the core as before. Threads it starts inherit it.
+    """Put the calling thread under ``SCHED_BATCH`` (Linux): its wakeups no longer preempt the thread running on
+    its core (an engine's, whose step output carries a request's first token); it runs when that one waits or
+    its time slice ends, with the same share of the core as before. Threads it starts inherit it.
     False (and a log line) where the host has no such policy or refuses it."""
     batch = getattr(os, "SCHED_BATCH", None)
     if batch is None:
