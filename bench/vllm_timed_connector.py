@@ -40,8 +40,7 @@ go); its worker on ``step``, twice: ``hooks_ms_bind`` (before the forward) and `
 the core or the GIL), and on
 ``{"ev": "reported", "t": .., "by_hook_ms": {..}}`` (the step's last hook, ``build_connector_worker_meta``,
 returned: the step's ``wait_for_save`` and reports are done; ``by_hook_ms``: the time in each hook since the
-forward's end). The difference between two lines of one side is kvpush's own time between
-them.
+forward's end). The difference between two lines of one side is kvpush's own time between them.
 
 The bookkeeping costs one ``time.monotonic()`` per layer, two ``time.perf_counter()`` per hook call and one
 buffered line per sending step.
@@ -61,12 +60,11 @@ HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_all
          "update_connector_output", "request_finished", "has_pending_push_work",
          "bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
          "get_transfer_results", "get_finished", "build_connector_worker_meta", "get_kv_connector_stats")
-_SPENT = [0.0]  # seconds this process spent in KvpushConnector's hooks
-_BY_HOOK: dict[str, float] = dict.fromkeys(HOOKS, 0.0)  # the same, per hook
+_BY_HOOK: dict[str, float] = dict.fromkeys(HOOKS, 0.0)  # seconds this process spent in each hook
 
 
 def _clocked(name: str) -> Any:
-    """``KvpushConnector.<name>``, its time added to ``_SPENT``."""
+    """``KvpushConnector.<name>``, its time added to ``_BY_HOOK``."""
     hook = getattr(KvpushConnector, name)
 
     def clocked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -74,9 +72,7 @@ def _clocked(name: str) -> Any:
         try:
             return hook(self, *args, **kwargs)
         finally:
-            spent = time.perf_counter() - start
-            _SPENT[0] += spent
-            _BY_HOOK[name] += spent
+            _BY_HOOK[name] += time.perf_counter() - start
 
     clocked.__name__ = clocked.__qualname__ = name
     return clocked
@@ -84,7 +80,7 @@ def _clocked(name: str) -> Any:
 
 def hooks_ms() -> float:
     """The time this process spent in the connector's hooks so far (ms)."""
-    return round(_SPENT[0] * 1e3, 3)
+    return round(sum(_BY_HOOK.values()) * 1e3, 3)
 
 
 class _ClockedConnector(KvpushConnector):
@@ -194,10 +190,10 @@ class TimedKvpushConnector(_ClockedConnector):
             step["t_forward_end"] = time.monotonic()
             step["hooks_ms"] = hooks_ms()
             self._at_forward_end = dict(_BY_HOOK)
-        cpu, wall = time.thread_time(), time.perf_counter()
+        cpu = time.thread_time()
         super().wait_for_save()
         if step is not None:  # what the hook took, and how much of it was this thread's CPU (the rest: waiting)
-            step["save_ms"] = round((time.perf_counter() - wall) * 1e3, 3)
+            step["save_ms"] = round((_BY_HOOK["wait_for_save"] - self._at_forward_end["wait_for_save"]) * 1e3, 3)
             step["save_cpu_ms"] = round((time.thread_time() - cpu) * 1e3, 3)
             after = self.stats()
             for key in ("pushes_pipelined", "pushes_after_forward", "pushes_deferred"):
