@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -315,6 +316,20 @@ class Peer:
         endpoint = self.rooms.pop(room)[0]
         endpoint.clear()
         return {}
+
+    def op_exit_links_first(self, linger: float) -> dict[str, Any]:
+        """Exit as a dying process can be seen to: its kvpush links close (reset) first, its control (ZMQ) socket
+        only ``linger`` seconds later, with the process (``os._exit``: nothing is finalized or said)."""
+        manager = self.manager
+
+        async def close_links() -> int:
+            links = list(manager.dd.links.values())
+            for link in links:
+                link.close("exiting", abort=True)
+            return len(links)
+        closed = manager.portal.run(close_links(), timeout=5)
+        threading.Timer(linger, os._exit, (0,)).start()
+        return {"closed": closed}
 
     def op_stats(self) -> dict[str, Any]:
         """What the manager still holds: rooms, grants, pushes (a leak shows here)."""

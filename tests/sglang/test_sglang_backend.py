@@ -1,6 +1,10 @@
 """kvpush's SGLang backend between processes over SGLang's real disaggregation classes (``peer.py``): pages of an
-MHA pool land where the decode asked, in chunks, with the aux row; an abort, a killed prefill and a peer without
-the token each end a room promptly and leave nothing behind. About 40 s, most of it importing SGLang."""
+MHA pool land where the decode asked, in chunks, with the aux row; an abort, a killed prefill, a prefill or a
+decode that dies with its link closing before its control socket, and a peer without the token each end a room
+promptly and leave nothing behind. About 60 s, most of it importing SGLang.
+
+The decodes' SGLang heartbeat is slowed to 10 minutes, so that what ends a room whose prefill died is kvpush."""
+
 
 from __future__ import annotations
 
@@ -11,26 +15,31 @@ import pytest
 
 SUCCESS, FAILED = 4, 0  # SGLang's KVPoll
 TOKEN = "sglang-test-secret"
-PORT_A, PORT_B, PORT_C = 18931, 18933, 18935  # bootstrap: prefill A (shared), B (killed by a test), C (TP 2)
-BOOT_A, BOOT_B, BOOT_C = f"127.0.0.1:{PORT_A}", f"127.0.0.1:{PORT_B}", f"127.0.0.1:{PORT_C}"
-# the six peers import SGLang inside the first test's timeout (pytest-timeout times fixtures too): up to
+# bootstrap: prefill A (shared), B (killed by a test), C (TP 2), D (exits links first in a test)
+PORT_A, PORT_B, PORT_C, PORT_D = 18931, 18933, 18935, 18937
+BOOT_A, BOOT_B, BOOT_C, BOOT_D = (f"127.0.0.1:{port}" for port in (PORT_A, PORT_B, PORT_C, PORT_D))
+SLOW_HEARTBEAT = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "600"}
+# the eight peers import SGLang inside the first test's timeout (pytest-timeout times fixtures too): up to
 # ``Peer.wait_ready``'s 120 s each, side by side, and the test
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def peers(peer_factory: Any) -> dict[str, Any]:
-    """Prefill A and B, prefill C's two TP ranks, a decode, and a decode holding another token, all started at
-    once (their imports overlap)."""
+    """Prefill A, B and D, prefill C's two TP ranks, a decode, a decode holding another token and decode E (exits
+    links first in a test), all started at once (their imports overlap)."""
     token = {"KVPUSH_AUTH_TOKEN": TOKEN}
-    prefill_a, prefill_b, c0, c1, decode, stranger = peer_factory([
+    decode_env = {**token, **SLOW_HEARTBEAT}
+    prefill_a, prefill_b, c0, c1, prefill_d, decode, stranger, decode_e = peer_factory([
         {"role": "prefill", "port": PORT_A, "env": token}, {"role": "prefill", "port": PORT_B, "env": token},
         {"role": "prefill", "port": PORT_C, "tp_rank": 0, "tp_size": 2, "env": token},
         {"role": "prefill", "port": PORT_C, "tp_rank": 1, "tp_size": 2, "env": token},
-        {"role": "decode", "port": PORT_A, "env": token},
-        {"role": "decode", "port": PORT_A, "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret"}}])
-    return {"prefill_a": prefill_a, "prefill_b": prefill_b, "prefill_c": (c0, c1), "decode": decode,
-            "stranger": stranger}
+        {"role": "prefill", "port": PORT_D, "env": token},
+        {"role": "decode", "port": PORT_A, "env": decode_env},
+        {"role": "decode", "port": PORT_A, "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret", **SLOW_HEARTBEAT}},
+        {"role": "decode", "port": PORT_A, "env": decode_env}])
+    return {"prefill_a": prefill_a, "prefill_b": prefill_b, "prefill_c": (c0, c1), "prefill_d": prefill_d,
+            "decode": decode, "stranger": stranger, "decode_e": decode_e}
 
 
 def _no_leak(*endpoints: Any) -> None:
@@ -206,3 +215,36 @@ def test_a_killed_prefill_fails_its_rooms_at_once_not_after_the_bootstrap_timeou
     assert waited["status"] == FAILED and waited["seconds"] < 15, waited
     decode.ask("clear", room=104)
     _no_leak(decode)
+
+
+def test_a_prefill_whose_link_closes_before_its_control_socket_strands_no_room(peers: dict[str, Any]) -> None:
+    """A dying process closes its sockets one after another: right as its link closed, the prefill may still
+    accept a connection. The decode asks again: a room that only the prefill's being gone can end (bootstrapped,
+    no pages sent yet, as SGLang's prealloc queue holds it) fails promptly too, not after SGLang's timers."""
+    prefill, decode = peers["prefill_d"], peers["decode"]
+    assert decode.ask("receive", room=114, pages=[44, 45], aux=5, bootstrap=BOOT_D)["status"] != FAILED
+    assert decode.ask("receive", room=115, pages=[46, 47], aux=4, bootstrap=BOOT_D, metadata=False)["status"] != FAILED
+    time.sleep(0.5)  # the prefill links to the decode on its registration
+    assert prefill.ask("exit_links_first", linger=1.5) == {"closed": 1}
+    for room in (114, 115):
+        waited = decode.ask("wait", room=room, timeout=60)
+        assert waited["status"] == FAILED and waited["seconds"] < 15, (room, waited)
+    assert prefill.process.wait(10) == 0
+    for room in (114, 115):
+        decode.ask("clear", room=room)
+    _no_leak(decode)
+
+
+def test_a_decode_whose_link_closes_before_its_control_socket_strands_no_room(peers: dict[str, Any]) -> None:
+    """The same on the prefill: a room whose destination came from a decode that dies, and whose pages are not
+    computed yet (no push that could fail), fails promptly."""
+    prefill, decode = peers["prefill_a"], peers["decode_e"]
+    assert decode.ask("receive", room=117, pages=[52, 53], aux=2, bootstrap=BOOT_A)["status"] != FAILED
+    prefill.ask("open", room=117, pages=[54, 55], aux=2, bootstrap=BOOT_A)
+    time.sleep(0.5)  # the destination reaches the prefill, which links to the decode
+    assert decode.ask("exit_links_first", linger=1.5)["closed"] >= 1
+    waited = prefill.ask("wait", room=117, timeout=60)
+    assert waited["status"] == FAILED and waited["seconds"] < 15, waited
+    assert decode.process.wait(10) == 0
+    prefill.ask("clear", room=117)
+    _no_leak(prefill)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
 
-from kvpush.integrations.liveness import gone, gone_async, split_host_port
+from kvpush.integrations.liveness import gone, gone_after_close, gone_async, split_host_port
 
 
 def _closed_port() -> int:
@@ -43,3 +44,68 @@ def test_addresses_split_as_sglang_writes_them() -> None:
     for bad in ("8998", "host:", "host:port"):
         with pytest.raises(ValueError):
             split_host_port(bad)
+
+
+class _Listener:
+    """A loopback listener on the test's loop that counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepted += 1
+            writer.close()
+        self.server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_peer_that_stops_listening_a_moment_after_its_link_closed_is_found_gone() -> None:
+    """A dying process's control socket can outlive its link by a moment: asked again, it is found gone."""
+    listener = _Listener()
+    port = await listener.start()
+    watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, within=10))
+    while listener.accepted < 2:  # it accepted the first probe and was asked again: bounded by the test timeout
+        await asyncio.sleep(0.01)
+    await listener.close()
+    verdict = await watch
+    assert verdict is not None and "refused" in verdict
+
+
+async def test_a_peer_that_listens_on_lives_and_one_that_linked_again_is_not_asked_again() -> None:
+    listener = _Listener()
+    port = await listener.start()
+    try:
+        assert await gone_after_close("127.0.0.1", port, lambda: False, within=0.2) is None
+        assert listener.accepted > 1  # asked again while the watch lasted
+        listener.accepted = 0
+        assert await gone_after_close("127.0.0.1", port, lambda: True, within=10) is None
+        assert listener.accepted == 1
+    finally:
+        await listener.close()
+    verdict = await gone_after_close("127.0.0.1", port, lambda: True)
+    assert verdict is not None and "refused" in verdict  # gone is gone, whatever else came up
+
+
+async def test_cancelling_the_watch_stops_it() -> None:
+    listener = _Listener()
+    port = await listener.start()
+    try:
+        watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, within=60))
+        while listener.accepted < 1:
+            await asyncio.sleep(0.01)
+        watch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watch
+        asked = listener.accepted
+        await asyncio.sleep(0.2)
+        assert listener.accepted == asked
+    finally:
+        await listener.close()

@@ -3,15 +3,16 @@ before a room's pages go to its prefill ranks the decode opens to each the block
 ends; a prefill rank's success counts only once its last byte landed and its aux row came with it (kvpush's
 notification).
 
-A prefill that dies strands nothing, whatever stage its rooms are in. Its kvpush link closing fails, at once,
-the rooms it was writing; the decode then asks whether the rank's process still listens (``liveness``). If
-not, the prefill is gone in SGLang's own terms (``_handle_node_failure``, what its heartbeat does seconds
-later): every room from it fails, waiting for a slot or bootstrapped included, and its cached bootstrap is
-dropped, so the next request bootstraps afresh, against a restarted prefill too. Once nothing of the closed
-link can land (``LLMDataDist.settled``), the decode acknowledges the gone ranks' share of the rooms' aborts
-itself, so their pages and slots are released at once rather than after SGLang's deferred-release timeout. A
-room that meets a gone prefill later fails as soon as it does: at its bootstrap (nothing listens at the
-prefill's bootstrap server) or before its pages are sent to a rank it has no link to.
+A prefill that dies strands nothing, whatever stage its rooms are in. Its kvpush link closing fails, at once, the
+rooms it was writing; the decode then asks whether the rank's process still listens (``liveness``), again for a
+while if it does (a dying process closes its sockets one after another). If not, the prefill is gone in SGLang's
+own terms (``_handle_node_failure``, what its heartbeat does seconds later): every room from it fails, waiting for
+a slot or bootstrapped included, and its cached bootstrap is dropped, so the next request bootstraps afresh,
+against a restarted prefill too. Once nothing of the closed link can land (``LLMDataDist.settled``), the decode
+acknowledges the gone ranks' share of the rooms' aborts itself, so their pages and slots are released at once
+rather than after SGLang's deferred-release timeout. A room that meets a gone prefill later fails as soon as it
+does: at its bootstrap (nothing listens at the prefill's bootstrap server) or before its pages are sent to a rank
+it has no link to.
 
 Threads: SGLang's scheduler calls ``grant`` and the receiver's hooks, SGLang's ZMQ control thread
 (``_decode_thread``) reads the prefills' statuses; every kvpush call runs on the manager's event-loop thread
@@ -32,7 +33,7 @@ from kvpush import BlockAccess, Cache, Delivery, LLMDataDist, LLMException
 from kvpush.portal import Portal
 
 from ..errors import describe_error
-from ..liveness import gone, gone_async, split_host_port
+from ..liveness import gone, gone_after_close, split_host_port
 from ..topology import dst_ids
 from . import core
 
@@ -247,11 +248,13 @@ class DecodeSide(CommonKVManager):
 
     async def _check_prefill(self, cluster: int, reason: str) -> None:
         """The link to ``cluster`` closed for ``reason``: if its process is gone, so is the prefill. A live
-        one (its link dropped) keeps its rooms: its next push links again. Bounded by the probe's timeout."""
+        one (its link dropped) keeps its rooms: its next push links again. A prefill that still listens is
+        asked again while a dying one could (``gone_after_close``: at most ``liveness.WATCH_S`` and a probe);
+        a link to it that comes up again ends the watch."""
         rank = self._prefill_ranks.get(cluster)
         if rank is None:
             return
-        verdict = await gone_async(rank.host, rank.port)
+        verdict = await gone_after_close(rank.host, rank.port, lambda: cluster in self.dd.links)
         if verdict is not None:
             self._prefill_lost(cluster, f"the link closed ({reason}) and {verdict}")
 

@@ -29,7 +29,7 @@ from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
 from ..errors import describe_error
-from ..liveness import gone_async, split_host_port
+from ..liveness import gone_after_close, split_host_port
 from . import core
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,11 @@ class PrefillSide(CommonKVManager):
     async def _check_decode(self, peer: DecodePeer, reason: str) -> None:
         """``peer``'s link closed for ``reason``: if its process is gone (nothing listens at its control
         address), every room it was to receive fails now, its pushes cancelled, and it is forgotten (a restarted
-        decode registers again). A live one keeps its rooms: the next push links again. Bounded by the probe's
-        timeout."""
-        verdict = await gone_async(*split_host_port(peer.session))
+        decode registers again). A live one keeps its rooms: the next push links again. One that still listens
+        is asked again while a dying one could (``gone_after_close``: at most ``liveness.WATCH_S`` and a probe);
+        a link to it that comes up again ends the watch."""
+        cluster = peer.registration.cluster_id
+        verdict = await gone_after_close(*split_host_port(peer.session), lambda: cluster in self.dd.links)
         if verdict is None or self.peers.get(peer.session) is not peer:
             return
         del self.peers[peer.session]
