@@ -74,6 +74,13 @@ class Deployment:
         setattr(self, role, server)
         return sg.wait_ready([server], STARTUP_S)
 
+    def revive(self) -> None:
+        """Start again a server an earlier test killed and left dead (it failed before restarting it), so that
+        each test's verdict is its own."""
+        for role in ("prefill", "decode"):
+            if not getattr(self, role).alive():
+                self.restart(role)
+
     def servers(self) -> list[sg.Server]:
         return [server for server in (self.router, self.decode, self.prefill) if server is not None]
 
@@ -147,6 +154,12 @@ def _wait_held(server: sg.Server, at_least: int, timeout: float = 60) -> dict[st
         time.sleep(0.2)
 
 
+def _kvpush_lines(server: sg.Server, last: int = 40) -> str:
+    """The last lines of ``server``'s log that kvpush wrote or that name it (what a failure report needs)."""
+    lines = [line for line in server.log_tail(10**7).splitlines() if "kvpush" in line or "link to cluster" in line]
+    return "\n".join(line[:400] for line in lines[-last:])
+
+
 def _restarted_serves_at_once(pd: Deployment, role: str) -> None:
     """Start ``role`` again: the first requests through the router after its health check give the answers
     they gave before any fault, and neither side holds anything after."""
@@ -167,6 +180,7 @@ def test_a_killed_prefill_strands_no_decode_request_and_a_restarted_one_serves_a
                                                                                        ) -> None:
     pd = deployment
     assert pd.router is not None
+    pd.revive()
     # decode-only requests, twice the decode's running slots: some granted and waiting for their KV (linked,
     # no transfer coming), the rest bootstrapped and waiting for a slot; and a load through the router
     # (requests mid-transfer when the prefill dies)
@@ -177,7 +191,11 @@ def test_a_killed_prefill_strands_no_decode_request_and_a_restarted_one_serves_a
         time.sleep(1.5)
         pd.prefill.stop(grace=0)  # SIGKILL to its process group
         killed = time.monotonic()
-        ends = [future.result(timeout=ENDED_S + 30) for future in stranded]
+        _, pending = concurrent.futures.wait(stranded, timeout=ENDED_S + 30)
+        assert not pending, (f"{len(pending)} decode-only requests still wait {ENDED_S + 30:.0f} s after the "
+                             f"prefill's kill; the decode holds {sg.held(pd.decode.url)}; its kvpush log:\n"
+                             + _kvpush_lines(pd.decode))
+        ends = [future.result() for future in stranded]
         late = [round(end["ended"] - killed, 1) for end in ends]
         print(f"\nheld by the decode at the kill: {before}\ndecode-only requests ended {late} s after the kill: "
               f"{ends[0]['outcome']}")
@@ -201,6 +219,7 @@ def test_a_killed_decode_strands_no_prefill_request_and_a_restarted_one_serves_a
                                                                                       ) -> None:
     pd = deployment
     assert pd.router is not None
+    pd.revive()
     load = Load(pd.router.url, 2 * MAX_RUNNING)
     time.sleep(3)
     pd.decode.stop(grace=0)
