@@ -331,6 +331,12 @@ class Peer:
         threading.Timer(linger, os._exit, (0,)).start()
         return {"closed": closed}
 
+    def op_loop_policy(self) -> dict[str, Any]:
+        """The scheduling policy of kvpush's loop thread (``KVPUSH_LOOP_YIELDS``)."""
+        async def policy() -> int:
+            return os.sched_getscheduler(0)
+        return {"policy": self.manager.portal.run(policy(), timeout=5)}
+
     def op_stats(self) -> dict[str, Any]:
         """What the manager still holds: rooms, grants, pushes (a leak shows here)."""
         manager = self.manager

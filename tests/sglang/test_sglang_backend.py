@@ -1,13 +1,15 @@
 """kvpush's SGLang backend between processes over SGLang's real disaggregation classes (``peer.py``): pages of an
 MHA pool land where the decode asked, in chunks, with the aux row; an abort, a killed prefill, a prefill or a
 decode that dies with its link closing before its control socket, and a peer without the token each end a room
-promptly and leave nothing behind. About 60 s, most of it importing SGLang.
+promptly and leave nothing behind; ``KVPUSH_LOOP_YIELDS`` reaches kvpush's loop thread. About 60 s, most of it
+importing SGLang.
 
 The decodes' SGLang heartbeat is slowed to 10 minutes, so that what ends a room whose prefill died is kvpush."""
 
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -26,8 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def peers(peer_factory: Any) -> dict[str, Any]:
-    """Prefill A, B and D, prefill C's two TP ranks, a decode, a decode holding another token and decode E (exits
-    links first in a test), all started at once (their imports overlap)."""
+    """Prefill A, B and D, prefill C's two TP ranks, a decode, a decode holding another token and decode E (its loop
+    thread yields; it exits links first in a test), all started at once (their imports overlap)."""
     token = {"KVPUSH_AUTH_TOKEN": TOKEN}
     decode_env = {**token, **SLOW_HEARTBEAT}
     prefill_a, prefill_b, c0, c1, prefill_d, decode, stranger, decode_e = peer_factory([
@@ -37,7 +39,7 @@ def peers(peer_factory: Any) -> dict[str, Any]:
         {"role": "prefill", "port": PORT_D, "env": token},
         {"role": "decode", "port": PORT_A, "env": decode_env},
         {"role": "decode", "port": PORT_A, "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret", **SLOW_HEARTBEAT}},
-        {"role": "decode", "port": PORT_A, "env": decode_env}])
+        {"role": "decode", "port": PORT_A, "env": {**decode_env, "KVPUSH_LOOP_YIELDS": "1"}}])
     return {"prefill_a": prefill_a, "prefill_b": prefill_b, "prefill_c": (c0, c1), "prefill_d": prefill_d,
             "decode": decode, "stranger": stranger, "decode_e": decode_e}
 
@@ -233,6 +235,12 @@ def test_a_prefill_whose_link_closes_before_its_control_socket_strands_no_room(p
     for room in (114, 115):
         decode.ask("clear", room=room)
     _no_leak(decode)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_kvpush_loop_thread_yields_only_where_asked(peers: dict[str, Any]) -> None:
+    assert peers["decode_e"].ask("loop_policy") == {"policy": os.SCHED_BATCH}
+    assert peers["decode"].ask("loop_policy") == {"policy": os.SCHED_OTHER}
 
 
 def test_a_decode_whose_link_closes_before_its_control_socket_strands_no_room(peers: dict[str, Any]) -> None:

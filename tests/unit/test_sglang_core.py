@@ -137,6 +137,14 @@ def test_settings_come_from_the_environment_and_keep_the_listener_rule() -> None
         core.BackendSettings.from_env({"KVPUSH_SYNC_KV_TIMEOUT_MS": "soon"})
 
 
+def test_the_loop_thread_yields_only_when_asked_and_a_bad_value_is_named() -> None:
+    assert not core.BackendSettings.from_env({}).loop_yields
+    assert core.BackendSettings.from_env({"KVPUSH_LOOP_YIELDS": "1"}).loop_yields
+    assert not core.BackendSettings.from_env({"KVPUSH_LOOP_YIELDS": "0"}).loop_yields
+    with pytest.raises(ParamsError, match="KVPUSH_LOOP_YIELDS"):
+        core.BackendSettings.from_env({"KVPUSH_LOOP_YIELDS": "sometimes"})
+
+
 def test_aborted_rooms_remember_why_and_forget_the_oldest_past_their_bound() -> None:
     rooms = core.AbortedRooms(limit=3)
     for room in range(5):

@@ -83,7 +83,7 @@ class KvpushKVManager(PrefillSide, DecodeSide):
         self.is_decode = disaggregation_mode == DisaggregationMode.DECODE
         self._stopped = False
         self._worker_threads: list[threading.Thread] = []
-        self.portal = Portal(f"kvpush-sglang-{self.rank_port}")
+        self.portal = Portal(f"kvpush-sglang-{self.rank_port}", yields=self.settings.loop_yields)
         self.dd = LLMDataDist(LLMRole.DECODER if self.is_decode else LLMRole.PROMPT, self.cluster_id)
         self._tasks = TaskScope(f"kvpush-sglang-{self.cluster_id}")
         self.cache: Cache | None = None

@@ -431,13 +431,15 @@ class BackendSettings:
     """The backend's settings, from the environment (SGLang has no per-backend options): ``KVPUSH_TRANSPORT``
     (kvpush's transport: ``auto``, ``cma``, ``tcp``, ``ucx``), ``KVPUSH_AUTH_TOKEN`` (the shared secret every
     link proves; required for a listener another host can reach unless ``KVPUSH_INSECURE=1``),
-    ``KVPUSH_SYNC_KV_TIMEOUT_MS`` (kvpush's per-layer deadline), ``KVPUSH_LINK_TIMEOUT_MS``."""
+    ``KVPUSH_SYNC_KV_TIMEOUT_MS`` (kvpush's per-layer deadline), ``KVPUSH_LINK_TIMEOUT_MS``, ``KVPUSH_LOOP_YIELDS``
+    (the vLLM connector's ``loop_yields``: kvpush's loop thread runs under ``SCHED_BATCH``; ``1``/``0``)."""
 
     transport: str = "auto"
     auth_token: str | None = None
     insecure: bool = False
     sync_kv_timeout_ms: int = 5000
     link_timeout_ms: int = 3000
+    loop_yields: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BackendSettings:
@@ -446,7 +448,8 @@ class BackendSettings:
             return cls(env.get("KVPUSH_TRANSPORT", "auto"), env.get(AUTH_TOKEN_ENV) or None,
                        env.get("KVPUSH_INSECURE", "") in ("1", "true", "yes"),
                        int(env.get("KVPUSH_SYNC_KV_TIMEOUT_MS", "5000")),
-                       int(env.get("KVPUSH_LINK_TIMEOUT_MS", "3000")))
+                       int(env.get("KVPUSH_LINK_TIMEOUT_MS", "3000")),
+                       _env_flag(env, "KVPUSH_LOOP_YIELDS"))
         except ValueError as error:
             raise ParamsError(f"kvpush SGLang backend: {error}") from None
 
@@ -463,6 +466,17 @@ class BackendSettings:
         config = ConnectorConfig(transport=self.transport, auth_token=self.auth_token,
                                  sync_kv_timeout_ms=self.sync_kv_timeout_ms, link_timeout_ms=self.link_timeout_ms)
         return config.engine_options_for(listen)
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    """An on/off environment variable: ``1``, ``true``, ``yes`` or ``0``, ``false``, ``no``, empty; ValueError
+    naming it otherwise."""
+    value = env.get(name, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("", "0", "false", "no"):
+        return False
+    raise ValueError(f"{name}={env[name]!r} is neither 1 nor 0")
 
 
 class AbortedRooms:
