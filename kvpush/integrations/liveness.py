@@ -9,22 +9,27 @@ asked here (``kvpush.probe`` asks more of a kvpush engine: that its event loop r
 
 Right after a link closed, one accepted connection proves less: a process that dies closes its sockets one
 after another (and the processes of a server exit one after another), so the address asked about can still
-accept a connection a moment after the link to that process closed. ``gone_after_close`` asks again for a
-while before it concludes that the process lives on.
+accept a connection a moment, or longer on a slow shutdown, after the link to that process closed. So does one
+that has no link yet and dies before it makes one. ``gone_after_close`` watches such a peer while something
+waits on it; ``Watches`` keeps one watch per peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any
 
-__all__ = ["PROBE_TIMEOUT_S", "WATCH_S", "gone", "gone_after_close", "gone_async", "split_host_port"]
+__all__ = ["PROBE_TIMEOUT_S", "WAIT_S", "WATCH_S", "Watches", "gone", "gone_after_close", "gone_async",
+           "split_host_port"]
 
 PROBE_TIMEOUT_S = 1.0  # a live peer on a working network answers a connect in well under a millisecond to a few
-WATCH_S = 10.0  # how long a peer whose link closed but which still accepted a connection is asked again
-_FIRST_RETRY_S = 0.02  # the first wait before asking again; it doubles, up to _LONGEST_RETRY_S
+WATCH_S = 10.0  # how long a watched peer is asked again at short intervals (a dying process's last moments)
+WAIT_S = 300.0  # the longest watch: SGLang's own bootstrap and waiting timeouts end what waits by then
+_FIRST_RETRY_S = 0.02  # the first wait before asking again; it doubles, up to _LONGEST_RETRY_S, for WATCH_S
 _LONGEST_RETRY_S = 1.0
+_SLOW_RETRY_S = 2.0  # after WATCH_S
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -53,13 +58,13 @@ def gone(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return _verdict(host, port, error, timeout)
 
 
-async def gone_async(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """``gone`` on the running loop. Cancelling it closes the attempt; the timeout ends it with a verdict."""
+async def _attempt(host: str, port: int, timeout: float) -> OSError | TimeoutError | None:
+    """One connection to ``host:port``, closed at once: None if it was accepted, else why not."""
     try:
         async with asyncio.timeout(timeout):
             _, writer = await asyncio.open_connection(host, port)
     except (OSError, TimeoutError) as error:
-        return _verdict(host, port, error, timeout)
+        return error
     writer.close()
     try:
         await writer.wait_closed()
@@ -68,24 +73,61 @@ async def gone_async(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> 
     return None
 
 
-async def gone_after_close(host: str, port: int, relinked: Callable[[], bool], *, within: float = WATCH_S,
-                           timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why the process that listened at ``host:port``, whose link just closed, is gone; or None if it lives on.
+async def gone_async(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """``gone`` on the running loop. Cancelling it closes the attempt; the timeout ends it with a verdict."""
+    error = await _attempt(host, port, timeout)
+    return None if error is None else _verdict(host, port, error, timeout)
 
-    It is asked at once and, while it still accepts a connection, again after 20 ms, then at doubling intervals
-    of up to a second, for ``within`` seconds: a dying process can accept one a moment after its link closed.
-    It stops early, with None, once ``relinked()`` (called on this loop) is true: a link to that process came
-    up again, so it lives. Returns at most ``within`` plus one probe's ``timeout`` seconds after it started.
-    Cancelling it stops the watch and closes the attempt in flight."""
+
+async def gone_after_close(host: str, port: int, relinked: Callable[[], bool],  # noqa: PLR0913
+                           waiting: Callable[[], bool], *, within: float = WATCH_S, until: float = WAIT_S,
+                           timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the process that listened at ``host:port`` is gone, or None: it lives on, as far as this watch saw.
+    For a peer whose link just closed, or which has none yet.
+
+    It is asked at once. While it still accepts a connection and ``waiting()`` says something still waits on it,
+    it is asked again: after 20 ms, then at doubling intervals of up to a second for ``within`` seconds, then every
+    two seconds, for ``until`` seconds in all. It ends with None as soon as ``relinked()`` says a link to it is up
+    (it lives) or nothing waits on it any more. Once it accepted a connection, only a refused one makes it gone (a
+    timeout then says more of the network than of the process). ``relinked`` and ``waiting`` are called on this
+    loop. Returns at most ``until`` plus a probe's ``timeout`` after it started. Cancelling it stops
+    the watch and closes the attempt in flight."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
+    started = loop.time()
     pause = _FIRST_RETRY_S
-    while True:  # bounded by ``deadline``
-        verdict = await gone_async(host, port, timeout)
-        if verdict is not None or relinked():
-            return verdict
-        left = deadline - loop.time()
-        if left <= 0:
+    accepted = False
+    while True:  # bounded by ``until``
+        error = await _attempt(host, port, timeout)
+        if error is not None and (not accepted or isinstance(error, ConnectionRefusedError)):
+            return _verdict(host, port, error, timeout)
+        accepted = accepted or error is None
+        elapsed = loop.time() - started
+        if relinked() or not waiting() or elapsed >= until:
             return None
-        await asyncio.sleep(min(pause, left))
+        await asyncio.sleep(min(pause if elapsed < within else _SLOW_RETRY_S, until - elapsed))
         pause = min(2 * pause, _LONGEST_RETRY_S)
+
+
+class Watches:
+    """At most one running watch per peer (a key): a watch asked for while one runs is not started again.
+    Loop thread only; ``spawn`` runs a coroutine as a task (a ``TaskScope``'s, so that teardown cancels it)."""
+
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]) -> None:
+        self._spawn = spawn
+        self._running: dict[Hashable, asyncio.Task[None]] = {}
+
+    def start(self, key: Hashable, watch: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``watch()`` for ``key`` unless a watch of it runs."""
+        running = self._running.get(key)
+        if running is not None and not running.done():
+            return
+        task = self._running[key] = self._spawn(watch())
+        task.add_done_callback(lambda ended: self._ended(key, ended))
+
+    def _ended(self, key: Hashable, task: asyncio.Task[None]) -> None:
+        if self._running.get(key) is task:
+            del self._running[key]
+
+    def __len__(self) -> int:
+        """The watches running."""
+        return sum(not task.done() for task in self._running.values())

@@ -317,19 +317,34 @@ class Peer:
         endpoint.clear()
         return {}
 
-    def op_exit_links_first(self, linger: float) -> dict[str, Any]:
-        """Exit as a dying process can be seen to: its kvpush links close (reset) first, its control (ZMQ) socket
-        only ``linger`` seconds later, with the process (``os._exit``: nothing is finalized or said)."""
+    def op_links(self, at_least: int = 1, timeout: float = 10) -> dict[str, Any]:
+        """The kvpush links this peer holds, once there are ``at_least`` (or ``timeout`` passed)."""
+        deadline = time.monotonic() + timeout
+        manager = self.manager
+
+        async def count() -> int:
+            return len(manager.dd.links)
+        while (links := manager.portal.run(count(), timeout=5)) < at_least and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {"links": links}
+
+    def op_close_links(self) -> dict[str, Any]:
+        """Reset this peer's kvpush links; the process lives on (a dropped connection)."""
         manager = self.manager
 
         async def close_links() -> int:
             links = list(manager.dd.links.values())
             for link in links:
-                link.close("exiting", abort=True)
+                link.close("dropped by the test", abort=True)
             return len(links)
-        closed = manager.portal.run(close_links(), timeout=5)
+        return {"closed": manager.portal.run(close_links(), timeout=5)}
+
+    def op_exit_links_first(self, linger: float) -> dict[str, Any]:
+        """Exit as a dying process can be seen to: its kvpush links close (reset) first, its control (ZMQ) socket
+        only ``linger`` seconds later, with the process (``os._exit``: nothing is finalized or said)."""
+        closed = self.op_close_links()
         threading.Timer(linger, os._exit, (0,)).start()
-        return {"closed": closed}
+        return closed
 
     def op_loop_policy(self) -> dict[str, Any]:
         """The scheduling policy of kvpush's loop thread (``KVPUSH_LOOP_YIELDS``)."""
@@ -344,7 +359,8 @@ class Peer:
         async def count() -> dict[str, int]:
             return {"grants": sum(len(g) for g in manager._grants.values()), "pushes": len(manager._pushes),
                     "room_prefills": len(manager._room_prefills), "outstanding": len(manager._staging_outstanding),
-                    "transfer_infos": len(getattr(manager, "transfer_infos", {}))}
+                    "transfer_infos": len(getattr(manager, "transfer_infos", {})),
+                    "watches": len(manager._prefill_watches) + len(manager._decode_watches)}
         counts = manager.portal.run(count(), timeout=5)
         return {"request_status": len(manager.request_status), **counts}
 

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def peers(peer_factory: Any) -> dict[str, Any]:
-    """Prefill A, B and D, prefill C's two TP ranks, a decode, a decode holding another token and decode E (its loop
-    thread yields; it exits links first in a test), all started at once (their imports overlap)."""
+    """Prefill A, B and D, prefill C's two TP ranks, a decode, a decode holding another token (its loop thread yields)
+    and decode E (exits links first in a test), all started at once (their imports overlap)."""
     token = {"KVPUSH_AUTH_TOKEN": TOKEN}
     decode_env = {**token, **SLOW_HEARTBEAT}
     prefill_a, prefill_b, c0, c1, prefill_d, decode, stranger, decode_e = peer_factory([
@@ -38,8 +38,9 @@ def peers(peer_factory: Any) -> dict[str, Any]:
         {"role": "prefill", "port": PORT_C, "tp_rank": 1, "tp_size": 2, "env": token},
         {"role": "prefill", "port": PORT_D, "env": token},
         {"role": "decode", "port": PORT_A, "env": decode_env},
-        {"role": "decode", "port": PORT_A, "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret", **SLOW_HEARTBEAT}},
-        {"role": "decode", "port": PORT_A, "env": {**decode_env, "KVPUSH_LOOP_YIELDS": "1"}}])
+        {"role": "decode", "port": PORT_A,
+         "env": {"KVPUSH_AUTH_TOKEN": "not-the-secret", "KVPUSH_LOOP_YIELDS": "1", **SLOW_HEARTBEAT}},
+        {"role": "decode", "port": PORT_A, "env": decode_env}])
     return {"prefill_a": prefill_a, "prefill_b": prefill_b, "prefill_c": (c0, c1), "prefill_d": prefill_d,
             "decode": decode, "stranger": stranger, "decode_e": decode_e}
 
@@ -224,9 +225,10 @@ def test_a_prefill_whose_link_closes_before_its_control_socket_strands_no_room(p
     accept a connection. The decode asks again: a room that only the prefill's being gone can end (bootstrapped,
     no pages sent yet, as SGLang's prealloc queue holds it) fails promptly too, not after SGLang's timers."""
     prefill, decode = peers["prefill_d"], peers["decode"]
+    # room 114 is granted: the link's closing fails it. Room 115 is the case: only the prefill's being gone ends it
     assert decode.ask("receive", room=114, pages=[44, 45], aux=5, bootstrap=BOOT_D)["status"] != FAILED
     assert decode.ask("receive", room=115, pages=[46, 47], aux=4, bootstrap=BOOT_D, metadata=False)["status"] != FAILED
-    time.sleep(0.5)  # the prefill links to the decode on its registration
+    assert prefill.ask("links") == {"links": 1}  # the prefill links to the decode on its registration
     assert prefill.ask("exit_links_first", linger=1.5) == {"closed": 1}
     for room in (114, 115):
         waited = decode.ask("wait", room=room, timeout=60)
@@ -239,7 +241,7 @@ def test_a_prefill_whose_link_closes_before_its_control_socket_strands_no_room(p
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_kvpush_loop_thread_yields_only_where_asked(peers: dict[str, Any]) -> None:
-    assert peers["decode_e"].ask("loop_policy") == {"policy": os.SCHED_BATCH}
+    assert peers["stranger"].ask("loop_policy") == {"policy": os.SCHED_BATCH}
     assert peers["decode"].ask("loop_policy") == {"policy": os.SCHED_OTHER}
 
 
@@ -249,10 +251,39 @@ def test_a_decode_whose_link_closes_before_its_control_socket_strands_no_room(pe
     prefill, decode = peers["prefill_a"], peers["decode_e"]
     assert decode.ask("receive", room=117, pages=[52, 53], aux=2, bootstrap=BOOT_A)["status"] != FAILED
     prefill.ask("open", room=117, pages=[54, 55], aux=2, bootstrap=BOOT_A)
-    time.sleep(0.5)  # the destination reaches the prefill, which links to the decode
+    assert decode.ask("links")["links"] >= 1  # the destination reached the prefill, which linked to the decode
     assert decode.ask("exit_links_first", linger=1.5)["closed"] >= 1
     waited = prefill.ask("wait", room=117, timeout=60)
     assert waited["status"] == FAILED and waited["seconds"] < 15, waited
     assert decode.process.wait(10) == 0
     prefill.ask("clear", room=117)
     _no_leak(prefill)
+
+
+def test_a_live_prefill_whose_link_dropped_keeps_the_room_waiting_on_it_and_serves_it(peers: dict[str, Any]) -> None:
+    """The other side of asking again: a prefill whose link dropped but whose process lives is not declared gone
+    however long the decode watches it, and once it links again (its push) the watch ends and the room lands."""
+    prefill, decode = peers["prefill_a"], peers["decode"]
+    src, dst = [3, 4], [60, 61]
+    assert decode.ask("receive", room=118, pages=dst, aux=1, bootstrap=BOOT_A, metadata=False)["status"] != FAILED
+    assert prefill.ask("links")["links"] >= 1  # from the earlier tests
+    prefill.ask("close_links")
+    deadline = time.monotonic() + 10
+    while decode.ask("stats")["watches"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode.ask("stats")["watches"] == 1  # the link to prefill A closed with room 118 waiting on it
+    time.sleep(1.5)  # asked again several times meanwhile: it accepts every time
+    assert decode.ask("send_metadata", room=118)["status"] != FAILED
+    prefill.ask("send", room=118, pages=src, aux=1, bootstrap=BOOT_A)
+    assert prefill.ask("wait", room=118, timeout=20)["status"] == SUCCESS
+    assert decode.ask("wait", room=118, timeout=20)["status"] == SUCCESS
+    check = decode.ask("check", room=118, src_pages=src, src_tp_size=1)
+    assert check["mismatched_buffers"] == 0 and check["aux_ok"], check
+    # the room still waits in SGLang's books until it is cleared: only the new link ends the watch
+    deadline = time.monotonic() + 10
+    while decode.ask("stats")["watches"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode.ask("stats")["watches"] == 0
+    decode.ask("clear", room=118)
+    prefill.ask("clear", room=118)
+    _no_leak(prefill, decode)  # the watches ended too

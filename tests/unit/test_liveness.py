@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvpush.integrations.liveness import gone, gone_after_close, gone_async, split_host_port
+from kvpush.integrations.liveness import Watches, gone, gone_after_close, gone_async, split_host_port
 
 
 def _closed_port() -> int:
@@ -71,7 +71,7 @@ async def test_a_peer_that_stops_listening_a_moment_after_its_link_closed_is_fou
     """A dying process's control socket can outlive its link by a moment: asked again, it is found gone."""
     listener = _Listener()
     port = await listener.start()
-    watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, within=10))
+    watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=10))
     while listener.accepted < 2:  # it accepted the first probe and was asked again: bounded by the test timeout
         await asyncio.sleep(0.01)
     await listener.close()
@@ -79,26 +79,39 @@ async def test_a_peer_that_stops_listening_a_moment_after_its_link_closed_is_fou
     assert verdict is not None and "refused" in verdict
 
 
-async def test_a_peer_that_listens_on_lives_and_one_that_linked_again_is_not_asked_again() -> None:
+async def test_a_live_peer_is_asked_while_something_waits_and_until_it_links_again() -> None:
     listener = _Listener()
     port = await listener.start()
     try:
-        assert await gone_after_close("127.0.0.1", port, lambda: False, within=0.2) is None
-        assert listener.accepted > 1  # asked again while the watch lasted
-        listener.accepted = 0
-        assert await gone_after_close("127.0.0.1", port, lambda: True, within=10) is None
-        assert listener.accepted == 1
+        assert await gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=0.1, until=0.3) is None
+        assert listener.accepted > 1  # asked again while something waited, past the quick phase too
+        for relinked, waiting in ((True, True), (False, False)):  # linked again, or nothing waits: asked once
+            listener.accepted = 0
+            assert await gone_after_close("127.0.0.1", port, lambda r=relinked: r, lambda w=waiting: w) is None
+            assert listener.accepted == 1
     finally:
         await listener.close()
-    verdict = await gone_after_close("127.0.0.1", port, lambda: True)
+    verdict = await gone_after_close("127.0.0.1", port, lambda: True, lambda: False)
     assert verdict is not None and "refused" in verdict  # gone is gone, whatever else came up
+
+
+async def test_once_a_peer_accepted_only_a_refusal_makes_it_gone() -> None:
+    """A peer that accepted the first probe and then stops answering (here: its accept queue is full, so the
+    kernel drops the next connections) is not declared gone on a time-out; a refusal still ends the watch."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # one connection waits to be accepted, never is: the next ones get no answer
+        port = listener.getsockname()[1]
+        assert await gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=0.3, until=1.0,
+                                      timeout=0.2) is None
+    assert await gone_async("127.0.0.1", port) is not None  # closed now: refused
 
 
 async def test_cancelling_the_watch_stops_it() -> None:
     listener = _Listener()
     port = await listener.start()
     try:
-        watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, within=60))
+        watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=60))
         while listener.accepted < 1:
             await asyncio.sleep(0.01)
         watch.cancel()
@@ -109,3 +122,29 @@ async def test_cancelling_the_watch_stops_it() -> None:
         assert listener.accepted == asked
     finally:
         await listener.close()
+
+
+async def test_one_watch_runs_per_peer_at_a_time() -> None:
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def watch(key: str) -> None:
+        started.append(key)
+        await release.wait()
+    watches = Watches(asyncio.ensure_future)
+    for key in ("a", "a", "b"):
+        watches.start(key, lambda key=key: watch(key))  # type: ignore[misc]
+    await asyncio.sleep(0)
+    assert started == ["a", "b"] and len(watches) == 2
+    release.set()
+    for _ in range(100):  # bounded: the two watches end at their next turn
+        if not len(watches):
+            break
+        await asyncio.sleep(0.01)
+    assert len(watches) == 0
+    release.clear()
+    watches.start("a", lambda: watch("a"))  # a watch that ended can be started again
+    await asyncio.sleep(0)
+    assert started == ["a", "b", "a"]
+    release.set()
+    await asyncio.sleep(0.01)

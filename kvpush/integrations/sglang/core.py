@@ -476,7 +476,7 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool:
         return True
     if value in ("", "0", "false", "no"):
         return False
-    raise ValueError(f"{name}={env[name]!r} is neither 1 nor 0")
+    raise ValueError(f"{name}={env[name]!r} is none of 1, true, yes, 0, false, no")
 
 
 class AbortedRooms:

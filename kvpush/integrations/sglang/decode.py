@@ -4,15 +4,17 @@ ends; a prefill rank's success counts only once its last byte landed and its aux
 notification).
 
 A prefill that dies strands nothing, whatever stage its rooms are in. Its kvpush link closing fails, at once, the
-rooms it was writing; the decode then asks whether the rank's process still listens (``liveness``), again for a
-while if it does (a dying process closes its sockets one after another). If not, the prefill is gone in SGLang's
-own terms (``_handle_node_failure``, what its heartbeat does seconds later): every room from it fails, waiting for
-a slot or bootstrapped included, and its cached bootstrap is dropped, so the next request bootstraps afresh,
-against a restarted prefill too. Once nothing of the closed link can land (``LLMDataDist.settled``), the decode
-acknowledges the gone ranks' share of the rooms' aborts itself, so their pages and slots are released at once
-rather than after SGLang's deferred-release timeout. A room that meets a gone prefill later fails as soon as it
-does: at its bootstrap (nothing listens at the prefill's bootstrap server) or before its pages are sent to a rank
-it has no link to.
+rooms it was writing; the decode then asks whether the rank's process still listens (``liveness``), and while it
+does and a room or an armed abort waits on it, asks again until it links again (a dying process closes its sockets
+one after another, and a slow shutdown can keep its address open for longer; a prefill granted a room before it
+ever linked is watched the same way). Once nothing listens, the prefill is gone in SGLang's own terms
+(``_handle_node_failure``, what its heartbeat does seconds later): every room from it fails, waiting for a slot or
+bootstrapped included, and its cached bootstrap is dropped, so the next request bootstraps afresh, against a
+restarted prefill too. Once nothing of the closed link can land (``LLMDataDist.settled``), the decode acknowledges
+the gone ranks' share of the rooms' aborts itself, so their pages and slots are released at once rather than after
+SGLang's deferred-release timeout. A room that meets a gone prefill later fails as soon as it does: at its
+bootstrap (nothing listens at the prefill's bootstrap server) or before its pages are sent to a rank it has no
+link to. The watch is bounded by SGLang's own waiting timeout (``liveness.WAIT_S``).
 
 Threads: SGLang's scheduler calls ``grant`` and the receiver's hooks, SGLang's ZMQ control thread
 (``_decode_thread``) reads the prefills' statuses; every kvpush call runs on the manager's event-loop thread
@@ -33,7 +35,7 @@ from kvpush import BlockAccess, Cache, Delivery, LLMDataDist, LLMException
 from kvpush.portal import Portal
 
 from ..errors import describe_error
-from ..liveness import gone, gone_after_close, split_host_port
+from ..liveness import Watches, gone, gone_after_close, split_host_port
 from ..topology import dst_ids
 from . import core
 
@@ -64,6 +66,7 @@ class DecodeSide(CommonKVManager):
         self._prefill_ranks: dict[int, core.PrefillRank] = {}
         self._armed: dict[int, dict[int, core.PrefillRank]] = {}
         self._gone: set[int] = set()  # prefill clusters whose process is gone and of which nothing can land
+        self._prefill_watches = Watches(self._tasks.spawn)  # prefill clusters watched until gone or linked
 
     def _decode_thread(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
@@ -136,10 +139,14 @@ class DecodeSide(CommonKVManager):
                 continue
             host, port = str(info["rank_ip"]), int(info["rank_port"])
             cluster = core.cluster_id_of(host, port)
-            reason = gone(host, port) if cluster not in links else None
-            if reason is not None:
-                self.portal.call_soon(self._prefill_lost, cluster, reason)
-                return f"kvpush: the prefill rank at {host}:{port} is gone: {reason}"
+            if cluster not in links:
+                reason = gone(host, port)
+                if reason is not None:
+                    self.portal.call_soon(self._prefill_lost, cluster, reason)
+                    return f"kvpush: the prefill rank at {host}:{port} is gone: {reason}"
+                # it listens, with no link yet (or its link just closed): watched until it links or is gone,
+                # so that a prefill that dies before it links strands nothing either
+                self.portal.call_soon(self._watch_prefill, cluster, None)
             grants.append((cluster, int(info.get("attn_tp_rank", info.get("tp_rank", 0))),
                            int(info.get("attn_tp_size", self.layout.tp_size))))
         pages = np.asarray(kv_indices, dtype=np.int64).copy()
@@ -244,19 +251,25 @@ class DecodeSide(CommonKVManager):
                 self.record_failure(room, f"kvpush: the link to the prefill (cluster {peer}) closed: {reason}")
                 self.update_status(room, KVPoll.Failed)
                 self._revoke(room)
-        self._tasks.spawn(self._check_prefill(peer, reason))
+        self._watch_prefill(peer, reason)
 
-    async def _check_prefill(self, cluster: int, reason: str) -> None:
-        """The link to ``cluster`` closed for ``reason``: if its process is gone, so is the prefill. A live
-        one (its link dropped) keeps its rooms: its next push links again. A prefill that still listens is
-        asked again while a dying one could (``gone_after_close``: at most ``liveness.WATCH_S`` and a probe);
-        a link to it that comes up again ends the watch."""
+    def _watch_prefill(self, cluster: int, reason: str | None) -> None:
+        """Find out whether prefill rank ``cluster`` is gone: its link closed for ``reason``, or (None) a room
+        was granted to it while it has no link. One watch per rank at a time."""
         rank = self._prefill_ranks.get(cluster)
-        if rank is None:
-            return
-        verdict = await gone_after_close(rank.host, rank.port, lambda: cluster in self.dd.links)
+        if rank is not None:
+            self._prefill_watches.start(cluster, lambda: self._check_prefill(cluster, rank, reason))
+
+    async def _check_prefill(self, cluster: int, rank: core.PrefillRank, reason: str | None) -> None:
+        """If the rank's process is gone, so is the prefill. A live one keeps its rooms: its next push links
+        (again). One that still listens is asked again while a room or an armed abort waits on it, until it
+        links (``liveness.gone_after_close``: at most ``liveness.WAIT_S``, SGLang's own timeout for them)."""
+        def waiting() -> bool:
+            return bool(self.addr_to_rooms_tracker.get(rank.bootstrap_addr)) or any(
+                cluster in ranks for ranks in list(self._armed.values()))
+        verdict = await gone_after_close(rank.host, rank.port, lambda: cluster in self.dd.links, waiting)
         if verdict is not None:
-            self._prefill_lost(cluster, f"the link closed ({reason}) and {verdict}")
+            self._prefill_lost(cluster, verdict if reason is None else f"the link closed ({reason}) and {verdict}")
 
     def _prefill_lost(self, cluster: int, reason: str) -> None:
         """Prefill rank ``cluster`` is gone: SGLang's node failure for its bootstrap address, now (every room

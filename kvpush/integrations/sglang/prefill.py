@@ -29,7 +29,7 @@ from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
 from ..errors import describe_error
-from ..liveness import gone_after_close, split_host_port
+from ..liveness import Watches, gone_after_close, split_host_port
 from . import core
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class PrefillSide(CommonKVManager):
         self.peers: dict[str, DecodePeer] = {}  # decode ranks by session
         self._pushes: dict[tuple[int, str], list[asyncio.Task[None]]] = {}  # a room's pushes per decode session
         self._room_waiting: dict[int, set[str]] = {}
+        self._decode_watches = Watches(self._tasks.spawn)  # decode sessions watched until gone or linked again
         # rooms aborted before the other side's part came: see ``core.AbortedRooms``
         self._aborted_here = core.AbortedRooms()  # by this prefill, before the decode's destination came
         self._aborted_by_decode = core.AbortedRooms()  # by a decode, before this prefill's request came
@@ -179,16 +180,19 @@ class PrefillSide(CommonKVManager):
             return
         for peer in list(self.peers.values()):
             if peer.registration.cluster_id == cluster:
-                self._tasks.spawn(self._check_decode(peer, reason))
+                self._decode_watches.start(peer.session, functools.partial(self._check_decode, peer, reason))
 
     async def _check_decode(self, peer: DecodePeer, reason: str) -> None:
         """``peer``'s link closed for ``reason``: if its process is gone (nothing listens at its control
         address), every room it was to receive fails now, its pushes cancelled, and it is forgotten (a restarted
         decode registers again). A live one keeps its rooms: the next push links again. One that still listens
-        is asked again while a dying one could (``gone_after_close``: at most ``liveness.WATCH_S`` and a probe);
-        a link to it that comes up again ends the watch."""
+        is asked again while a room waits on it, until it links again (``liveness.gone_after_close``: at most
+        ``liveness.WAIT_S``)."""
         cluster = peer.registration.cluster_id
-        verdict = await gone_after_close(*split_host_port(peer.session), lambda: cluster in self.dd.links)
+
+        def waiting() -> bool:
+            return any(peer.session in infos for infos in list(self.transfer_infos.values()))
+        verdict = await gone_after_close(*split_host_port(peer.session), lambda: cluster in self.dd.links, waiting)
         if verdict is None or self.peers.get(peer.session) is not peer:
             return
         del self.peers[peer.session]
