@@ -17,6 +17,8 @@ waits on it; ``Watches`` keeps one watch per peer.
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import socket
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
@@ -26,10 +28,14 @@ __all__ = ["PROBE_TIMEOUT_S", "WAIT_S", "WATCH_S", "Watches", "gone", "gone_afte
 
 PROBE_TIMEOUT_S = 1.0  # a live peer on a working network answers a connect in well under a millisecond to a few
 WATCH_S = 10.0  # how long a watched peer is asked again at short intervals (a dying process's last moments)
-WAIT_S = 300.0  # the longest watch: SGLang's own bootstrap and waiting timeouts end what waits by then
+WAIT_S = 300.0  # the longest watch by default (SGLang's own bootstrap and waiting timeouts, by default)
 _FIRST_RETRY_S = 0.02  # the first wait before asking again; it doubles, up to _LONGEST_RETRY_S, for WATCH_S
 _LONGEST_RETRY_S = 1.0
 _SLOW_RETRY_S = 2.0  # after WATCH_S
+# a connection this host could not even try: it says nothing of the peer (out of descriptors, ports, memory)
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+
+log = logging.getLogger(__name__)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -81,28 +87,35 @@ async def gone_async(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> 
 
 async def gone_after_close(host: str, port: int, relinked: Callable[[], bool],  # noqa: PLR0913
                            waiting: Callable[[], bool], *, within: float = WATCH_S, until: float = WAIT_S,
-                           timeout: float = PROBE_TIMEOUT_S) -> str | None:
+                           accepted: bool = False, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why the process that listened at ``host:port`` is gone, or None: it lives on, as far as this watch saw.
     For a peer whose link just closed, or which has none yet.
 
-    It is asked at once. While it still accepts a connection and ``waiting()`` says something still waits on it,
-    it is asked again: after 20 ms, then at doubling intervals of up to a second for ``within`` seconds, then every
-    two seconds, for ``until`` seconds in all. It ends with None as soon as ``relinked()`` says a link to it is up
-    (it lives) or nothing waits on it any more. Once it accepted a connection, only a refused one makes it gone (a
-    timeout then says more of the network than of the process). ``relinked`` and ``waiting`` are called on this
-    loop. Returns at most ``until`` plus a probe's ``timeout`` after it started. Cancelling it stops
-    the watch and closes the attempt in flight."""
+    It is asked at once and, while it still accepts a connection, again: after 20 ms, then at doubling
+    intervals of up to a second for ``within`` seconds (a dying process's last moments), then every two seconds
+    while ``waiting()`` says something still waits on it, for ``until`` seconds in all. It ends with None as soon
+    as ``relinked()`` says a link to it is up (it lives), or once nothing waits after ``within``. Once it accepted
+    a connection (``accepted``: the caller saw it do so), only a refused one makes it gone: a time-out then says
+    more of the network than of the process. A connection this host could not even try (out of descriptors or
+    ports) says nothing of the peer either. ``relinked`` and ``waiting`` are called on this loop. Returns at most
+    ``until`` plus a probe's ``timeout`` after it started; a watch that ran out while something still waits says
+    so in the log. Cancelling it stops the watch and closes the attempt in flight."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     pause = _FIRST_RETRY_S
-    accepted = False
     while True:  # bounded by ``until``
         error = await _attempt(host, port, timeout)
-        if error is not None and (not accepted or isinstance(error, ConnectionRefusedError)):
+        local = isinstance(error, OSError) and error.errno in _LOCAL_ERRNOS
+        if error is not None and not local and (not accepted or isinstance(error, ConnectionRefusedError)):
             return _verdict(host, port, error, timeout)
         accepted = accepted or error is None
         elapsed = loop.time() - started
-        if relinked() or not waiting() or elapsed >= until:
+        if relinked() or (elapsed >= within and not waiting()):
+            return None
+        if elapsed >= until:
+            log.warning("%s:%d still accepts connections %.0f s after its link closed, with no link again and "
+                        "requests still waiting on it: left to the serving engine's own timeouts", host, port,
+                        elapsed)
             return None
         await asyncio.sleep(min(pause if elapsed < within else _SLOW_RETRY_S, until - elapsed))
         pause = min(2 * pause, _LONGEST_RETRY_S)

@@ -46,7 +46,7 @@ def peers(peer_factory: Any) -> dict[str, Any]:
 
 
 def _no_leak(*endpoints: Any) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15  # a watch of a peer ends at its next probe: up to 2 s and one probe's 1 s
     for peer in endpoints:
         stats = peer.ask("stats")
         while any(stats.values()) and time.monotonic() < deadline:
@@ -212,7 +212,7 @@ def test_a_peer_without_the_token_is_refused(peers: dict[str, Any]) -> None:
 def test_a_killed_prefill_fails_its_rooms_at_once_not_after_the_bootstrap_timeout(peers: dict[str, Any]) -> None:
     prefill, decode = peers["prefill_b"], peers["decode"]
     assert decode.ask("receive", room=104, pages=[40, 41], aux=6, bootstrap=BOOT_B)["status"] != FAILED
-    time.sleep(0.5)  # the prefill links to the decode on its registration
+    assert prefill.ask("links") == {"links": 1}  # the prefill links to the decode on its registration
     prefill.kill()
     waited = decode.ask("wait", room=104, timeout=60)
     assert waited["status"] == FAILED and waited["seconds"] < 15, waited
@@ -266,12 +266,12 @@ def test_a_live_prefill_whose_link_dropped_keeps_the_room_waiting_on_it_and_serv
     prefill, decode = peers["prefill_a"], peers["decode"]
     src, dst = [3, 4], [60, 61]
     assert decode.ask("receive", room=118, pages=dst, aux=1, bootstrap=BOOT_A, metadata=False)["status"] != FAILED
-    assert prefill.ask("links")["links"] >= 1  # from the earlier tests
+    assert prefill.ask("links")["links"] >= 1  # it links to the decode on its registration (or linked before)
     prefill.ask("close_links")
     deadline = time.monotonic() + 10
     while decode.ask("stats")["watches"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert decode.ask("stats")["watches"] == 1  # the link to prefill A closed with room 118 waiting on it
+    assert decode.ask("stats")["watches"] >= 1  # the link to prefill A closed with room 118 waiting on it
     time.sleep(1.5)  # asked again several times meanwhile: it accepts every time
     assert decode.ask("send_metadata", room=118)["status"] != FAILED
     prefill.ask("send", room=118, pages=src, aux=1, bootstrap=BOOT_A)

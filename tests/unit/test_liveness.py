@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 
 import pytest
 
+from kvpush.integrations import liveness
 from kvpush.integrations.liveness import Watches, gone, gone_after_close, gone_async, split_host_port
 
 
@@ -85,26 +87,60 @@ async def test_a_live_peer_is_asked_while_something_waits_and_until_it_links_aga
     try:
         assert await gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=0.1, until=0.3) is None
         assert listener.accepted > 1  # asked again while something waited, past the quick phase too
-        for relinked, waiting in ((True, True), (False, False)):  # linked again, or nothing waits: asked once
-            listener.accepted = 0
-            assert await gone_after_close("127.0.0.1", port, lambda r=relinked: r, lambda w=waiting: w) is None
-            assert listener.accepted == 1
     finally:
         await listener.close()
+    # linked again, or nothing waits once the quick phase is over: asked once
+    for relinked, waiting, within in ((True, True, 10.0), (False, False, 0.0)):
+        listener = _Listener()
+        port = await listener.start()
+        try:
+            assert await gone_after_close("127.0.0.1", port, lambda r=relinked: r, lambda w=waiting: w,
+                                          within=within) is None
+            await asyncio.sleep(0.05)  # the accept callback of the probe has run
+            assert listener.accepted == 1, (relinked, waiting)
+        finally:
+            await listener.close()
     verdict = await gone_after_close("127.0.0.1", port, lambda: True, lambda: False)
     assert verdict is not None and "refused" in verdict  # gone is gone, whatever else came up
 
 
-async def test_once_a_peer_accepted_only_a_refusal_makes_it_gone() -> None:
-    """A peer that accepted the first probe and then stops answering (here: its accept queue is full, so the
-    kernel drops the next connections) is not declared gone on a time-out; a refusal still ends the watch."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)  # one connection waits to be accepted, never is: the next ones get no answer
-        port = listener.getsockname()[1]
-        assert await gone_after_close("127.0.0.1", port, lambda: False, lambda: True, within=0.3, until=1.0,
-                                      timeout=0.2) is None
-    assert await gone_async("127.0.0.1", port) is not None  # closed now: refused
+async def test_the_quick_phase_asks_even_when_nothing_waits() -> None:
+    """A link's close fails the rooms it carried, and SGLang clears them at once: the dying peer is still asked
+    again for the quick phase, so that its bootstrap is dropped."""
+    listener = _Listener()
+    port = await listener.start()
+    watch = asyncio.ensure_future(gone_after_close("127.0.0.1", port, lambda: False, lambda: False, within=10))
+    while listener.accepted < 2:  # bounded by the test timeout
+        await asyncio.sleep(0.01)
+    await listener.close()
+    verdict = await watch
+    assert verdict is not None and "refused" in verdict
+
+
+def _answers(monkeypatch: pytest.MonkeyPatch, *answers: OSError | TimeoutError | None) -> list[int]:
+    """Make the watch's connection attempts answer ``answers`` in turn; returns the attempts' count (a list)."""
+    made = [0]
+
+    async def attempt(host: str, port: int, timeout: float) -> OSError | TimeoutError | None:
+        made[0] += 1
+        return answers[made[0] - 1]
+    monkeypatch.setattr(liveness, "_attempt", attempt)
+    return made
+
+
+async def test_once_a_peer_accepted_only_a_refusal_makes_it_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an accepted connection a time-out says more of the network than of the process, and a connection
+    this host could not even try (out of descriptors) says nothing of the peer: neither makes it gone."""
+    made = _answers(monkeypatch, None, TimeoutError(), OSError(errno.EMFILE, "too many open files"),
+                    TimeoutError(), ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    verdict = await gone_after_close("127.0.0.1", 9, lambda: False, lambda: True, within=10)
+    assert verdict is not None and "refused" in verdict and made == [5]
+    made = _answers(monkeypatch, TimeoutError(), ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    verdict = await gone_after_close("127.0.0.1", 9, lambda: False, lambda: True, accepted=True)  # seen by the caller
+    assert verdict is not None and "refused" in verdict and made == [2]
+    made = _answers(monkeypatch, TimeoutError())  # never accepted: no answer is an answer
+    verdict = await gone_after_close("127.0.0.1", 9, lambda: False, lambda: True)
+    assert verdict is not None and "did not answer" in verdict and made == [1]
 
 
 async def test_cancelling_the_watch_stops_it() -> None:

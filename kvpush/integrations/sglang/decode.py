@@ -14,7 +14,7 @@ restarted prefill too. Once nothing of the closed link can land (``LLMDataDist.s
 the gone ranks' share of the rooms' aborts itself, so their pages and slots are released at once rather than after
 SGLang's deferred-release timeout. A room that meets a gone prefill later fails as soon as it does: at its
 bootstrap (nothing listens at the prefill's bootstrap server) or before its pages are sent to a rank it has no
-link to. The watch is bounded by SGLang's own waiting timeout (``liveness.WAIT_S``).
+link to. The watch lasts at most twice SGLang's own waiting timeout.
 
 Threads: SGLang's scheduler calls ``grant`` and the receiver's hooks, SGLang's ZMQ control thread
 (``_decode_thread``) reads the prefills' statuses; every kvpush call runs on the manager's event-loop thread
@@ -35,7 +35,7 @@ from kvpush import BlockAccess, Cache, Delivery, LLMDataDist, LLMException
 from kvpush.portal import Portal
 
 from ..errors import describe_error
-from ..liveness import Watches, gone, gone_after_close, split_host_port
+from ..liveness import WAIT_S, WATCH_S, Watches, gone, gone_after_close, split_host_port
 from ..topology import dst_ids
 from . import core
 
@@ -262,12 +262,17 @@ class DecodeSide(CommonKVManager):
 
     async def _check_prefill(self, cluster: int, rank: core.PrefillRank, reason: str | None) -> None:
         """If the rank's process is gone, so is the prefill. A live one keeps its rooms: its next push links
-        (again). One that still listens is asked again while a room or an armed abort waits on it, until it
-        links (``liveness.gone_after_close``: at most ``liveness.WAIT_S``, SGLang's own timeout for them)."""
+        (again). One that still listens is asked again until it links (``liveness.gone_after_close``): after its
+        link closed, for ``liveness.WATCH_S`` and then while a room or an armed abort waits on it; one granted a
+        room with no link (``grant`` saw it accept), while such a room waits. At most twice SGLang's waiting
+        timeout (what ends those rooms otherwise)."""
         def waiting() -> bool:
             return bool(self.addr_to_rooms_tracker.get(rank.bootstrap_addr)) or any(
                 cluster in ranks for ranks in list(self._armed.values()))
-        verdict = await gone_after_close(rank.host, rank.port, lambda: cluster in self.dd.links, waiting)
+        closed = reason is not None
+        verdict = await gone_after_close(rank.host, rank.port, lambda: cluster in self.dd.links, waiting,
+                                         within=WATCH_S if closed else 0.0, accepted=not closed,
+                                         until=2 * float(getattr(self, "waiting_timeout", WAIT_S)))
         if verdict is not None:
             self._prefill_lost(cluster, verdict if reason is None else f"the link closed ({reason}) and {verdict}")
 

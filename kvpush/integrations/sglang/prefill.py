@@ -29,7 +29,7 @@ from kvpush.portal import Portal
 from kvpush.scope import TaskScope
 
 from ..errors import describe_error
-from ..liveness import Watches, gone_after_close, split_host_port
+from ..liveness import WAIT_S, Watches, gone_after_close, split_host_port
 from . import core
 
 log = logging.getLogger(__name__)
@@ -186,13 +186,14 @@ class PrefillSide(CommonKVManager):
         """``peer``'s link closed for ``reason``: if its process is gone (nothing listens at its control
         address), every room it was to receive fails now, its pushes cancelled, and it is forgotten (a restarted
         decode registers again). A live one keeps its rooms: the next push links again. One that still listens
-        is asked again while a room waits on it, until it links again (``liveness.gone_after_close``: at most
-        ``liveness.WAIT_S``)."""
+        is asked again until it links again (``liveness.gone_after_close``): for ``liveness.WATCH_S``, then while a
+        room waits on it, at most twice SGLang's bootstrap timeout (what ends those rooms otherwise)."""
         cluster = peer.registration.cluster_id
 
         def waiting() -> bool:
             return any(peer.session in infos for infos in list(self.transfer_infos.values()))
-        verdict = await gone_after_close(*split_host_port(peer.session), lambda: cluster in self.dd.links, waiting)
+        verdict = await gone_after_close(*split_host_port(peer.session), lambda: cluster in self.dd.links, waiting,
+                                         until=2 * float(getattr(self, "bootstrap_timeout", WAIT_S)))
         if verdict is None or self.peers.get(peer.session) is not peer:
             return
         del self.peers[peer.session]
