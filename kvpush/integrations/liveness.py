@@ -113,7 +113,7 @@ async def gone_after_close(host: str, port: int, relinked: Callable[[], bool],  
         if relinked() or (elapsed >= within and not waiting()):
             return None
         if elapsed >= until:
-            log.warning("%s:%d still accepts connections %.0f s after its link closed, with no link again and "
+            log.warning("%s:%d still accepts connections after %.0f s of watching, with no link to it and "
                         "requests still waiting on it: left to the serving engine's own timeouts", host, port,
                         elapsed)
             return None
