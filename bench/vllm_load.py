@@ -46,7 +46,9 @@ and the share of requests that met them. For P/D: how many requests the decode s
 KV (its reported cached prompt tokens > 0) and, for kvpush, the proxy's routes (``pd`` / ``decode-only``).
 A request that fails or does not end within ``--request-timeout`` counts as a miss.
 
-Writes ``bench/results/load-<stamp>.jsonl`` and ``.md`` (the table) and prints the table. Every process it
+Then what the two cores can give P/D at these rates, from the calibration alone (bench/load_capacity.py: the
+cores the long prompts need, the share of requests they interrupt under data parallelism, their queue on a core
+of their own). Writes ``bench/results/load-<stamp>.jsonl`` and ``.md`` (the tables) and prints them. Every process it
 starts is ended (its process group), also on errors and Ctrl-C.
 """
 
@@ -75,6 +77,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench import multiturn  # noqa: E402
+from bench.load_capacity import TPOT_FACTOR, TTFT_FACTOR, TTFT_SLACK_S, Unloaded  # noqa: E402
+from bench.load_capacity import tables as capacity_tables  # noqa: E402
 from bench.vllm_bench import (  # noqa: E402
     _STARTED,
     BLOCK_SIZE,
@@ -105,7 +109,6 @@ WORKLOADS = ("mixed", "multiturn")
 ROUTER_VENV = HERE / "peers" / "venv-router" / "bin" / "vllm-router"
 MIX = ((32, 0.4), (128, 0.3), (512, 0.2), (2048, 0.1))
 OUTPUT_TOKENS = 16
-TTFT_FACTOR, TTFT_SLACK_S, TPOT_FACTOR = 2.0, 0.25, 2.0
 MAX_NUM_SEQS = 16
 
 
@@ -701,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                                turn_unloaded_ttft_p50_p90_ms=[_ms(list(cal.turn_ttft_s.values()), q) for q in (50, 90)])
             emit(machine)
             if targets is not None:
+                for record in capacity_tables(Unloaded.of_machine(machine), fractions)[0]:
+                    emit(record)  # what the cores can give P/D at these rates (bench/load_capacity.py)
                 emit(load_record("single", 0.0, 0.0, cal.unloaded, cal.references, targets,
                                  {"note": "unloaded, one at a time"}))
             for setup in setups:
@@ -765,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                  f"{multiturn.ANSWER_TOKENS}-token answers, think time {multiturn.THINK_S} s (mean); the floor: "
                  f"{machine_record['floor_computed_per_request']} prompt tokens computed per request by one instance",
                  ""]
+    if machine_record and jobs:
+        lines += [""] + capacity_tables(Unloaded.of_machine(machine_record), fractions)[1]
     (out / f"{stamp}.md").write_text("\n".join(head + lines) + "\n")
     print("\n".join(lines))
     print(f"\nresults: {out / stamp}.{{jsonl,md}} ({elapsed:.0f} s); logs in {work}")
