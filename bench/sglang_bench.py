@@ -7,14 +7,18 @@ kvpush and over SGLang's own ``mooncake_tcp`` backend, all real SGLang 0.5.23 se
 
 The model: kvpush's tiny Llama (``python -m kvpush.cli.tiny_model``, float32). Cases run one after another in
 one run, each on the same cores (no case competes with another): ``single`` (one instance on core 0);
-``kvpush`` and ``mooncake_tcp`` (a prefill on core 0, a decode on core 1, sglang-router's mini load balancer in
-front). The kvpush pair is also asked two more ways, taking turns with the router request by request:
-``kvpush-direct`` (this client sends the two legs the load balancer would, at once: no router hop) and ``fake``
-(those legs naming SGLang's fake bootstrap host: SGLang's own P/D floor, no handshake, no byte moved).
+``kvpush`` (on one host kvpush moves the pages with cma, a kernel copy), ``kvpush-tcp`` (the same over its TCP
+transport) and ``mooncake_tcp`` (a prefill on core 0, a decode on core 1, sglang-router's mini load balancer in
+front). Each pair is also asked without the router, taking turns with it request by request: ``kvpush-direct``
+and ``mooncake_tcp-direct`` (this client sends the two legs the load balancer would, at once: no router hop); and
+the kvpush pair as ``fake`` (those legs naming SGLang's fake bootstrap host: SGLang's own P/D floor, no handshake,
+no byte moved). ``mooncake_tcp`` needs Debian's ``libibverbs1`` (Mooncake's engine links it even for TCP) and
+runs with a test-only shim for CUDA-less hosts (tests/sglang/mooncake_cpu/sitecustomize.py: one class attribute
+of SGLang's Mooncake sender).
 ``--pinned``: each engine's processes on its core (``taskset``) with one OpenMP thread. Every request is a
 distinct greedy prompt (no radix-cache hit), one at a time; TTFT is client side, to the first streamed chunk.
-Per case and prompt length, one JSON line: samples, p50, the ratio to ``single`` (and for ``mooncake_tcp`` to
-``kvpush``) from this run, and whether the greedy text equals ``single``'s. A case that cannot run says why in
+Per case and prompt length, one JSON line: samples, p50, the ratios to ``single`` and to each kvpush way (``vs_*``)
+from this run, and whether the greedy text equals ``single``'s. A case that cannot run says why in
 its line instead of numbers.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ctypes.util
 import json
 import random
 import statistics
@@ -42,6 +47,8 @@ import sglang_venv  # noqa: E402 - tests/sglang/sglang_venv.py
 BASE = 18440
 FAKE_HOST = "2.2.2.2"  # SGLang's FAKE_BOOTSTRAP_HOST: a leg naming it skips the handshake and the transfer
 Ask = Callable[[str], float]  # a prompt -> seconds to its first streamed token
+# SGLang's mooncake_tcp on a CPU host: a test-only shim (its docstring) and Mooncake's TCP transport on loopback
+MOONCAKE_ENV = {"PYTHONPATH": str(REPO / "tests" / "sglang" / "mooncake_cpu"), "MC_FORCE_TCP": "1"}
 
 
 def legs(prefill: sg.Server, decode: sg.Server, host: str) -> Ask:
@@ -89,10 +96,10 @@ def measure(asks: dict[str, Ask], text_url: dict[str, str], lengths: list[int], 
 def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int], reps: int,  # noqa: PLR0913
              pinned: bool) -> dict[str, dict[int, Any]]:
     """Start the case's servers, measure, stop them (always). ``pinned``: each engine on its own core (the prefill
-    and a single instance on core 0, the decode on core 1) with one OpenMP thread. The kvpush pair is measured
-    three ways in turn: through sglang-router's mini load balancer (``kvpush``), with this client sending its two
-    legs itself (``kvpush-direct``: no router hop) and with those legs naming SGLang's fake bootstrap host
-    (``fake``: no handshake, no transfer)."""
+    and a single instance on core 0, the decode on core 1) with one OpenMP thread. A pair is measured in turn
+    through sglang-router's mini load balancer (``kvpush``, ``mooncake_tcp``) and with this client sending its two
+    legs itself (``-direct``: no router hop); the kvpush pair also with those legs naming SGLang's fake bootstrap
+    host (``fake``: no handshake, no transfer)."""
     started: list[sg.Server] = []
     pin = (lambda core: core) if pinned else (lambda core: None)
     try:
@@ -102,19 +109,22 @@ def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int
             sg.wait_ready(started, 600)
             return measure({"single": lambda text: sg.first_token_seconds(single.url, text)},
                            {"single": single.url}, lengths, reps, 0)
-        backend = {"kvpush": "kvpush", "mooncake_tcp": "mooncake_tcp"}[case]
+        backend, env = {"kvpush": ("kvpush", {}), "kvpush-tcp": ("kvpush", {"KVPUSH_TRANSPORT": "tcp"}),
+                        "mooncake_tcp": ("mooncake_tcp", MOONCAKE_ENV)}[case]
+        if case == "mooncake_tcp" and ctypes.util.find_library("ibverbs") is None:
+            raise RuntimeError("Mooncake's engine links libibverbs.so.1 even for TCP: apt-get install libibverbs1")
         prefill = sg.launch(python, model, f"{case}-prefill", BASE + 1, work, role="prefill", backend=backend,
-                            bootstrap_port=BASE + 10, cores="0", pin=pin("0"))
+                            bootstrap_port=BASE + 10, cores="0", pin=pin("0"), env=env)
         decode = sg.launch(python, model, f"{case}-decode", BASE + 2, work, role="decode", backend=backend, cores="1",
-                           pin=pin("1"))
+                           pin=pin("1"), env=env)
         started += [prefill, decode]
         sg.wait_ready(started, 600)
         router = sg.router(python, prefill, decode, BASE + 3, work, name=f"{case}-router")
         started.append(router)
         sg.wait_ready([router], 60)
-        asks: dict[str, Ask] = {case: lambda text: sg.first_token_seconds(router.url, text)}
-        if case == "kvpush":
-            asks["kvpush-direct"] = legs(prefill, decode, "127.0.0.1")
+        asks: dict[str, Ask] = {case: lambda text: sg.first_token_seconds(router.url, text),
+                                f"{case}-direct": legs(prefill, decode, "127.0.0.1")}
+        if case == "kvpush":  # (SGLang's fake transfer is the same whichever backend the servers name)
             asks["fake"] = legs(prefill, decode, FAKE_HOST)
         return measure(asks, {case: router.url}, lengths, reps, 1)
     finally:
@@ -125,7 +135,7 @@ def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cases", default="single,kvpush,mooncake_tcp")
+    parser.add_argument("--cases", default="single,kvpush,kvpush-tcp,mooncake_tcp")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     parser.add_argument("--pinned", action="store_true",
                         help="each engine on its own core (taskset) with one OpenMP thread, as bench/vllm_bench.py")
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for length, numbers in result.items():
             line = {"bench": "sglang_ttft", "case": case, "prompt_words": length, "ttft_p50_ms": numbers["p50_ms"],
                     "ttft_samples_ms": numbers["samples_ms"]}
-            for other in ("single", "kvpush", "fake"):
+            for other in ("single", "kvpush", "kvpush-direct", "kvpush-tcp", "kvpush-tcp-direct", "fake"):
                 reference = results.get(other)
                 if other != case and isinstance(reference, dict) and case != "single":
                     line[f"vs_{other}"] = round(numbers["p50_ms"] / reference[length]["p50_ms"], 3)

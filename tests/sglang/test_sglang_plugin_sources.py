@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -40,3 +41,19 @@ def test_the_names_the_backend_and_plugin_use_are_in_sglang(sglang_python: Path)
         assert name in common, name
     choices = (root / "srt/arg_groups/choices.py").read_text()
     assert "add_disagg_transfer_backend_choices" in choices
+
+
+def test_the_benchmarks_mooncake_shim_turns_off_what_sglang_asks(sglang_python: Path) -> None:
+    """bench/sglang_bench.py runs SGLang's own ``mooncake_tcp`` on this CUDA-less host with a test-only shim
+    (tests/sglang/mooncake_cpu/sitecustomize.py): the prefill's CUDA calls sit behind one class attribute of
+    Mooncake's sender. The attribute must still be what SGLang asks, and the shim must be what turns it off."""
+    root = _sglang_root(sglang_python)
+    assert 'getattr(sender, "supports_host_tensor_indices", False)' in (
+        root / "srt/disaggregation/prefill.py").read_text()
+    shim = Path(__file__).resolve().parent / "mooncake_cpu"
+    probe = ("import sglang.srt.disaggregation.mooncake.conn as conn; "
+             "print(conn.MooncakeKVSender.supports_host_tensor_indices)")
+    answers = [subprocess.run([str(sglang_python), "-c", probe], check=True, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path}, timeout=300).stdout.split()[-1]
+               for path in ("", str(shim))]
+    assert answers == ["True", "False"]
