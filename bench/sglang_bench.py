@@ -29,12 +29,14 @@ import concurrent.futures
 import ctypes.util
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,36 +49,119 @@ import sglang_venv  # noqa: E402 - tests/sglang/sglang_venv.py
 BASE = 18440
 FAKE_HOST = "2.2.2.2"  # SGLang's FAKE_BOOTSTRAP_HOST: a leg naming it skips the handshake and the transfer
 Ask = Callable[[str], float]  # a prompt -> seconds to its first streamed token
+STAGES = ("--enable-request-time-stats-logging",)  # SGLang logs each request's stages on each side
 # SGLang's mooncake_tcp on a CPU host: a test-only shim (its docstring) and Mooncake's TCP transport on loopback
 MOONCAKE_ENV = {"PYTHONPATH": str(REPO / "tests" / "sglang" / "mooncake_cpu"), "MC_FORCE_TCP": "1"}
 
 
-def legs(prefill: sg.Server, decode: sg.Server, host: str) -> Ask:
+@dataclass(frozen=True)
+class Sent:
+    """One request of the client's own legs: its bootstrap room, its prompt's words, when it was sent (wall clock,
+    as SGLang's stage log stamps) and its TTFT."""
+
+    room: int
+    words: int
+    sent: float
+    ttft_s: float
+
+
+def legs(prefill: sg.Server, decode: sg.Server, host: str, sent: list[Sent] | None = None) -> Ask:
     """The mini load balancer's two legs, sent by this client itself at once (no router process): both
     ``/generate`` with the bootstrap fields it adds; TTFT of the decode's stream. ``host`` ``FAKE_HOST``: SGLang's
-    own floor, its P/D machinery without a handshake or a byte moved."""
+    own floor, its P/D machinery without a handshake or a byte moved. ``sent``: each request is noted there."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
 
     def ask(text: str) -> float:
-        extra = {"bootstrap_host": host, "bootstrap_port": prefill.extra["bootstrap_port"],
-                 "bootstrap_room": random.randint(0, 2**63 - 1)}
+        room = random.randint(0, 2**63 - 1)
+        extra = {"bootstrap_host": host, "bootstrap_port": prefill.extra["bootstrap_port"], "bootstrap_room": room}
+        at = time.time()
         prefilled = pool.submit(sg.generate, prefill.url, text, 2, **extra)
         seconds = sg.first_token_seconds(decode.url, text, **extra)
         prefilled.result()
+        if sent is not None:
+            sent.append(Sent(room, len(text.split()), at, float(seconds)))
         return float(seconds)
 
     return ask
 
 
-def measure(asks: dict[str, Ask], text_url: dict[str, str], lengths: list[int], reps: int,
-            seed: int) -> dict[str, dict[int, dict[str, Any]]]:
+# -- each request's stages, from SGLang's own log on both sides (--enable-request-time-stats-logging) ---------
+_STAGE_LINE = re.compile(r"ReqTimeStats\(rid=\S+, bootstrap_room=(\d+), .*type=(\w+)\): (.*)$")
+_FIELD = re.compile(r"(\w+)=([-\d.]+)(ms)?")
+# (name, what it is, how it is had from a request's client record ``c``, prefill stages ``p``, decode stages ``d``)
+PHASES: tuple[tuple[str, str], ...] = (
+    ("to the decode's scheduler", "hop: HTTP, tokenizing, the hand-over to the scheduler"),
+    ("decode: bootstrap", "round trip of the protocol: the prefill's address from its bootstrap server"),
+    ("decode: pages allocated", "scheduler step: the preallocation pass"),
+    ("prefill: waits for the decode's pages", "hold: the decode's destination message"),
+    ("prefill: queued", "scheduler step"),
+    ("prefill: forward and send", "compute, then bytes: the prefill's forward and the KV's transfer"),
+    ("decode: waits for the KV", "hold: everything the prefill does, seen from the decode"),
+    ("decode: queued", "scheduler step"),
+    ("first token out", "scheduler step and hop: the decode's output step, the stream to the client"),
+)
+
+
+def stage_records(lines: list[str]) -> dict[tuple[int, str], dict[str, float]]:
+    """SGLang's stage lines -> {(bootstrap room, "prefill"|"decode"): {stage: seconds, "entry_time": wall clock}}."""
+    found: dict[tuple[int, str], dict[str, float]] = {}
+    for line in lines:
+        match = _STAGE_LINE.search(line)
+        if match is None:
+            continue
+        fields = {name: float(value) / (1000 if unit else 1) for name, value, unit in _FIELD.findall(match.group(3))}
+        found[(int(match.group(1)), match.group(2))] = fields
+    return found
+
+
+def request_phases(c: Sent, stages: dict[tuple[int, str], dict[str, float]]) -> dict[str, float] | None:
+    """One request's phases (ms, ``PHASES``' names), None without both sides' stage lines."""
+    p, d = stages.get((c.room, "prefill")), stages.get((c.room, "decode"))
+    if p is None or d is None or "entry_time" not in d or "transfer_duration" not in d:
+        return None
+    to_decode = d["entry_time"] - c.sent
+    before_out = (to_decode + d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", 0.0)
+                  + d["transfer_duration"] + d.get("queue_duration", 0.0))
+    values = (to_decode, d.get("bootstrap_duration", 0.0), d.get("alloc_wait_duration", 0.0),
+              p.get("bootstrap_duration", 0.0), p.get("queue_duration", 0.0), p.get("forward_duration", 0.0),
+              d["transfer_duration"], d.get("queue_duration", 0.0), c.ttft_s - before_out)
+    return {name: round(value * 1000, 2) for (name, _), value in zip(PHASES, values)}
+
+
+def phase_medians(sent: list[Sent], stages: dict[tuple[int, str], dict[str, float]]) -> dict[int, dict[str, Any]]:
+    """Per prompt length: the p50 of each phase over the requests with both sides' lines, and their count."""
+    by_words: dict[int, list[dict[str, float]]] = {}
+    for c in sent:
+        phases = request_phases(c, stages)
+        if phases is not None:
+            by_words.setdefault(c.words, []).append(phases)
+    return {words: {"samples": len(rows), "phases_ms": {name: round(statistics.median(r[name] for r in rows), 2)
+                                                         for name, _ in PHASES}}
+            for words, rows in sorted(by_words.items())}
+
+
+def phase_table(found: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """The phases side by side: one column per case and prompt length."""
+    columns = [(case, words) for case, by in found.items() for words in by]
+    lines = ["| phase | what it is | " + " | ".join(f"{case}, {words} words" for case, words in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name, kind in PHASES:
+        lines.append(f"| {name} | {kind} | "
+                     + " | ".join(f"{found[case][words]['phases_ms'][name]:.1f}" for case, words in columns) + " |")
+    return lines
+
+
+def measure(asks: dict[str, Ask], text_url: dict[str, str], lengths: list[int], reps: int,  # noqa: PLR0913
+            seed: int, warmed: Callable[[], None] = lambda: None) -> dict[str, dict[int, dict[str, Any]]]:
     """TTFT samples per way of asking and prompt length, the ways taking turns request by request (each first in
-    turn), after two warm-up requests each; every request its own prompt (no radix-cache hit). Plus, for the ways
-    in ``text_url``, the greedy text of each length's first prompt from that URL."""
+    turn), after two warm-up requests each (then ``warmed`` is called); every request its own prompt (no
+    radix-cache hit). Plus, for the ways in ``text_url``, the greedy text of each length's first prompt from that
+    URL."""
     names = list(asks)
     for name in names:
         for warm in range(2):
             asks[name](sg.prompt(64, 900 + warm + seed + 10 * names.index(name)))
+    warmed()
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     for length in lengths:
         samples: dict[str, list[float]] = {name: [] for name in names}
@@ -94,12 +179,13 @@ def measure(asks: dict[str, Ask], text_url: dict[str, str], lengths: list[int], 
 
 
 def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int], reps: int,  # noqa: PLR0913
-             pinned: bool) -> dict[str, dict[int, Any]]:
+             pinned: bool, phases: dict[str, dict[int, dict[str, Any]]] | None = None) -> dict[str, dict[int, Any]]:
     """Start the case's servers, measure, stop them (always). ``pinned``: each engine on its own core (the prefill
     and a single instance on core 0, the decode on core 1) with one OpenMP thread. A pair is measured in turn
     through sglang-router's mini load balancer (``kvpush``, ``mooncake_tcp``) and with this client sending its two
     legs itself (``-direct``: no router hop); the kvpush pair also with those legs naming SGLang's fake bootstrap
-    host (``fake``: no handshake, no transfer)."""
+    host (``fake``: no handshake, no transfer). ``phases``: the ``-direct`` way's phases per prompt length go there
+    (``phase_medians``), from the client's records and both servers' stage logs."""
     started: list[sg.Server] = []
     pin = (lambda core: core) if pinned else (lambda core: None)
     try:
@@ -114,19 +200,25 @@ def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int
         if case == "mooncake_tcp" and ctypes.util.find_library("ibverbs") is None:
             raise RuntimeError("Mooncake's engine links libibverbs.so.1 even for TCP: apt-get install libibverbs1")
         prefill = sg.launch(python, model, f"{case}-prefill", BASE + 1, work, role="prefill", backend=backend,
-                            bootstrap_port=BASE + 10, cores="0", pin=pin("0"), env=env)
+                            bootstrap_port=BASE + 10, cores="0", pin=pin("0"), env=env, args=STAGES)
         decode = sg.launch(python, model, f"{case}-decode", BASE + 2, work, role="decode", backend=backend, cores="1",
-                           pin=pin("1"), env=env)
+                           pin=pin("1"), env=env, args=STAGES)
         started += [prefill, decode]
         sg.wait_ready(started, 600)
         router = sg.router(python, prefill, decode, BASE + 3, work, name=f"{case}-router")
         started.append(router)
         sg.wait_ready([router], 60)
+        sent: list[Sent] = []
         asks: dict[str, Ask] = {case: lambda text: sg.first_token_seconds(router.url, text),
-                                f"{case}-direct": legs(prefill, decode, "127.0.0.1")}
+                                f"{case}-direct": legs(prefill, decode, "127.0.0.1", sent)}
         if case == "kvpush":  # (SGLang's fake transfer is the same whichever backend the servers name)
             asks["fake"] = legs(prefill, decode, FAKE_HOST)
-        return measure(asks, {case: router.url}, lengths, reps, 1)
+        results = measure(asks, {case: router.url}, lengths, reps, 1, sent.clear)
+        if phases is not None:
+            time.sleep(1)  # (a request's stage line is logged as it finishes, after its first token)
+            logs = [server.log.read_text(errors="replace") for server in (prefill, decode)]
+            phases[f"{case}-direct"] = phase_medians(sent, stage_records("\n".join(logs).splitlines()))
+        return results
     finally:
         for server in reversed(started):
             server.stop()
@@ -152,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([str(python), "-m", "kvpush.cli.tiny_model", str(model)], check=True, capture_output=True)
     started = time.monotonic()
     results: dict[str, dict[int, Any] | str] = {}
+    phases: dict[str, dict[int, dict[str, Any]]] = {}
     for case in args.cases.split(","):
         try:
-            results.update(run_case(case, python, model, work, lengths, reps, args.pinned))
+            results.update(run_case(case, python, model, work, lengths, reps, args.pinned, phases))
         except Exception as error:  # noqa: BLE001 - the case's line says why
             results[case] = f"{type(error).__name__}: {str(error)[-600:]}"
     lines = []
@@ -174,11 +267,16 @@ def main(argv: list[str] | None = None) -> int:
                 line["text_equals_single"] = numbers["text"] == single[length]["text"]
             line["pinned"] = args.pinned
             lines.append(line)
+    for case, by_words in phases.items():
+        lines += [{"bench": "sglang_phases", "case": case, "prompt_words": words, **found, "pinned": args.pinned}
+                  for words, found in by_words.items()]
     for line in lines:
         print(json.dumps(line), flush=True)
         if args.out is not None:
             with args.out.open("a") as sink:
                 sink.write(json.dumps(line) + "\n")
+    if any(phases.values()):
+        print("\n".join(phase_table({case: by for case, by in phases.items() if by})))
     print(f"# {time.monotonic() - started:.0f} s; server logs in {work}", file=sys.stderr)
     return 0
 

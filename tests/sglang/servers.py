@@ -73,12 +73,12 @@ def _spawn(name: str, command: list[str], log: Path, env: dict[str, str], url: s
 
 def launch(python: Path, model: Path, name: str, port: int, log_dir: Path, *, role: str = "single",  # noqa: PLR0913
            backend: str = "kvpush", bootstrap_port: int | None = None, cores: str = "all",
-           env: dict[str, str] | None = None, pin: str | None = None) -> Server:
+           env: dict[str, str] | None = None, pin: str | None = None, args: tuple[str, ...] = ()) -> Server:
     """``python -m sglang.launch_server`` for ``role`` single, prefill or decode (without waiting). ``pin``: the
     whole server (every process it starts) on these cores (``taskset``) with one OpenMP thread: on CPUs without
-    AMX, SGLang's own ``SGLANG_CPU_OMP_THREADS_BIND`` binds nothing."""
+    AMX, SGLang's own ``SGLANG_CPU_OMP_THREADS_BIND`` binds nothing. ``args``: more flags for the server."""
     command = [*(["taskset", "-c", pin] if pin is not None else []), str(python), "-m", "sglang.launch_server",
-               "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), *COMMON]
+               "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), *COMMON, *args]
     if pin is not None:
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if role != "single":
