@@ -6,7 +6,8 @@ byte runs must lie in blocks granted to that peer for that direction. Grants nes
 block - so a block granted twice stays granted until both are revoked.
 
 Costs scale with the request, never with the cache: a grant or a revocation of k blocks is O(k) (numpy), and
-a check reads the count of every block its runs touch, O(those blocks) (numpy; a run of one block, one read).
+a check reads the count of every block its runs touch, O(those blocks), never more than O(the cache) however
+the runs overlap (numpy; a run of one block, one read).
 A serving engine's pool is one cache of millions of blocks and a request opens a few thousand of them, so
 nothing here walks the cache. (A prefix sum over it, rebuilt per grant and per revocation, made a grant and its
 revocation take 5-6 ms at a million blocks and 32-35 ms at eight million: ``python bench/grants.py``.) Memory:
@@ -73,7 +74,9 @@ class BlockGrants:
     def covers(self, peer: int, write: bool, block_bytes: int, runs: Sequence[tuple[int, ...]] | None,
                offsets: np.ndarray[Any, Any] | None = None, lengths: np.ndarray[Any, Any] | None = None) -> bool:
         """Every byte run (offset, length within a tensor) lies in blocks granted to ``peer``: a few runs as
-        Python pairs (``runs``), many as arrays (``offsets``, ``lengths``)."""
+        Python pairs (``runs``), many as arrays (``offsets``, ``lengths``). A run that is empty or reaches outside
+        the cache is not covered. The cost is bounded by the blocks the runs touch and by the cache, whatever the
+        runs: overlapping ones (a peer's choice) are read as the union of what they touch."""
         key = (peer, write)
         if not self._live.get(key):
             return False
@@ -82,20 +85,26 @@ class BlockGrants:
         if runs is not None:
             for offset, length in runs:
                 start, stop = offset // block_bytes, -(-(offset + length) // block_bytes)
-                if length <= 0 or stop > limit or not (counts[start] if stop - start == 1
-                                                       else counts[start:stop].all()):
+                if length <= 0 or start < 0 or stop > limit or not (counts[start] if stop - start == 1
+                                                                    else counts[start:stop].all()):
                     return False
             return True
         assert offsets is not None and lengths is not None
-        first = offsets.astype(np.int64)
+        first = offsets.astype(np.int64)  # (an offset or length past 2^63 turns negative here: refused below)
         starts = first // block_bytes
         stops = -(-(first + lengths.astype(np.int64)) // block_bytes)
-        if not len(starts) or int(lengths.min()) <= 0 or int(stops.max()) > limit or int(starts.min()) < 0:
+        spans = stops - starts
+        if not len(starts) or int(spans.min()) < 1 or int(starts.min()) < 0 or int(stops.max()) > limit \
+                or int(lengths.min()) <= 0:
             return False
-        spans = stops - starts  # (each at least 1: no run is empty)
         total = int(spans.sum())
         if total == len(spans):  # every run within one block
             return bool(counts[starts].all())
+        if total > limit:  # runs that overlap: the blocks any of them touches, marked over the cache once
+            edges = np.zeros(limit + 1, np.int64)
+            np.add.at(edges, starts, 1)
+            np.add.at(edges, stops, -1)
+            return not bool((np.cumsum(edges[:-1]) > 0)[counts == 0].any())
         # every block of every run, in one gather: position p of run i is block starts[i] + p - (its first position)
         shift = np.repeat(starts - (np.cumsum(spans) - spans), spans)
         return bool(counts[shift + np.arange(total, dtype=np.int64)].all())

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.access import BlockGrants
+from kvpush.access import BlockAccess, BlockGrants
 
 BLOCKS, BLOCK_BYTES = 24, 64
 
@@ -62,3 +62,29 @@ def test_grants_nest_and_are_per_peer_and_direction() -> None:
     assert grants.covers(7, True, 10, [(30, 10)]) and not grants.covers(7, True, 10, [(20, 10)])
     grants.remove(7, np.array([3]), write=True)
     assert not grants and not grants.covers(7, True, 10, [(30, 10)])
+
+
+def test_runs_outside_the_cache_or_wrapping_are_never_covered() -> None:
+    grants = BlockGrants(8)
+    grants.add(7, np.arange(8), write=True)
+    assert not grants.covers(7, True, 10, [(-10, 10)])  # before the cache (the last block is granted)
+    assert not grants.covers(7, True, 10, [(70, 20)])  # past it
+    wrapped = np.array([2**64 - 5], np.uint64)  # a length (or offset) past 2^63 turns negative as an int64
+    assert not grants.covers(7, True, 10, None, np.array([0], np.uint64), wrapped)
+    assert not grants.covers(7, True, 10, None, wrapped, np.array([10], np.uint64))
+    whole = np.full(1000, 80, np.uint64)  # many runs over the whole cache: the union, read once
+    assert grants.covers(7, True, 10, None, np.zeros(1000, np.uint64), whole)
+    grants.add(8, np.array([3]), write=True)  # another peer holds one block: the union is not all its
+    assert not grants.covers(8, True, 10, None, np.zeros(1000, np.uint64), whole)
+
+
+def test_a_dropped_peer_starts_afresh_and_its_old_revocations_do_not_reach_the_new_grants() -> None:
+    grants = BlockGrants(8)
+    old = BlockAccess(grants, 1, 7, np.array([2, 3]), (True, False), lambda: False)
+    grants.drop(7)  # the link to peer 7 closed
+    assert not grants and not old.active and not grants.covers(7, True, 10, [(20, 20)])
+    new = BlockAccess(grants, 1, 7, np.array([2, 3]), (True, False), lambda: False)
+    old.revoke()  # made before the drop: nothing of the new grant goes
+    assert new.active and grants.covers(7, True, 10, [(20, 20)])
+    new.revoke()
+    assert not grants and not grants.covers(7, True, 10, [(20, 20)])
