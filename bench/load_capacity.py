@@ -56,10 +56,14 @@ class Unloaded:
 
     @classmethod
     def of_machine(cls, machine: Mapping[str, Any]) -> Unloaded:
-        """From bench/vllm_load.py's machine record (its targets undone: target = 2 x unloaded + 250 ms)."""
+        """From bench/vllm_load.py's machine record (its targets undone: target = 2 x unloaded + 250 ms).
+        ValueError when a prompt length of the mix has no unloaded TTFT (none of its requests completed)."""
         ttft = {int(n): (ms / 1e3 - TTFT_SLACK_S) / TTFT_FACTOR for n, ms in machine["ttft_target_ms"].items()}
-        return cls(ttft, machine["tpot_target_ms"] / 1e3 / TPOT_FACTOR, {int(n): w for n, w in machine["mix"].items()},
-                   int(machine["output_tokens"]), float(machine["two_core_rps"]), 2)
+        mix = {int(n): w for n, w in machine["mix"].items()}
+        if missing := sorted(n for n, w in mix.items() if w > 0 and n not in ttft):
+            raise ValueError(f"no unloaded TTFT for prompts of {missing} tokens: the capacity cannot be computed")
+        return cls(ttft, machine["tpot_target_ms"] / 1e3 / TPOT_FACTOR, mix, int(machine["output_tokens"]),
+                   float(machine["two_core_rps"]), 2)
 
     @property
     def generation_s(self) -> float:
@@ -165,6 +169,16 @@ def pooling(cal: Unloaded, pools: Sequence[int] = POOLS) -> dict[str, Any]:
     return record
 
 
+def of_run(machine: Mapping[str, Any], loads: Sequence[float]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``tables`` of a run's machine record, or, when it cannot be computed, one record and one line saying why
+    (a load run goes on without it)."""
+    try:
+        return tables(Unloaded.of_machine(machine), loads)
+    except ValueError as error:
+        return [{"workload": "VLLM-LOAD-CAPACITY", "case": "not computed", "error": str(error)}], \
+            [f"Capacity: {error}."]
+
+
 def tables(cal: Unloaded, loads: Sequence[float]) -> tuple[list[dict[str, Any]], list[str]]:
     """The records and the markdown lines of both tables."""
     rows = [at_load(cal, load) for load in loads]
@@ -203,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     loads = ([float(f) for f in args.load.split(",")] if args.load else
              sorted({r["load"] for r in records if r.get("workload") == "VLLM-LOAD" and r.get("load")}))
-    found, lines = tables(Unloaded.of_machine(machine), loads)
+    try:
+        found, lines = tables(Unloaded.of_machine(machine), loads)
+    except ValueError as error:
+        sys.stderr.write(f"{args.run}: {error}\n")
+        return 2
     for record in found:
         print(json.dumps(record))
     print("\n".join(lines))

@@ -28,6 +28,7 @@ import argparse
 import concurrent.futures
 import ctypes.util
 import json
+import os
 import random
 import re
 import statistics
@@ -51,7 +52,9 @@ FAKE_HOST = "2.2.2.2"  # SGLang's FAKE_BOOTSTRAP_HOST: a leg naming it skips the
 Ask = Callable[[str], float]  # a prompt -> seconds to its first streamed token
 STAGES = ("--enable-request-time-stats-logging",)  # SGLang logs each request's stages on each side
 # SGLang's mooncake_tcp on a CPU host: a test-only shim (its docstring) and Mooncake's TCP transport on loopback
-MOONCAKE_ENV = {"PYTHONPATH": str(REPO / "tests" / "sglang" / "mooncake_cpu"), "MC_FORCE_TCP": "1"}
+MOONCAKE_ENV = {"PYTHONPATH": os.pathsep.join(part for part in (str(REPO / "tests" / "sglang" / "mooncake_cpu"),
+                                                                 os.environ.get("PYTHONPATH")) if part),
+                "MC_FORCE_TCP": "1"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ def legs(prefill: sg.Server, decode: sg.Server, host: str, sent: list[Sent] | No
     def ask(text: str) -> float:
         room = random.randint(0, 2**63 - 1)
         extra = {"bootstrap_host": host, "bootstrap_port": prefill.extra["bootstrap_port"], "bootstrap_room": room}
-        at = time.time()
         prefilled = pool.submit(sg.generate, prefill.url, text, 2, **extra)
+        at = time.time()  # (the decode leg's send, as its TTFT's clock starts)
         seconds = sg.first_token_seconds(decode.url, text, **extra)
         prefilled.result()
         if sent is not None:
@@ -115,10 +118,13 @@ def stage_records(lines: list[str]) -> dict[tuple[int, str], dict[str, float]]:
 
 
 def request_phases(c: Sent, stages: dict[tuple[int, str], dict[str, float]]) -> dict[str, float] | None:
-    """One request's phases (ms, ``PHASES``' names), None without both sides' stage lines."""
+    """One request's phases (ms, ``PHASES``' names), None without both sides' stage lines. Every phase is a
+    duration SGLang measured (to 0.01 ms) but the first and the last: SGLang logs when the request entered the
+    decode's queue to the millisecond, so "to the decode's scheduler" is the client's send to that (+-0.5 ms), and
+    "first token out" the rest of the client's TTFT."""
     p, d = stages.get((c.room, "prefill")), stages.get((c.room, "decode"))
-    if p is None or d is None or "entry_time" not in d or "transfer_duration" not in d:
-        return None
+    if p is None or d is None or not {"entry_time", "bootstrap_duration", "transfer_duration"} <= d.keys():
+        return None  # (a decode line without its bootstrap's end lumps it with the allocation: left out)
     to_decode = d["entry_time"] - c.sent
     before_out = (to_decode + d.get("bootstrap_duration", 0.0) + d.get("alloc_wait_duration", 0.0)
                   + d["transfer_duration"] + d.get("queue_duration", 0.0))
@@ -201,9 +207,10 @@ def run_case(case: str, python: Path, model: Path, work: Path, lengths: list[int
             raise RuntimeError("Mooncake's engine links libibverbs.so.1 even for TCP: apt-get install libibverbs1")
         prefill = sg.launch(python, model, f"{case}-prefill", BASE + 1, work, role="prefill", backend=backend,
                             bootstrap_port=BASE + 10, cores="0", pin=pin("0"), env=env, args=STAGES)
+        started.append(prefill)  # (each one as soon as it runs: stopped whatever fails next)
         decode = sg.launch(python, model, f"{case}-decode", BASE + 2, work, role="decode", backend=backend, cores="1",
                            pin=pin("1"), env=env, args=STAGES)
-        started += [prefill, decode]
+        started.append(decode)
         sg.wait_ready(started, 600)
         router = sg.router(python, prefill, decode, BASE + 3, work, name=f"{case}-router")
         started.append(router)

@@ -77,8 +77,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench import multiturn  # noqa: E402
-from bench.load_capacity import TPOT_FACTOR, TTFT_FACTOR, TTFT_SLACK_S, Unloaded  # noqa: E402
-from bench.load_capacity import tables as capacity_tables  # noqa: E402
+from bench.load_capacity import TPOT_FACTOR, TTFT_FACTOR, TTFT_SLACK_S  # noqa: E402
+from bench.load_capacity import of_run as capacity_of_run  # noqa: E402
 from bench.vllm_bench import (  # noqa: E402
     _STARTED,
     BLOCK_SIZE,
@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                                turn_unloaded_ttft_p50_p90_ms=[_ms(list(cal.turn_ttft_s.values()), q) for q in (50, 90)])
             emit(machine)
             if targets is not None:
-                for record in capacity_tables(Unloaded.of_machine(machine), fractions)[0]:
+                for record in capacity_of_run(machine, fractions)[0]:
                     emit(record)  # what the cores can give P/D at these rates (bench/load_capacity.py)
                 emit(load_record("single", 0.0, 0.0, cal.unloaded, cal.references, targets,
                                  {"note": "unloaded, one at a time"}))
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - the run
                  f"{machine_record['floor_computed_per_request']} prompt tokens computed per request by one instance",
                  ""]
     if machine_record and jobs:
-        lines += [""] + capacity_tables(Unloaded.of_machine(machine_record), fractions)[1]
+        lines += [""] + capacity_of_run(machine_record, fractions)[1]
     (out / f"{stamp}.md").write_text("\n".join(head + lines) + "\n")
     print("\n".join(lines))
     print(f"\nresults: {out / stamp}.{{jsonl,md}} ({elapsed:.0f} s); logs in {work}")

@@ -20,6 +20,7 @@ from bench.load_capacity import (  # noqa: E402
     load_limit,
     main,
     mgk_wait,
+    of_run,
     pooling,
 )
 
@@ -93,3 +94,12 @@ def test_the_command_reads_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "| 1 | 1.64 | 1.36 | 1.17 |" in out
     (tmp_path / "none.jsonl").write_text(json.dumps({"case": "machine"}) + "\n")
     assert main([str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_a_length_without_an_unloaded_sample_says_so_and_the_run_goes_on() -> None:
+    machine = {**MACHINE, "ttft_target_ms": {"32": 432, "128": 781, "512": 2276}}  # no 2048-token request done
+    with pytest.raises(ValueError, match=r"\[2048\]"):
+        Unloaded.of_machine(machine)
+    records, lines = of_run(machine, [1.0])
+    assert records[0]["case"] == "not computed" and "2048" in lines[0]
+    assert of_run(MACHINE, [1.0])[0][0]["case"] == "at load"

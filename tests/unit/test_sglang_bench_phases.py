@@ -34,7 +34,7 @@ def test_stage_lines_are_read_per_room_and_side() -> None:
     assert stages[(58, "decode")]["entry_time"] == pytest.approx(1000.731)  # a wall clock, not a duration
 
 
-def test_a_request_s_phases_add_up_to_its_ttft() -> None:
+def test_a_request_s_phases_come_from_both_sides_and_the_client() -> None:
     stages = stage_records(LINES)
     sent = Sent(58, 1024, 1000.724, 0.060)
     phases = request_phases(sent, stages)
@@ -43,8 +43,13 @@ def test_a_request_s_phases_add_up_to_its_ttft() -> None:
     assert phases["prefill: forward and send"] == pytest.approx(49.03)
     decode_side = ("to the decode's scheduler", "decode: bootstrap", "decode: pages allocated",
                    "decode: waits for the KV", "decode: queued", "first token out")
+    # (the last phase is the rest of the client's TTFT: the decode's side adds up to it by definition)
     assert sum(phases[name] for name in decode_side) == pytest.approx(60.0, abs=0.05)
+    assert phases["first token out"] == pytest.approx(60.0 - 7.0 - 0.10 - 1.16 - 49.47 - 0.14, abs=0.01)
     assert request_phases(Sent(99, 8, 1000.8, 0.1), stages) is None  # the prefill's line is missing
+    lumped = stage_records([LINES[0], LINES[1].replace("bootstrap_duration=0.10ms, alloc_wait_duration=1.16ms",
+                                                       "prealloc_queue_duration=1.26ms")])
+    assert request_phases(sent, lumped) is None  # the decode's bootstrap and allocation not told apart
 
 
 def test_medians_per_length_and_the_table() -> None:

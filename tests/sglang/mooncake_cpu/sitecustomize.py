@@ -26,14 +26,21 @@ TARGET = "sglang.srt.disaggregation.mooncake.conn"
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when ``TARGET`` is imported, it lets the other finders find it and patches the module
-    once its loader has run it. Then it leaves ``sys.meta_path``."""
+    once its loader has run it; then it leaves ``sys.meta_path``. A lookup that imports nothing (a bare
+    ``find_spec``, or an import that fails) leaves it in place for the next one."""
+
+    def __init__(self) -> None:
+        self._looking = False
 
     def find_spec(self, name: str, path: object = None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if name != TARGET:
+        if name != TARGET or self._looking:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._looking = True  # (the other finders' lookup below comes back here)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -42,6 +49,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run(module)
             module.MooncakeKVSender.supports_host_tensor_indices = False
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
