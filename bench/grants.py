@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,11 +31,11 @@ from kvpush.access import BlockGrants  # noqa: E402
 BLOCK_BYTES, REPS = 64, 200
 
 
-def p50_us(action: object) -> float:
+def p50_us(action: Callable[[], object]) -> float:
     times = []
     for _ in range(REPS):
         started = time.perf_counter_ns()
-        action()  # type: ignore[operator]
+        action()
         times.append(time.perf_counter_ns() - started)
     return round(statistics.median(times) / 1000, 2)
 

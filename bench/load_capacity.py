@@ -160,12 +160,9 @@ def pooling(cal: Unloaded, pools: Sequence[int] = POOLS) -> dict[str, Any]:
     record: dict[str, Any] = {"workload": "VLLM-LOAD-CAPACITY", "case": "pooling", "long": cal.long,
                               "budget_s": round(cal.budget_s, 3),
                               "slack_s": {str(n): round(cal.slack_s(n), 2) for n in cal.long}}
-    limits = {}
-    for k in pools:
-        load = load_limit(cal, k)
-        limits[str(k)] = round(load * cal.two_core_rps * share * mean / k, 2)
-    record["utilisation_limit"] = limits
-    record["pd_load_limit"] = round(load_limit(cal, 1), 2)
+    loads = {k: load_limit(cal, k) for k in {1, *pools}}
+    record["utilisation_limit"] = {str(k): round(loads[k] * cal.two_core_rps * share * mean / k, 2) for k in pools}
+    record["pd_load_limit"] = round(loads[1], 2)
     return record
 
 
