@@ -93,6 +93,12 @@ the stream), and beside them ``tail`` (the forward's end -> the decode reported 
 ``phases_of``. Of those, the prefill's time in KvpushConnector's own hooks (every hook timed,
 bench/vllm_timed_connector.py): before the forward, in it, and after it until its scheduler let the request go
 (``kvpush_before_forward``, ``kvpush_in_forward``, ``kvpush_after_forward``; a table of their own).
+The single instance runs bench/vllm_timed_connector.py's ``TracingConnector`` (it moves nothing: its scheduler
+answers that nothing is cached outside), which stamps the same clock points, so its requests' time to first token
+splits into ``to_scheduler``, ``to_forward``, ``forward`` and ``to_first_token`` (``single_phases_of``;
+``single_phases_p50_ms`` in its records, and in each P/D record for the single requests interleaved with it).
+A table puts each P/D phase that is neither compute nor bytes beside the single instance's: what P/D adds to what
+vLLM itself costs per request.
 
 Writes ``bench/results/vllm-<stamp>.jsonl`` (one JSON line per case), ``.md`` (the tables, with
 ratios to the single instance and to every other connector of the same run) and ``.png``, and
@@ -314,6 +320,42 @@ def phases_of(trace_prefill: Sequence[dict[str, Any]], trace_decode: Sequence[di
     return phases
 
 
+SINGLE_PHASES = ("to_scheduler", "to_forward", "forward", "to_first_token")
+# P/D's phases that are neither compute nor bytes, beside the single instance's that match them
+OWN_PHASES = (("to_prefill", "held"), ("to_forward",), ("to_first_token",))
+
+
+def single_phases_of(trace: Sequence[dict[str, Any]], sample: Sample) -> dict[str, float] | None:
+    """Where one single-instance request's time to first token went (ms; bench/vllm_timed_connector.py's
+    ``TracingConnector`` writes the trace), or None when its trace is incomplete. The same clock points as a
+    prefill's (``phases_of``): ``to_scheduler`` (the request sent -> its scheduler first saw it: HTTP, vLLM's front
+    end), ``to_forward`` (-> the forward started), ``forward`` (its prompt's forward pass), ``to_first_token``
+    (the forward's end -> the client had the first token: sampling, the step's output, the stream). They follow one
+    another and sum to the TTFT."""
+    begin, end = sample.t_start, sample.t_end
+    seen = [e["t"] for e in trace if e.get("ev") == "seen" and begin <= e["t"] <= end]
+    steps = [e for e in trace if e.get("ev") == "step" and begin <= e["t_bind"] <= end and "t_forward_end" in e]
+    if not seen or not steps or sample.error:
+        return None
+    marks = (begin, min(seen), min(e["t_bind"] for e in steps), max(e["t_forward_end"] for e in steps),
+             begin + sample.ttft_s)
+    return {name: round((b - a) * 1e3, 2) for name, a, b in zip(SINGLE_PHASES, marks, marks[1:])}
+
+
+def single_phases_p50(phases: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """The median of each of the single instance's phases over its requests with a complete trace."""
+    complete = [p for p in phases if p is not None]
+    return {name: round(median([p[name] for p in complete]), 1) for name in SINGLE_PHASES} if complete else {}
+
+
+def own_phases(phases: dict[str, float], single: dict[str, float]) -> list[tuple[float, float]]:
+    """(P/D, single) per phase of ``OWN_PHASES``: to the scheduler (P/D: to the prefill's, and its hold), to the
+    forward, to the first token; then their sums. Both from requests of the same prompt, seconds apart."""
+    pairs = [(sum(phases[name] for name in names), single[SINGLE_PHASES[0] if i == 0 else names[0]])
+             for i, names in enumerate(OWN_PHASES)]
+    return [*pairs, (sum(p for p, _ in pairs), sum(s for _, s in pairs))]
+
+
 def hook_phases(trace_prefill: Sequence[dict[str, Any]], begin: float, end: float) -> dict[str, float]:
     """The prefill's time in KvpushConnector's own hooks for the request sent at ``begin`` (answered by ``end``),
     from the clocks of its scheduler and its worker (bench/vllm_timed_connector.py); {} when the trace lacks them:
@@ -447,15 +489,28 @@ def tables(records: Sequence[dict[str, Any]]) -> list[str]:
         if sided:  # the decode's side, and what is neither compute nor bytes
             lines += ["", "| prompt | case | decode: to its scheduler | decode: its block ids out | ids: to the "
                       "prefill's scheduler (held) | ids: after the prefill's forward began (unheld) | neither compute "
-                      "nor bytes (to prefill + held + to forward + to first token) | the single instance's (its TTFT "
-                      "- the prefill's forward) |", "|---|---|---|---|---|---|---|---|"]
+                      "nor bytes (to prefill + held + to forward + to first token) | the single instance's (the same "
+                      "phases traced; untraced: its TTFT - the prefill's forward) |",
+                      "|---|---|---|---|---|---|---|---|"]
             for r in sorted(sided, key=lambda r: (r["prompt_tokens"], r["case"])):
                 p = r["phases_p50_ms"]
                 overhead = p["to_prefill"] + p["held"] + p["to_forward"] + p["to_first_token"]
                 single = r.get("single_ttft_p50_ms")
                 own = f"{single - p['forward']:.1f}" if single else ""
+                if r.get("single_phases_p50_ms"):  # traced: the same phases of the interleaved requests
+                    own = f"{own_phases(p, r['single_phases_p50_ms'])[-1][1]:.1f}"
                 lines.append(f"| {r['prompt_tokens']} | {r['case']} | "
                              + " | ".join(str(p.get(n, "")) for n in HOLD_PHASES) + f" | {overhead:.1f} | {own} |")
+    beside = [r for r in phased if r.get("single_phases_p50_ms")]
+    if beside:  # each phase that is neither compute nor bytes, P/D's beside the single instance's
+        lines += ["", "| prompt | case | to the scheduler: P/D (to prefill + held) / single | to forward: P/D / single "
+                  "| to first token: P/D / single | neither compute nor bytes: P/D / single | P/D adds ms "
+                  "| forward: P/D / single |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(beside, key=lambda r: (r["prompt_tokens"], r["case"])):
+            pairs = own_phases(r["phases_p50_ms"], r["single_phases_p50_ms"])
+            lines.append(f"| {r['prompt_tokens']} | {r['case']} | " + " | ".join(f"{p:.1f} / {q:.1f}" for p, q in pairs)
+                         + f" | {pairs[-1][0] - pairs[-1][1]:+.1f} | {r['phases_p50_ms']['forward']:.1f} / "
+                           f"{r['single_phases_p50_ms']['forward']:.1f} |")
     hooked = [r for r in phased if "kvpush_before_forward" in r["phases_p50_ms"]]
     if hooked:  # of the prefill's phases, its time in KvpushConnector's own hooks
         lines += ["", "| prompt | case | to prefill + held + to forward ms | of it, kvpush's hooks | forward ms "
@@ -985,10 +1040,19 @@ class Baseline:
             self.drifted.append(f"prompt {length}/{rep}: the single instance's greedy output changed between runs")
         return sample
 
+    def phases(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The p50 of ``samples``' phases (``single_phases_of``), from the instance's trace."""
+        trace = read_trace(self.route.servers[0].trace)
+        return single_phases_p50([single_phases_of(trace, s) for s in samples])
+
     def records(self) -> list[dict[str, Any]]:
         records = []
         for length in sorted(self.samples):
-            record = latency_record("single", length, self.samples[length], None, dict(self.extra))
+            extra = dict(self.extra)
+            phases = self.phases(self.samples[length])
+            if phases:
+                extra["single_phases_p50_ms"] = phases
+            record = latency_record("single", length, self.samples[length], None, extra)
             drift = [d for d in self.drifted if d.startswith(f"prompt {length}/")]
             if drift and "result" not in record:
                 record = {k: v for k, v in record.items() if not k.endswith("_ms")} | {"result": "FAIL",
@@ -997,8 +1061,13 @@ class Baseline:
         return records
 
 
+# the single instance's connector: it moves nothing and writes the trace of its phases (``single_phases_of``)
+TRACING = {"kv_connector": "TracingConnector", "kv_connector_module_path": "bench.vllm_timed_connector",
+           "kv_role": "kv_both"}
+
+
 def start_baseline(settings: Settings, vocab: int, startup_s: float) -> tuple[Server, Baseline]:
-    server = start_server(settings, "single", 1, None)
+    server = start_server(settings, "single", 1, TRACING, trace=True)
     began = time.monotonic()
     wait_healthy([server], startup_s)
     baseline = Baseline(Route("single", [server]))
@@ -1090,6 +1159,9 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
             if good:
                 measured["single_ttft_p50_ms"] = round(median([s.ttft_s * 1e3 for s in good]), 1)
                 measured["single_total_p50_ms"] = round(median([s.total_s * 1e3 for s in good]), 1)
+                single_phases = baseline.phases(good)
+                if single_phases:  # the same requests' phases (bench/vllm_timed_connector.py's TracingConnector)
+                    measured["single_phases_p50_ms"] = single_phases
             if system.startswith("kvpush"):
                 time.sleep(0.2)  # the last trace lines are written (line-buffered) by now
                 prefill_trace, decode_trace = read_trace(servers[0].trace), read_trace(servers[1].trace)

@@ -1,5 +1,6 @@
 """KvpushConnector with timestamps, for bench/vllm_bench.py: the same connector, and a trace of when each
-step's forward pass ran and when a transfer was reported landed.
+step's forward pass ran and when a transfer was reported landed. And ``TracingConnector``: a connector that moves
+nothing, for the single instance, with the same clock points (see its docstring).
 
     KVTransferConfig(kv_connector="TimedKvpushConnector", kv_connector_module_path="bench.vllm_timed_connector",
                      ...)   # with the repository root on PYTHONPATH
@@ -52,6 +53,8 @@ import json
 import os
 import time
 from typing import IO, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
 from kvpush.integrations.vllm import KvpushConnector, KvpushMetadata
 
@@ -222,6 +225,86 @@ class TimedKvpushConnector(_ClockedConnector):
 
     def shutdown(self) -> None:
         super().shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+
+class _TraceMeta(KVConnectorMetadata):
+    """The scheduler's word to the worker: this step computes a new request's prompt."""
+
+    def __init__(self, prompt: bool) -> None:
+        self.prompt = prompt
+
+
+class TracingConnector(KVConnectorBase_V1):
+    """A connector that moves nothing and only writes the single instance's side of the trace, with the same
+    clock points as ``TimedKvpushConnector``'s prefill: ``{"ev": "seen", "t": .., "side": "single"}`` when its
+    scheduler first asks about a request, and ``{"ev": "step", "t_bind": .., "t_forward_end": .., "hooks_ms": ..}``
+    for a step that computes a new request's prompt (``t_bind``: metadata bound, just before the forward;
+    ``t_forward_end``: ``wait_for_save`` entered; ``hooks_ms``: this worker's time in this class's hooks so far).
+    So bench/vllm_bench.py can split a single instance's time to first token into the same phases as a prefill's.
+
+        KVTransferConfig(kv_connector="TracingConnector", kv_connector_module_path="bench.vllm_timed_connector",
+                         kv_role="kv_both")
+
+    Its scheduler answers that nothing is cached outside, so vLLM computes every request as it would without it.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        trace = os.environ.get("KVPUSH_BENCH_TRACE")
+        self._trace: IO[str] | None = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
+        self._seen: set[str] = set()
+        self._step: dict[str, Any] | None = None
+        self._spent = 0.0  # seconds in this class's worker hooks
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._trace is not None:
+            self._trace.write(json.dumps(record) + "\n")
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id not in self._seen:
+            self._seen.add(request.request_id)
+            self._write({"ev": "seen", "t": time.monotonic(), "side": "single"})
+            if len(self._seen) > 4096:
+                self._seen.clear()
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _TraceMeta(bool(scheduler_output.scheduled_new_reqs))
+
+    # worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        now = time.monotonic()
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, _TraceMeta) and connector_metadata.prompt:
+            self._step = {"ev": "step", "t_bind": now}
+        self._spent += time.monotonic() - now
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        now = time.monotonic()
+        step, self._step = self._step, None
+        if step is not None:
+            step["t_forward_end"] = now
+            self._spent += time.monotonic() - now
+            step["hooks_ms"] = round(self._spent * 1e3, 3)
+            self._write(step)
+
+    def shutdown(self) -> None:
         if self._trace is not None:
             self._trace.close()
             self._trace = None

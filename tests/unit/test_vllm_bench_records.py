@@ -22,6 +22,8 @@ from bench.vllm_bench import (  # noqa: E402
     phases_p50,
     plan,
     prompt,
+    single_phases_of,
+    single_phases_p50,
     tables,
     timing_of,
 )
@@ -122,6 +124,41 @@ def test_phases_of_a_request_add_up_to_its_time_to_first_token() -> None:
     assert phases_p50([phases, None, unheld]) == {"to_prefill": 550.0, "held": 25.0, "to_forward": 425.0,
                                                   "forward": 1000.0, "to_first_token": 500.0, "tail": 20.0}
     assert phases_p50([None]) == {}
+
+
+def test_a_single_instance_request_splits_into_the_same_phases() -> None:
+    """A single-instance request sent at 9.0 s, seen by its scheduler at 9.002 s, its prompt's forward 9.004-9.08 s,
+    its first token at the client 9.0845 s: the phases follow one another and sum to the TTFT. Another request's
+    lines are not its; without a step (or a seen line, or with an error) it has none."""
+    trace = [{"ev": "seen", "t": 9.002, "side": "single"}, {"ev": "step", "t_bind": 9.004, "t_forward_end": 9.08},
+             {"ev": "seen", "t": 20.0, "side": "single"}, {"ev": "step", "t_bind": 20.5, "t_forward_end": 21.0}]
+    sample = Sample(0.0845, 0.6, [1, 2], 0, t_start=9.0, t_end=9.6)
+    phases = single_phases_of(trace, sample)
+    assert phases == pytest.approx({"to_scheduler": 2.0, "to_forward": 2.0, "forward": 76.0, "to_first_token": 4.5})
+    assert phases is not None and sum(phases.values()) == pytest.approx(84.5)
+    assert single_phases_of(trace[:1], sample) is None
+    assert single_phases_of(trace[1:2], sample) is None
+    assert single_phases_of(trace, Sample(0.0, 0.0, [], None, t_start=9.0, t_end=9.6, error="boom")) is None
+    assert single_phases_p50([phases, None]) == {"to_scheduler": 2.0, "to_forward": 2.0, "forward": 76.0,
+                                                 "to_first_token": 4.5}
+    assert single_phases_p50([None]) == {}
+
+
+def test_each_pd_phase_is_set_beside_the_single_instances() -> None:
+    """P/D's phases that are neither compute nor bytes, each beside the single instance's that matches it (to the
+    scheduler: the prefill's, with its hold), their sums and what P/D adds, from the interleaved requests."""
+    ref = [[1]]
+    record = latency_record("kvpush-cma", 32, samples([0.09], ref), ref, {
+        "phases_p50_ms": {"to_prefill": 3.0, "held": 0.5, "to_forward": 2.0, "forward": 75.0, "to_first_token": 4.0,
+                          "tail": 5.0},
+        "single_phases_p50_ms": {"to_scheduler": 2.0, "to_forward": 1.5, "forward": 74.0, "to_first_token": 3.0}})
+    lines = tables([record])
+    header = next(line for line in lines if "P/D adds ms" in line)
+    row = next(line for line in lines if line.startswith("| 32 | kvpush-cma | 3.5 / 2.0 |"))
+    at = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    assert at["to forward: P/D / single"] == "2.0 / 1.5" and at["to first token: P/D / single"] == "4.0 / 3.0"
+    assert at["neither compute nor bytes: P/D / single"] == "9.5 / 6.5" and at["P/D adds ms"] == "+3.0"
+    assert at["forward: P/D / single"] == "75.0 / 74.0"
 
 
 def test_kvpush_hook_time_of_a_request_is_cut_at_the_forward() -> None:
