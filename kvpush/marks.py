@@ -66,3 +66,8 @@ class LayerMarks:
 
     def is_open(self, slot: int) -> bool:
         return int(self.words[slot]) == self.token
+
+    def open_slots(self) -> list[int]:
+        """Every slot opened so far, in order (one pass over the words: a model's every layer at once)."""
+        slots: list[int] = np.flatnonzero(self.words == np.uint64(self.token)).tolist()
+        return slots

@@ -71,6 +71,7 @@ class LayerPusher:
         # that copies the layers itself, every offer goes now, gated by a mark in ``_marks``: letting a layer
         # go is one store, which any thread may make (``mark_ready``), without this loop waking.
         self._slots = {layer: slot for slot, layer in enumerate(self._steps)}
+        self._layers = list(self._steps)  # slot -> layer
         self._marks = LayerMarks(len(self._steps))
         self._prepared: dict[int, PendingOp] = {
             layer: transfer.start_layer(link, plan, step, timeout_ms, held=True, gate=(self._marks, self._slots[layer]))
@@ -159,7 +160,7 @@ class LayerPusher:
             self._adopt_marked()  # marked while being withdrawn: the peer copies them
             self._link.nudge()  # the peer answers what it held, and reads the marks now
         try:
-            results = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            results = await asyncio.gather(*dict.fromkeys(self._tasks.values()), return_exceptions=True)
         finally:
             self._close()
         for result in results:
@@ -172,14 +173,52 @@ class LayerPusher:
 
     def _adopt_marked(self) -> None:
         """Layers marked ready from another thread (``mark_ready``) are waited for like pushed ones, each
-        within ``sync_kv_timeout`` of its mark."""
+        within ``sync_kv_timeout`` of its mark: all of them by one task (a model's every layer, marked during
+        its forward, is adopted at once when it ended, and a task per layer would cost this loop, and the
+        thread that marked them, as much as the rest of the wait)."""
         marks, now = self._marks, time.monotonic()
-        for layer in [layer for layer, op in self._prepared.items() if op.gate is not None
-                      and marks.is_open(self._slots[layer])]:
-            op = self._prepared.pop(layer)
+        batch: list[tuple[LayerStep, PendingOp, int]] = []
+        opened = marks.open_slots()
+        for slot, marked_at in zip(opened, marks.marked_at[opened].tolist()):
+            layer = self._layers[slot]
+            op = self._prepared.get(layer)
+            if op is None or op.gate is None:
+                continue  # adopted already, or started by push_layer
+            del self._prepared[layer]
             op.held = False
-            left_ms = self._timeout_ms - int((now - float(marks.marked_at[self._slots[layer]])) * 1000)
-            self._start(self._steps[layer], op, max(1, left_ms))
+            left_ms = self._timeout_ms - int((now - marked_at) * 1000)
+            batch.append((self._steps[layer], op, max(1, left_ms)))
+        if not batch:
+            return
+        task = asyncio.get_running_loop().create_task(self._finish_adopted(batch),
+                                                      name=f"kvpush-layers-{batch[0][0].dst_layer}+{len(batch)}")
+        task.add_done_callback(self._retrieve)
+        for step, _, _ in batch:
+            self._tasks[step.dst_layer] = task
+
+    async def _finish_adopted(self, batch: list[tuple[LayerStep, PendingOp, int]]) -> None:
+        """``_finish`` for the layers of ``batch``, in one task; raises the first failure once every layer ended."""
+        link, ops = self._link, [op for _, op, _ in batch]
+        timeout = self._timeout_ms / 1000
+        try:
+            failures = await transfer.await_layers("push_layer", link,
+                                                   [(op, step.dst_layer, ms) for step, op, ms in batch])
+        except asyncio.CancelledError:
+            await transfer.drain(link, ops, timeout)
+            raise
+        failed = [op for op, failure in zip(ops, failures) if failure is not None]
+        if failed:
+            await transfer.give_up(link, failed, timeout)
+        first: BaseException | None = None
+        for (step, _, _), failure in zip(batch, failures):
+            if failure is None:
+                self.landed.append(step.dst_layer)
+            elif first is None:
+                first = failure
+        if first is not None:
+            if isinstance(first, LLMException) and self._failure is None:
+                self._failure = first
+            raise first
 
     def _withdraw(self, final: bool) -> None:
         """Layers never pushed: nothing of them moves (a gated offer's mark says so to the peer, which

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Sequence
 
 from .link import Link
 from .marks import LayerMarks
@@ -39,30 +40,66 @@ def start_layer(link: Link, plan: Plan, step: LayerStep, budget_ms: int, held: b
 async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
                       completed: list[int] | None = None) -> None:
     """Wait for one layer's request (bounded by ``timeout_ms``); raise its failure as an
-    ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed)."""
+    ``LLMException`` naming the call and the layer (LLM_TIMEOUT when the deadline passed).
+
+    Cancellation: cancelling the waiting task drops the wait, never the request (``drain`` still sees whether
+    its bytes may land)."""
     if not op.ended:
-        await _wait_layer(api, link, op, layer, timeout_ms, completed)
+        waiter = _watch(link, op, timeout_ms)
+        try:
+            await waiter
+        finally:
+            _unwatch(link, op, waiter)
+        if not op.ended:
+            raise _timed_out(api, link, layer, timeout_ms, completed)
     layer_outcome(api, op, layer, completed)
 
 
-async def _wait_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
-                      completed: list[int] | None) -> None:
-    # ``op.waiter`` rather than ``asyncio.wait``: the table wakes this task in the pass that ends the
-    # request (one loop pass less per layer), and cancelling this task cancels the waiter, never the
-    # request (``drain`` still sees whether the layer's bytes may land)
-    waiter = op.waiter = link.loop.create_future()
-    deadlines = link.requests.deadlines  # one loop timer for every wait of the link, not one per layer
-    deadlines.add(timeout_ms / 1000, waiter)
+async def await_layers(api: str, link: Link, waits: Sequence[tuple[PendingOp, int, int]],
+                       completed: list[int] | None = None) -> list[BaseException | None]:
+    """``await_layer`` for several layers at once, in this one task: each ``(op, layer, timeout_ms)`` is bounded by
+    its own deadline, and one that fails does not end the wait for the others. Returns each one's failure, in
+    order (an ``LLMException``, or ``CancelledError`` for a request abandoned by someone else meanwhile), or None
+    for a layer that landed. Cancellation: as ``await_layer``'s, for every one of them."""
+    watched = [(op, _watch(link, op, timeout_ms)) for op, _, timeout_ms in waits if not op.ended]
     try:
-        await waiter
+        for _, waiter in watched:
+            await waiter  # each wakes when its request ends or its deadline passed; the next may be done already
     finally:
-        deadlines.finished()
-        op.waiter = None
-    if not op.ended:
-        timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
-                                 completed or ())
-        link.note_failure(timed_out)
-        raise timed_out
+        for op, waiter in watched:
+            _unwatch(link, op, waiter)
+    failures: list[BaseException | None] = []
+    for op, layer, timeout_ms in waits:
+        try:
+            if not op.ended:
+                raise _timed_out(api, link, layer, timeout_ms, completed)
+            layer_outcome(api, op, layer, completed)
+        except (LLMException, asyncio.CancelledError) as failure:
+            failures.append(failure)
+        else:
+            failures.append(None)
+    return failures
+
+
+def _watch(link: Link, op: PendingOp, timeout_ms: int) -> asyncio.Future[None]:
+    # ``op.waiter`` rather than ``asyncio.wait``: the table wakes the waiting task in the pass that ends the
+    # request (one loop pass less per layer)
+    waiter = op.waiter = link.loop.create_future()
+    link.requests.deadlines.add(timeout_ms / 1000, waiter)  # one loop timer for every wait of the link
+    return waiter
+
+
+def _unwatch(link: Link, op: PendingOp, waiter: asyncio.Future[None]) -> None:
+    waiter.cancel()  # (done already, unless the waiting task was cancelled)
+    link.requests.deadlines.finished()
+    op.waiter = None
+
+
+def _timed_out(api: str, link: Link, layer: int, timeout_ms: int, completed: list[int] | None) -> LLMException:
+    timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
+                             completed or ())
+    link.note_failure(timed_out)
+    return timed_out
 
 
 def layer_outcome(api: str, op: PendingOp, layer: int, completed: list[int] | None = None) -> None:
@@ -112,8 +149,8 @@ async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
                 break
             layers, op = inflight[0]
             if not op.ended:  # (an ended one, e.g. an inline copy, needs no wait: no coroutine for it)
-                await _wait_layer(plan.api, link, op, layers[0], timeout_ms, completed)
-            if op.cancelled or op.error is not None:
+                await await_layer(plan.api, link, op, layers[0], timeout_ms, completed)
+            elif op.cancelled or op.error is not None:
                 layer_outcome(plan.api, op, layers[0], completed)
             inflight.popleft()
             completed.extend(layers)

@@ -194,6 +194,50 @@ async def test_cancelling_waits_until_the_decode_copied_or_the_link_is_closed(ma
         decode_peer_cma.signal(signal.SIGCONT)
 
 
+async def test_layers_marked_ready_time_out_each_from_its_mark_when_the_decode_is_stopped(
+        make_engine: EngineFactory, decode_peer_cma: Peer) -> None:
+    """Layers let go from another thread (``mark_ready``) are waited for by one task, and each is still bounded
+    by its own deadline from its mark: with the decode stopped, none is copied and ``wait()`` raises LLM_TIMEOUT
+    with no layer landed; the pusher is done."""
+    engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        def compute() -> None:
+            for layer in range(LAYERS):
+                pusher.mark_ready(layer)
+
+        await asyncio.to_thread(compute)
+        with pytest.raises(LLMException) as caught:
+            await pusher.wait()
+        assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        assert caught.value.completed_layers == [] and pusher.landed == []
+        with pytest.raises(LLMException) as done:
+            pusher.push_layer(0)
+        assert done.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+
+
+async def test_cancelling_a_wait_for_marked_layers_drains_them_first(make_engine: EngineFactory,
+                                                                   decode_peer_cma: Peer) -> None:
+    """As for pushed layers: cancelling ``wait()`` while marked layers are offered lets CancelledError out only
+    once no byte can land; the decode is stopped, so the drain gives up after the deadline and closes the link."""
+    engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
+    pusher = engine.cache_manager.layer_pusher(KEY, src, [2], [2])
+    decode_peer_cma.signal(signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(pusher.mark_ready, 0)
+        waiting = asyncio.create_task(pusher.wait())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert 2 not in engine.links or not engine.links[2].ready  # not drained in time: closed
+    finally:
+        decode_peer_cma.signal(signal.SIGCONT)
+
+
 async def test_a_graceful_unlink_waits_for_the_decode_to_copy_what_it_was_offered(make_engine: EngineFactory,
                                                                                  decode_peer_cma: Peer,
                                                                                  tmp_path: Any) -> None:

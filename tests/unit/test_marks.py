@@ -30,6 +30,17 @@ def test_a_withdrawn_layer_is_never_opened_and_an_opened_one_never_withdrawn() -
     assert marks.withdraw(0) and word_at(marks, 0) == marks.token ^ MASK
     assert not marks.open(0) and word_at(marks, 0) == marks.token ^ MASK and not marks.marked_at[0]
     assert marks.open(1) and not marks.withdraw(1) and word_at(marks, 1) == marks.token
+    assert marks.open_slots() == [1]  # the withdrawn one is not open
+
+
+def test_the_open_slots_are_read_in_one_pass_in_order() -> None:
+    marks = LayerMarks(80)
+    assert marks.open_slots() == []
+    for slot in (79, 3, 40, 0):
+        marks.open(slot)
+    marks.withdraw(5)
+    assert marks.open_slots() == [0, 3, 40, 79]
+    assert marks.open_slots() == [slot for slot in range(80) if marks.is_open(slot)]
 
 
 def test_opening_and_withdrawing_from_two_threads_agree_on_one_outcome_per_layer() -> None:
