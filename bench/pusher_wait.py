@@ -121,15 +121,17 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="the prompt's tokens (its blocks per layer)")
     parser.add_argument("--pushes", type=int, default=200)
     parser.add_argument("--transport", default="cma")
+    parser.add_argument("--label", default="", help="copied into every line (e.g. the tree measured)")
     args = parser.parse_args()
+    labelled = {"label": args.label} if args.label else {}
     for layers in (int(n) for n in args.layers.split(",") if n):
         record = kvpush_case(layers, args.tokens, args.pushes, args.transport)
         floor = asyncio_case(layers, args.pushes, per_layer=False)
-        emit(floor)
-        emit(asyncio_case(layers, args.pushes, per_layer=True))
+        emit(floor | labelled)
+        emit(asyncio_case(layers, args.pushes, per_layer=True) | labelled)
         record["floor_cpu_ms_p50"] = floor["loop_cpu_ms_p50"]
         record["vs_floor"] = round(record["loop_cpu_ms_p50"] / max(floor["loop_cpu_ms_p50"], 1e-6), 1)
-        emit(record)
+        emit(record | labelled)
     return 0
 
 

@@ -12,7 +12,11 @@ The model (bench/vllm_model.py, built once into a temp directory): a Llama with 
 Cases (one ``vllm serve`` per engine, each engine pinned to its own core with ``taskset`` and
 ``VLLM_CPU_OMP_THREADS_BIND``, and pinned again after start-up if it moved itself; prefix caching
 off; one request at a time; the client does the routing a proxy would, so no proxy hop is measured):
-- ``single``: one instance, no connector, on core 1. The reference for every output and ratio.
+- ``single``: one instance on core 1, with a connector that moves nothing and only stamps its phases
+  (bench/vllm_timed_connector.py's ``TracingConnector``). The reference for every output and ratio.
+- ``single-plain``: the same instance without any connector, its requests interleaved with the reference's:
+  its "TTFT vs single" is what the tracing connector costs the reference (a connector makes vLLM hash every
+  request's blocks and carry its metadata through each step).
 - ``kvpush-tcp``, ``kvpush-cma``: a prefill (``kv_producer``, on core 1, where the single instance
   computed the same prompts) and a decode (``kv_consumer``, core 0) with KvpushConnector (its timed
   subclass, bench/vllm_timed_connector.py) and ``kv_connector_extra_config={"transport": ...}``.
@@ -51,10 +55,11 @@ sent to the first streamed token of the decode), total latency p50/p99 (to the l
 every output equals the single instance's token for token: a case whose outputs differ reports FAIL
 and no number. Percentiles are numpy's linear interpolation over the repetitions (with n samples,
 p99 is close to the maximum). Engines are warmed up first (a short request through the same path,
-which also links the connectors); ``idle_core_share`` is the share of a core each server uses with
-no request in flight, ``core_share_in_request`` the median share of its core each engine used while
-a request ran (a decode waiting for KV steps without pause: vLLM's engine loop with a request in
-``WAITING_FOR_REMOTE_KVS``).
+which also links the connectors); ``idle_core_share`` is the share of a core each server uses in the 2 s
+after the warm-up request, with none in flight (vLLM's worker spins on its shared-memory queue, yielding the
+core, for 1 s after its last step, and sleeps after that: so about 0.5 for a vLLM server),
+``core_share_in_request`` the median share of its core each engine used while a request ran (a decode
+waiting for KV steps without pause: vLLM's engine loop with a request in ``WAITING_FOR_REMOTE_KVS``).
 
 The single instance stays up for the whole run, and one of its requests runs right before every P/D
 request of the same prompt: "vs single" divides a case's p50 by the p50 of those interleaved single
@@ -140,9 +145,9 @@ from kvrouter.core.first_token import event_of, lead_of  # noqa: E402 (pure: jso
 RESULTS = HERE / "results"
 NIXL_WHEELS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
 NIXL_SITE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpush-bench" / "nixl-1.5.1"
-SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "kvpush-tp2", "example", "nixl")
-RUN_ORDER = ("single", "nixl", "example", "kvpush-tcp", "kvpush-cma", "kvpush-tp2")
-PD_SYSTEMS = SYSTEMS[1:]
+SYSTEMS = ("single", "kvpush-tcp", "kvpush-cma", "kvpush-tp2", "example", "nixl", "single-plain")
+RUN_ORDER = ("single", "single-plain", "nixl", "example", "kvpush-tcp", "kvpush-cma", "kvpush-tp2")
+PD_SYSTEMS = SYSTEMS[1:-1]
 SERVED = "bench"
 BLOCK_SIZE = 32
 # A 1 s keepalive timeout (kvpush's engine default) dropped a link here when the prefill's core was taken by other
@@ -876,7 +881,7 @@ class Route:
         return sample
 
     def _run(self, ids: list[int], max_tokens: int, started: float) -> Sample:
-        if self.system == "single":
+        if self.system.startswith("single"):
             return stream(self.servers[0], ids, max_tokens, None, started)
         prefill, decode = self.servers
         if self.system.startswith("kvpush"):  # as kvpush proxy sends them: both copies at once
@@ -1101,7 +1106,10 @@ def run_case(system: str, settings: Settings, bench: Plan, vocab: int, baseline:
         control.write_text("pipelined")
         prefill_kv, decode_kv = kv_configs(system, free_port(), storage, settings.kv_extra)
         traced = system.startswith("kvpush")
-        for name, core, kv in (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)):
+        engines = (("prefill", 1, prefill_kv), ("decode", 0, decode_kv)) if system in PD_SYSTEMS else ()
+        if system == "single-plain":  # the reference's twin without a connector, on its core
+            servers.append(start_server(settings, system, 1, None))
+        for name, core, kv in engines:
             own = dict(env, KVPUSH_BENCH_CONTROL=str(control))
             if system == "nixl":
                 own |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),

@@ -248,8 +248,16 @@ class TracingConnector(KVConnectorBase_V1):
         KVTransferConfig(kv_connector="TracingConnector", kv_connector_module_path="bench.vllm_timed_connector",
                          kv_role="kv_both")
 
-    Its scheduler answers that nothing is cached outside, so vLLM computes every request as it would without it.
+    Its scheduler answers that nothing is cached outside, so vLLM computes every request as it would without it;
+    and it hands nothing off (``requires_kv_delivery`` False), so a preempted request is treated as without it. A
+    connector still makes vLLM hash every request's blocks and carry its metadata through each step: what that
+    costs is ``bench/vllm_bench.py --cases single-plain``. A prompt computed in several chunks (a longer prompt
+    than the step's token budget) has its first chunk's step stamped only.
     """
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

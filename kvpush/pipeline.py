@@ -123,13 +123,17 @@ class LayerPusher:
                                f"push_layer: local cache {plan.local.cache.cache_id} was released")
         op = self._prepared.pop(layer)
         self._link.outbound.release_held(op, last=not self._prepared)  # the others' offers say more follow
-        return self._start(step, op, self._timeout_ms)
+        return self._start([(step, op, self._timeout_ms)])
 
-    def _start(self, step: LayerStep, op: PendingOp, timeout_ms: int) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._finish(step, op, timeout_ms),
-                                                      name=f"kvpush-layer-{step.dst_layer}")
+    def _start(self, batch: list[tuple[LayerStep, PendingOp, int]]) -> asyncio.Task[None]:
+        """One task waits for the layers of ``batch`` (step, op, its allowance in ms): one layer ``push_layer``
+        started, or every layer marked ready that ``wait()`` adopted at once."""
+        first = batch[0][0].dst_layer
+        task = asyncio.get_running_loop().create_task(
+            self._finish(batch), name=f"kvpush-layer-{first}" if len(batch) == 1 else f"kvpush-layers-{first}+")
         task.add_done_callback(self._retrieve)
-        self._tasks[step.dst_layer] = task
+        for step, _, _ in batch:
+            self._tasks[step.dst_layer] = task
         return task
 
     @staticmethod
@@ -137,20 +141,32 @@ class LayerPusher:
         if not task.cancelled():
             task.exception()  # reported by wait(); never "exception was never retrieved"
 
-    async def _finish(self, step: LayerStep, op: PendingOp, timeout_ms: int) -> None:
-        link = self._link
+    async def _finish(self, batch: list[tuple[LayerStep, PendingOp, int]]) -> None:
+        """Wait for ``batch``'s layers; each lands or fails on its own deadline, and the first failure is raised once
+        every one ended (the failed ones given up first). Cancelled: the layers that landed meanwhile count, the
+        others are drained (no byte of them may still land) before the cancellation propagates."""
+        link, ops = self._link, [op for _, op, _ in batch]
         timeout = self._timeout_ms / 1000
         try:
-            await transfer.await_layer("push_layer", link, op, step.dst_layer, timeout_ms)
+            failures = await transfer.await_layers("push_layer", link,
+                                                   [(op, step.dst_layer, ms) for step, op, ms in batch])
         except asyncio.CancelledError:
-            await transfer.drain(link, [op], timeout)
+            self.landed += [step.dst_layer for step, op, _ in batch if op.ended and op.error is None
+                            and not op.cancelled]
+            await transfer.drain(link, ops, timeout)
             raise
-        except BaseException as error:
-            await transfer.give_up(link, [op], timeout)
-            if isinstance(error, LLMException) and self._failure is None:
-                self._failure = error
+        except BaseException:
+            await transfer.give_up(link, ops, timeout)
             raise
-        self.landed.append(step.dst_layer)
+        failed = [op for op, failure in zip(ops, failures) if failure is not None]
+        if failed:
+            await transfer.give_up(link, failed, timeout)
+        self.landed += [step.dst_layer for (step, _, _), failure in zip(batch, failures) if failure is None]
+        if self._failure is None:
+            self._failure = next((f for f in failures if isinstance(f, LLMException)), None)
+        first = next((f for f in failures if f is not None), None)
+        if first is not None:
+            raise first
 
     async def wait(self) -> None:
         """Wait for every started (or marked) layer; raise the first error with ``completed_layers``."""
@@ -188,37 +204,8 @@ class LayerPusher:
             op.held = False
             left_ms = self._timeout_ms - int((now - marked_at) * 1000)
             batch.append((self._steps[layer], op, max(1, left_ms)))
-        if not batch:
-            return
-        task = asyncio.get_running_loop().create_task(self._finish_adopted(batch),
-                                                      name=f"kvpush-layers-{batch[0][0].dst_layer}+{len(batch)}")
-        task.add_done_callback(self._retrieve)
-        for step, _, _ in batch:
-            self._tasks[step.dst_layer] = task
-
-    async def _finish_adopted(self, batch: list[tuple[LayerStep, PendingOp, int]]) -> None:
-        """``_finish`` for the layers of ``batch``, in one task; raises the first failure once every layer ended."""
-        link, ops = self._link, [op for _, op, _ in batch]
-        timeout = self._timeout_ms / 1000
-        try:
-            failures = await transfer.await_layers("push_layer", link,
-                                                   [(op, step.dst_layer, ms) for step, op, ms in batch])
-        except asyncio.CancelledError:
-            await transfer.drain(link, ops, timeout)
-            raise
-        failed = [op for op, failure in zip(ops, failures) if failure is not None]
-        if failed:
-            await transfer.give_up(link, failed, timeout)
-        first: BaseException | None = None
-        for (step, _, _), failure in zip(batch, failures):
-            if failure is None:
-                self.landed.append(step.dst_layer)
-            elif first is None:
-                first = failure
-        if first is not None:
-            if isinstance(first, LLMException) and self._failure is None:
-                self._failure = first
-            raise first
+        if batch:
+            self._start(batch)
 
     def _withdraw(self, final: bool) -> None:
         """Layers never pushed: nothing of them moves (a gated offer's mark says so to the peer, which
@@ -244,7 +231,8 @@ class LayerPusher:
         if exc is None:
             await self.wait()
             return
-        for task in self._tasks.values():  # the body failed: stop what is in flight, then let its error out
+        tasks = list(dict.fromkeys(self._tasks.values()))  # (one task may wait for several layers)
+        for task in tasks:  # the body failed: stop what is in flight, then let its error out
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._close()

@@ -1,11 +1,12 @@
-"""Runs a plan's layers on a link: start, window, one shared per-layer wait, drain, clean-up.
+"""Runs a plan's layers on a link: start, window, one shared wait (for a layer, or many), drain, clean-up.
 
 Every layer is one request on the link, except that ``run`` sends consecutive small layers of one
 transfer as one request of up to ``kvpush.layer_merge_bytes`` (0: never; under a same-host standing
 grant up to ``GROUP_BYTES``). ``run`` keeps at most ``WINDOW`` requests in flight; each must complete
 within ``sync_kv_timeout`` of becoming the oldest one outstanding, else LLM_TIMEOUT with the layers that
 landed (those of the requests that completed). ``LayerPusher`` (``kvpush.pipeline``) uses the same
-``start_layer``, ``await_layer``, ``drain`` and ``give_up`` on layers it starts itself.
+``start_layer``, ``await_layers`` (``await_layer``'s wait for several layers in one task), ``drain`` and
+``give_up`` on layers it starts itself.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
             await waiter
         finally:
             _unwatch(link, op, waiter)
-        if not op.ended:
-            raise _timed_out(api, link, layer, timeout_ms, completed)
-    layer_outcome(api, op, layer, completed)
+    failure = layer_failure(api, link, op, layer, timeout_ms, completed)
+    if failure is not None:
+        raise failure
 
 
 async def await_layers(api: str, link: Link, waits: Sequence[tuple[PendingOp, int, int]],
@@ -60,24 +61,24 @@ async def await_layers(api: str, link: Link, waits: Sequence[tuple[PendingOp, in
     """``await_layer`` for several layers at once, in this one task: each ``(op, layer, timeout_ms)`` is bounded by
     its own deadline, and one that fails does not end the wait for the others. Returns each one's failure, in
     order (an ``LLMException``, or ``CancelledError`` for a request abandoned by someone else meanwhile), or None
-    for a layer that landed. Cancellation: as ``await_layer``'s, for every one of them."""
-    watched = [(op, _watch(link, op, timeout_ms)) for op, _, timeout_ms in waits if not op.ended]
+    for a layer that landed.
+
+    Each layer is judged as its own wait would judge it: the waits are taken in the order of their deadlines, so
+    each is looked at no later than its deadline, and one that had not ended by then has timed out (noted on the
+    link then), whatever its request does later. Cancellation: as ``await_layer``'s, for every one of them."""
+    order = sorted(range(len(waits)), key=lambda index: waits[index][2])  # all watched now: by deadline
+    watched = {index: _watch(link, waits[index][0], waits[index][2]) for index in order if not waits[index][0].ended}
+    failures: list[BaseException | None] = [None] * len(waits)
     try:
-        for _, waiter in watched:
-            await waiter  # each wakes when its request ends or its deadline passed; the next may be done already
+        for index in order:
+            op, layer, timeout_ms = waits[index]
+            waiter = watched.get(index)
+            if waiter is not None:
+                await waiter  # its request ended, or its deadline passed; later ones may be done already
+            failures[index] = layer_failure(api, link, op, layer, timeout_ms, completed)
     finally:
-        for op, waiter in watched:
-            _unwatch(link, op, waiter)
-    failures: list[BaseException | None] = []
-    for op, layer, timeout_ms in waits:
-        try:
-            if not op.ended:
-                raise _timed_out(api, link, layer, timeout_ms, completed)
-            layer_outcome(api, op, layer, completed)
-        except (LLMException, asyncio.CancelledError) as failure:
-            failures.append(failure)
-        else:
-            failures.append(None)
+        for index, waiter in watched.items():
+            _unwatch(link, waits[index][0], waiter)
     return failures
 
 
@@ -95,11 +96,20 @@ def _unwatch(link: Link, op: PendingOp, waiter: asyncio.Future[None]) -> None:
     op.waiter = None
 
 
-def _timed_out(api: str, link: Link, layer: int, timeout_ms: int, completed: list[int] | None) -> LLMException:
-    timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
-                             completed or ())
-    link.note_failure(timed_out)
-    return timed_out
+def layer_failure(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
+                  completed: list[int] | None = None) -> BaseException | None:
+    """A waited layer's failure, None if it landed: LLM_TIMEOUT (noted on the link) if its request has not
+    ended (its deadline passed), else its ``layer_outcome``."""
+    if not op.ended:
+        timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
+                                 completed or ())
+        link.note_failure(timed_out)
+        return timed_out
+    try:
+        layer_outcome(api, op, layer, completed)
+    except (LLMException, asyncio.CancelledError) as failure:
+        return failure
+    return None
 
 
 def layer_outcome(api: str, op: PendingOp, layer: int, completed: list[int] | None = None) -> None:

@@ -57,3 +57,28 @@ async def test_layers_ended_before_the_wait_need_no_waiter_and_cancelling_drops_
     assert not pending.ended and pending.waiter is None and len(table.deadlines) == 0 and noted == []
     table.complete(pending, None)  # the request itself goes on, and ends as it would have
     assert pending.ended and pending.error is None
+
+
+async def test_a_layer_past_its_deadline_has_timed_out_even_if_it_ends_while_another_is_awaited() -> None:
+    """One layer with a minute's allowance ends at 0.3 s; another with 50 ms ends at 0.2 s, after its deadline. It
+    timed out, as its own wait would have said (the waits are taken in the order of their deadlines), and the
+    timeout is noted when it happened, not when the slower layer ended."""
+    table, noted = RequestTable(asyncio.get_running_loop(), lambda error: None), []
+    link = link_of(table, noted)
+    slow, late = table.new(Kind.WRITE), table.new(Kind.WRITE)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, table.complete, slow, None)
+    loop.call_later(0.2, table.complete, late, None)
+    noted_at: list[int] = []
+    waiting = asyncio.create_task(transfer.await_layers("push_layer", link, [(slow, 0, 60_000), (late, 1, 50)]))
+    await asyncio.sleep(0.15)
+    noted_at.append(len(noted))  # the 50 ms deadline passed: noted already
+    outcomes = await asyncio.wait_for(waiting, 5)
+    assert outcomes[0] is None and slow.ended and late.ended
+    assert isinstance(outcomes[1], LLMException) and outcomes[1].status_code == LLMStatusCode.LLM_TIMEOUT
+    assert noted == [outcomes[1]] and noted_at == [1]
+    with pytest.raises(LLMException) as alone:  # what the layer's own wait says on the same schedule
+        late_alone = table.new(Kind.WRITE)
+        loop.call_later(0.2, table.complete, late_alone, None)
+        await transfer.await_layer("push_layer", link, late_alone, 1, 50)
+    assert alone.value.status_code == LLMStatusCode.LLM_TIMEOUT
