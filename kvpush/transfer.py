@@ -66,7 +66,8 @@ async def await_layers(api: str, link: Link, waits: Sequence[tuple[PendingOp, in
     Each layer is judged as its own wait would judge it: the waits are taken in the order of their deadlines, so
     each is looked at no later than its deadline, and one that had not ended by then has timed out (noted on the
     link then), whatever its request does later. Cancellation: as ``await_layer``'s, for every one of them."""
-    order = sorted(range(len(waits)), key=lambda index: waits[index][2])  # all watched now: by deadline
+    # all watched now: by deadline (a single layer, push_layer's, skips the sort)
+    order = sorted(range(len(waits)), key=lambda index: waits[index][2]) if len(waits) > 1 else range(len(waits))
     watched = {index: _watch(link, waits[index][0], waits[index][2]) for index in order if not waits[index][0].ended}
     failures: list[BaseException | None] = [None] * len(waits)
     try:
