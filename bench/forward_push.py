@@ -33,7 +33,9 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -85,9 +87,25 @@ def model(tokens: int) -> Callable[[Callable[[int], None]], Any]:
     return forward
 
 
-def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
+@dataclass
+class Prefill:
+    """A kvpush prefill engine on its event-loop thread (``portal``), linked to a decode target of its own
+    process, and what a ``layer_pusher`` of one request needs."""
+
+    portal: Portal
+    engine: Any
+    target: Any
+    work: Workload
+    make_pusher: Callable[[], Coroutine[Any, Any, Any]]  # run it on ``portal``: a pusher of every layer
+    push_all: Callable[[], Coroutine[Any, Any, None]]  # run it on ``portal``: the request's push, every layer
+
+
+@contextmanager
+def linked(tokens: int, transport: str, layers: int = GEOMETRY["num_layers"]) -> Iterator[Prefill]:
+    """The prefill (this process, pinned to core 1) and the decode target (core 0) of a request of ``tokens``
+    tokens and ``layers`` layers, the model's KV per layer in 64 KiB blocks; both ended on leaving."""
     blocks = max(1, tokens // BLOCK_TOKENS)
-    work = Workload("W-LAYER", layers=GEOMETRY["num_layers"], kv=2, src_blocks=blocks, dst_blocks=2 * blocks,
+    work = Workload("W-LAYER", layers=layers, kv=2, src_blocks=blocks, dst_blocks=2 * blocks,
                     block_bytes=BLOCK_TOKENS * KV_BYTES_PER_TOKEN_LAYER // 2)
     target = pb.start_target(work, transport)
     portal = Portal("kvpush-loop")
@@ -96,16 +114,30 @@ def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
         engine, cache = portal.run(pb.linked_prefill(work, transport, target), timeout=60)
         pin_threads(target.proc.pid, {0})
         pin_threads(os.getpid(), {1})
-        forward = model(tokens)
         src, dst = (b.tolist() for b in work.block_lists())
-        key = BlocksCacheKey(2, 0)
         manager = engine.cache_manager
+
+        async def make_pusher() -> Any:
+            return manager.layer_pusher(BlocksCacheKey(2, 0), cache, src, dst)
+
+        async def push_all() -> None:
+            await manager.push_blocks(BlocksCacheKey(2, 0), cache, src, dst)
+
+        yield Prefill(portal, engine, target, work, make_pusher, push_all)
+    finally:
+        if engine is not None:
+            portal.run(engine.finalize(), timeout=30)
+        portal.close()
+        target.close()
+
+
+def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
+    with linked(tokens, transport) as prefill:
+        portal, target, make_pusher, work = prefill.portal, prefill.target, prefill.make_pusher, prefill.work
+        forward = model(tokens)
         threads = (threading.get_native_id(), portal.thread.native_id)
         took: dict[str, list[float]] = {mode: [] for mode in MODES}
         stats: dict[str, list[tuple[int, ...]]] = {mode: [] for mode in MODES}
-
-        async def make_pusher() -> Any:
-            return manager.layer_pusher(key, cache, src, dst)
 
         def nothing(*_: object) -> None:
             return None
@@ -129,7 +161,7 @@ def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
             if pusher is not None:
                 portal.run(pusher.wait(), timeout=60)
             else:
-                portal.run(manager.push_blocks(key, cache, src, dst), timeout=60)
+                portal.run(prefill.push_all(), timeout=60)
             if record:
                 took[mode].append(seconds)
                 stats[mode].append(spent[0] + spent[1])
@@ -140,11 +172,6 @@ def measure(tokens: int, transport: str, rounds: int) -> list[dict[str, Any]]:
             for mode in MODES[index % 3:] + MODES[:index % 3]:
                 one(mode, True)
         verified = target.ask({"op": "verify"})
-    finally:
-        if engine is not None:
-            portal.run(engine.finalize(), timeout=30)
-        portal.close()
-        target.close()
     records = []
     for mode in MODES:
         per_round = [t / s - 1 for t, s in zip(took[mode], took["serial"])]

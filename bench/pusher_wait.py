@@ -31,34 +31,17 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench import push_bench as pb  # noqa: E402
-from bench.forward_push import BLOCK_TOKENS, KV_BYTES_PER_TOKEN_LAYER, schedstat  # noqa: E402
-from bench.workload import Workload, emit, pin_threads  # noqa: E402
-from kvpush import BlocksCacheKey  # noqa: E402
-from kvpush.portal import Portal  # noqa: E402
+from bench.forward_push import linked, schedstat  # noqa: E402
+from bench.workload import emit  # noqa: E402
 
 
 def kvpush_case(layers: int, tokens: int, pushes: int, transport: str) -> dict[str, Any]:
-    blocks = max(1, tokens // BLOCK_TOKENS)
-    work = Workload("W-LAYER", layers=layers, kv=2, src_blocks=blocks, dst_blocks=2 * blocks,
-                    block_bytes=BLOCK_TOKENS * KV_BYTES_PER_TOKEN_LAYER // 2)
-    target = pb.start_target(work, transport)
-    portal = Portal("kvpush-loop")
-    engine = None
-    try:
-        engine, cache = portal.run(pb.linked_prefill(work, transport, target), timeout=60)
-        pin_threads(target.proc.pid, {0})
-        pin_threads(os.getpid(), {1})
-        src, dst = (b.tolist() for b in work.block_lists())
-        manager = engine.cache_manager
-
-        async def make() -> Any:
-            return manager.layer_pusher(BlocksCacheKey(2, 0), cache, src, dst)
-
+    with linked(tokens, transport, layers) as prefill:
+        portal = prefill.portal
         cpu, wall = [], []
         gated = 0  # of the pushes timed, those whose every layer was offered gated (the decode copies them)
         for index in range(pushes + 5):  # the first five warm up
-            pusher = portal.run(make(), timeout=30)
+            pusher = portal.run(prefill.make_pusher(), timeout=30)
             for layer in range(pusher.num_layers):  # the forward's thread, layer by layer
                 if pusher.gated:
                     pusher.mark_ready(layer)
@@ -72,12 +55,7 @@ def kvpush_case(layers: int, tokens: int, pushes: int, transport: str) -> dict[s
                 cpu.append((after[0] - before[0]) / 1e6)
                 wall.append(took * 1e3)
                 gated += pusher.gated
-        verified = target.ask({"op": "verify"})
-    finally:
-        if engine is not None:
-            portal.run(engine.finalize(), timeout=30)
-        portal.close()
-        target.close()
+        verified = prefill.target.ask({"op": "verify"})
     return {"workload": "PUSHER-WAIT", "case": f"kvpush-{transport}", "layers": layers, "pushes": pushes,
             "gated": f"{gated}/{pushes}", "loop_cpu_ms_p50": round(statistics.median(cpu), 3),
             "wall_ms_p50": round(statistics.median(wall), 3), "verified": verified.get("verified")}

@@ -50,6 +50,15 @@ async def leased(make_engine: EngineFactory, decode_peer: Peer, **options: str) 
     return engine, src
 
 
+async def mark_every_layer(pusher: Any) -> None:
+    """As a computation's own thread does: every layer marked ready, one after the other, off the event loop."""
+    def compute() -> None:
+        for layer in range(LAYERS):
+            pusher.mark_ready(layer)
+
+    await asyncio.to_thread(compute)
+
+
 async def granted(make_engine: EngineFactory, decode: Peer, allowed: list[int]) -> tuple[LLMDataDist, Cache]:
     """A prefill linked over cma to ``decode``, whose cache is ``GRANTED`` (vLLM's decode registers its KV so)
     with ``allowed`` blocks (40 among them) granted to the prefill. The first push asks for a lease, refused
@@ -203,11 +212,7 @@ async def test_layers_marked_ready_time_out_each_from_its_mark_when_the_decode_i
     pusher = engine.cache_manager.layer_pusher(KEY, src, [1], [1])
     decode_peer_cma.signal(signal.SIGSTOP)
     try:
-        def compute() -> None:
-            for layer in range(LAYERS):
-                pusher.mark_ready(layer)
-
-        await asyncio.to_thread(compute)
+        await mark_every_layer(pusher)
         with pytest.raises(LLMException) as caught:
             await pusher.wait()
         assert caught.value.status_code == LLMStatusCode.LLM_TIMEOUT
@@ -308,11 +313,7 @@ async def test_layers_marked_ready_from_another_thread_are_copied_and_the_rest_w
         pusher.mark_ready(LAYERS)
     assert outside.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
-    def compute() -> None:  # the caller's computation, on a thread of its own
-        for layer in range(LAYERS):
-            pusher.mark_ready(layer)
-
-    await asyncio.to_thread(compute)
+    await mark_every_layer(pusher)  # the caller's computation, on a thread of its own
     await pusher.wait()
     assert sorted(pusher.landed) == list(range(LAYERS))
     assert np.array_equal(await decode_peer_cma.asnapshot("kv", tmp_path),
@@ -349,11 +350,7 @@ async def test_a_layer_marked_after_its_blocks_grant_ended_is_refused_and_nothin
         assert (await decode.acall("pins", name="kv"))["pins"] == pins + LAYERS
         await decode.acall("revoke")
 
-        def compute() -> None:
-            for layer in range(LAYERS):
-                pusher.mark_ready(layer)
-
-        await asyncio.to_thread(compute)
+        await mark_every_layer(pusher)
         with pytest.raises(LLMException) as caught:
             await pusher.wait()
         assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
