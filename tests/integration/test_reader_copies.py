@@ -184,15 +184,22 @@ async def test_a_decode_that_dies_fails_the_layer_in_flight(make_engine: EngineF
     await wait_for(lambda: entry.pins == 0, seconds=5)  # the reader is gone: nothing holds the source
 
 
+@pytest.mark.parametrize("let_go", ["push_layer", "mark_ready"])
 async def test_cancelling_waits_until_the_decode_copied_or_the_link_is_closed(make_engine: EngineFactory,
-                                                                             decode_peer_cma: Peer) -> None:
+                                                                             decode_peer_cma: Peer,
+                                                                             let_go: str) -> None:
     """Cancelling lets CancelledError out only once no byte can land any more: here the decode is stopped,
-    so the drain gives up after the layer's timeout and closes the link."""
+    so the drain gives up after the layer's timeout and closes the link. The same whether the layer was pushed
+    from the loop or marked ready from another thread (then ``wait()`` adopts it, with the marked layers' one
+    task)."""
     engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
     pusher = engine.cache_manager.layer_pusher(KEY, src, [2], [2])
     decode_peer_cma.signal(signal.SIGSTOP)
     try:
-        pusher.push_layer(0)
+        if let_go == "push_layer":
+            pusher.push_layer(0)
+        else:
+            await asyncio.to_thread(pusher.mark_ready, 0)
         waiting = asyncio.create_task(pusher.wait())
         await asyncio.sleep(0.05)
         waiting.cancel()
@@ -220,25 +227,6 @@ async def test_layers_marked_ready_time_out_each_from_its_mark_when_the_decode_i
         with pytest.raises(LLMException) as done:
             pusher.push_layer(0)
         assert done.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-    finally:
-        decode_peer_cma.signal(signal.SIGCONT)
-
-
-async def test_cancelling_a_wait_for_marked_layers_drains_them_first(make_engine: EngineFactory,
-                                                                   decode_peer_cma: Peer) -> None:
-    """As for pushed layers: cancelling ``wait()`` while marked layers are offered lets CancelledError out only
-    once no byte can land; the decode is stopped, so the drain gives up after the deadline and closes the link."""
-    engine, src = await leased(make_engine, decode_peer_cma, llm__SyncKvCacheWaitTime="300")
-    pusher = engine.cache_manager.layer_pusher(KEY, src, [2], [2])
-    decode_peer_cma.signal(signal.SIGSTOP)
-    try:
-        await asyncio.to_thread(pusher.mark_ready, 0)
-        waiting = asyncio.create_task(pusher.wait())
-        await asyncio.sleep(0.05)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        assert 2 not in engine.links or not engine.links[2].ready  # not drained in time: closed
     finally:
         decode_peer_cma.signal(signal.SIGCONT)
 
