@@ -167,16 +167,19 @@ class Plan:
     hidden_pairs: int
 
 
-def plan(quick: bool, lengths: Sequence[int] = ()) -> Plan:
+def plan(quick: bool, lengths: Sequence[int] = (), reps: int | None = None) -> Plan:
     """The prompt lengths, repetitions and output tokens of a run; ``lengths``: these prompt lengths instead (3
     repetitions each when ``quick``, else the full plan's or 3), the hidden share measured at those of them the
-    plan measures it at."""
+    plan measures it at; ``reps``: this many repetitions of every length instead."""
     chosen = Plan((32, 512), {32: 3, 512: 3}, 8, (512,), 2) if quick else \
         Plan((32, 128, 512, 2048), {32: 8, 128: 8, 512: 5, 2048: 3}, 16, (512, 2048), 6)
-    if not lengths:
-        return chosen
-    return Plan(tuple(lengths), {n: 3 if quick else chosen.reps.get(n, 3) for n in lengths}, chosen.max_tokens,
-                tuple(n for n in chosen.hidden_lengths if n in lengths), chosen.hidden_pairs)
+    if lengths:
+        chosen = Plan(tuple(lengths), {n: 3 if quick else chosen.reps.get(n, 3) for n in lengths}, chosen.max_tokens,
+                      tuple(n for n in chosen.hidden_lengths if n in lengths), chosen.hidden_pairs)
+    if reps is not None:
+        chosen = Plan(chosen.lengths, dict.fromkeys(chosen.lengths, reps), chosen.max_tokens, chosen.hidden_lengths,
+                      chosen.hidden_pairs)
+    return chosen
 
 
 def prompt(length: int, rep: int, vocab: int) -> list[int]:
@@ -1366,6 +1369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="prompts of 32 and 512 tokens, 3 repetitions")
     parser.add_argument("--lengths", default="", help="comma-separated prompt lengths instead of the plan's (with "
                                                       "--quick: 3 repetitions each), e.g. 512,2048")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions of every prompt length instead of the plan's (e.g. 24 for medians of 20+)")
     parser.add_argument("--cases", default=",".join(SYSTEMS),
                         help=f"comma-separated, from {','.join(SYSTEMS)} (single always runs: it is the reference)")
     parser.add_argument("--python", default=sys.executable, help="the Python with vLLM (default: this one)")
@@ -1396,7 +1401,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{args.python} cannot import vllm and kvpush (run this with vLLM's CPU build, e.g. "
                          f"/work/vllm-venv/bin/python, or pass --python): {check.stderr.strip()[-300:]}\n")
         return 2
-    bench = plan(args.quick, [int(n) for n in args.lengths.split(",") if n])
+    if args.reps is not None and args.reps < 1:
+        parser.error("--reps: at least 1")
+    bench = plan(args.quick, [int(n) for n in args.lengths.split(",") if n], args.reps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "vllm-" + time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")

@@ -264,6 +264,8 @@ def test_a_run_may_ask_for_its_own_prompt_lengths() -> None:
     asked = plan(True, [512, 2048])
     assert (asked.lengths, asked.reps, asked.hidden_lengths) == ((512, 2048), {512: 3, 2048: 3}, (512,))
     assert plan(False, [2048]).reps == {2048: 3}
+    assert plan(False, [32, 512], reps=24).reps == {32: 24, 512: 24}  # --reps, for medians of 20 or more
+    assert plan(False, reps=2).lengths == (32, 128, 512, 2048) and set(plan(False, reps=2).reps.values()) == {2}
 
 
 def test_the_bytes_a_prefill_pushed_are_read_from_its_trace() -> None:
