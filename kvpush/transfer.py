@@ -51,7 +51,7 @@ async def await_layer(api: str, link: Link, op: PendingOp, layer: int, timeout_m
             await waiter
         finally:
             _unwatch(link, op, waiter)
-    failure = layer_failure(api, link, op, layer, timeout_ms, completed)
+    failure = _failure_of(api, link, op, layer, timeout_ms, completed)
     if failure is not None:
         raise failure
 
@@ -76,7 +76,7 @@ async def await_layers(api: str, link: Link, waits: Sequence[tuple[PendingOp, in
             waiter = watched.get(index)
             if waiter is not None:
                 await waiter  # its request ended, or its deadline passed; later ones may be done already
-            failures[index] = layer_failure(api, link, op, layer, timeout_ms, completed)
+            failures[index] = _failure_of(api, link, op, layer, timeout_ms, completed)
     finally:
         for index, waiter in watched.items():
             _unwatch(link, waits[index][0], waiter)
@@ -97,30 +97,35 @@ def _unwatch(link: Link, op: PendingOp, waiter: asyncio.Future[None]) -> None:
     op.waiter = None
 
 
-def layer_failure(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
-                  completed: list[int] | None = None) -> BaseException | None:
+def _failure_of(api: str, link: Link, op: PendingOp, layer: int, timeout_ms: int,
+                completed: list[int] | None = None) -> BaseException | None:
     """A waited layer's failure, None if it landed: LLM_TIMEOUT (noted on the link) if its request has not
-    ended (its deadline passed), else its ``layer_outcome``."""
+    ended (its deadline passed), else its ended request's (``_ended_failure``)."""
     if not op.ended:
         timed_out = LLMException(LLMStatusCode.LLM_TIMEOUT, f"{api}: layer {layer} not done within {timeout_ms} ms",
                                  completed or ())
         link.note_failure(timed_out)
         return timed_out
-    try:
-        layer_outcome(api, op, layer, completed)
-    except (LLMException, asyncio.CancelledError) as failure:
-        return failure
+    return _ended_failure(api, op, layer, completed)
+
+
+def _ended_failure(api: str, op: PendingOp, layer: int, completed: list[int] | None) -> BaseException | None:
+    """An ended layer's request: None if it succeeded, else its failure (``CancelledError`` when it was abandoned
+    by someone else meanwhile)."""
+    if op.cancelled:
+        return asyncio.CancelledError()
+    error = op.error
+    if error is not None:
+        return LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
     return None
 
 
 def layer_outcome(api: str, op: PendingOp, layer: int, completed: list[int] | None = None) -> None:
     """An ended layer's request: return if it succeeded, else raise its failure (``CancelledError`` when it
     was abandoned by someone else meanwhile)."""
-    if op.cancelled:
-        raise asyncio.CancelledError()
-    error = op.error
-    if error is not None:
-        raise LLMException(error.status_code, f"{api}: layer {layer}: {error}", completed or ())
+    failure = _ended_failure(api, op, layer, completed)
+    if failure is not None:
+        raise failure
 
 
 async def run(link: Link, plan: Plan, options: EngineOptions) -> None:
